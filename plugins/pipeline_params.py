@@ -1,0 +1,26 @@
+"""params.yaml as the DAGs see it: read once at parse time (a small YAML file, no network)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def params_path() -> Path:
+    return Path(os.environ.get("PIPELINE_PARAMS", REPO_ROOT / "params.yaml"))
+
+
+@lru_cache(maxsize=4)
+def _load(path: Path) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(path.read_text())
+    return loaded
+
+
+def pipeline_params() -> dict[str, Any]:
+    return _load(params_path())

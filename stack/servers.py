@@ -1,0 +1,281 @@
+"""Start, reuse and stop the local stack's servers (see ``python -m stack --help``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUCKETS = ("pipeline", "raw", "dvc", "mlflow")
+
+
+def state_dir() -> Path:
+    path = Path(os.environ.get("STACK_DIR", REPO_ROOT / ".stack"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def ports() -> dict[str, int]:
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    configured: dict[str, int] = params["stack"]["ports"]
+    return {name: int(os.environ.get(f"STACK_PORT_{name.upper()}", port)) for name, port in configured.items()}
+
+
+def credentials() -> dict[str, str]:
+    """S3 keys generated once per stack folder, never committed."""
+    path = state_dir() / "credentials.json"
+    if not path.exists():
+        keys = {"access_key": "pipeline" + secrets.token_hex(6), "secret_key": secrets.token_urlsafe(30)}
+        path.write_text(json.dumps(keys))
+        path.chmod(0o600)
+    loaded: dict[str, str] = json.loads(path.read_text())
+    return loaded
+
+
+def client_env() -> dict[str, str]:
+    """What a client (a step, the DAG, a test) needs to reach the stack."""
+    port = ports()
+    keys = credentials()
+    return {
+        "AWS_ACCESS_KEY_ID": keys["access_key"],
+        "AWS_SECRET_ACCESS_KEY": keys["secret_key"],
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port['s3']}",
+        "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port['mlflow']}",
+    }
+
+
+def write_env_file() -> dict[str, str]:
+    env = client_env()
+    path = state_dir() / "stack.env"
+    path.write_text("".join(f"{key}={value}\n" for key, value in env.items()))
+    path.chmod(0o600)
+    return env
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    command: Callable[[], list[str]]
+    env: Callable[[], dict[str, str]]
+    healthy: Callable[[], bool]
+    start_timeout_s: float
+
+    @property
+    def pid_file(self) -> Path:
+        return state_dir() / f"{self.name}.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return state_dir() / f"{self.name}.log"
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text())
+            os.kill(pid, 0)
+            return pid
+        except (FileNotFoundError, ValueError, ProcessLookupError):
+            return None
+
+    def start(self) -> None:
+        if self.pid() and self.healthy():
+            return  # reuse a healthy running server
+        self.stop()
+        with self.log_file.open("ab") as log:
+            proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env()},
+                cwd=state_dir(),
+                start_new_session=True,  # own process group: `down` stops its children too
+            )
+        self.pid_file.write_text(str(proc.pid))
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.healthy():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {proc.returncode}; see {self.log_file}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not healthy after {self.start_timeout_s:.0f}s; see {self.log_file}")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        pid = self.pid()
+        if pid is not None:
+            _terminate_group(pid)
+        self.pid_file.unlink(missing_ok=True)
+
+
+def _terminate_group(pid: int, grace_s: float = 10.0) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.killpg(pid, signal.SIGKILL)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def _bin(name: str) -> str:
+    """A console script of the runtime environment (the one running this module)."""
+    found = Path(sys.executable).parent / name
+    return str(found) if found.exists() else (shutil.which(name) or name)
+
+
+def _s3_json() -> Path:
+    keys = credentials()
+    identity = {
+        "name": "pipeline",
+        "credentials": [{"accessKey": keys["access_key"], "secretKey": keys["secret_key"]}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
+    path = state_dir() / "seaweedfs" / "s3.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"identities": [identity]}))
+    path.chmod(0o600)
+    return path
+
+
+def _seaweedfs_command() -> list[str]:
+    port = ports()
+    root = state_dir() / "seaweedfs"
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    return [
+        _bin("weed"),
+        f"-logdir={root / 'logs'}",
+        "mini",
+        f"-dir={root / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-s3.config={_s3_json()}",
+        f"-s3.port={port['s3']}",
+        f"-master.port={port['seaweedfs_master']}",
+        f"-volume.port={port['seaweedfs_volume']}",
+        f"-filer.port={port['seaweedfs_filer']}",
+        f"-s3.localSocket={root / 's3.sock'}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-webdav=false",
+        "-admin.ui=false",
+    ]
+
+
+def _s3_healthy() -> bool:
+    # SeaweedFS answers its health path without credentials once the S3 gateway is serving
+    return _http_ok(f"http://127.0.0.1:{ports()['s3']}/healthz") and _buckets_reachable()
+
+
+def _buckets_reachable() -> bool:
+    try:
+        _s3_client().list_buckets()
+        return True
+    except Exception:
+        return False
+
+
+def _s3_client():  # type: ignore[no-untyped-def]
+    import boto3
+
+    env = client_env()
+    return boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+    )
+
+
+def create_buckets() -> None:
+    client = _s3_client()
+    existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+    for bucket in BUCKETS:
+        if bucket not in existing:
+            client.create_bucket(Bucket=bucket)
+
+
+def _mlflow_command() -> list[str]:
+    root = state_dir() / "mlflow"
+    root.mkdir(parents=True, exist_ok=True)
+    return [
+        _bin("mlflow"),
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        "s3://mlflow/artifacts",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ports()["mlflow"]),
+        "--workers",
+        "1",
+    ]
+
+
+def _mlflow_env() -> dict[str, str]:
+    env = client_env()
+    return {
+        "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
+        "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
+        "AWS_DEFAULT_REGION": env["AWS_DEFAULT_REGION"],
+        "MLFLOW_S3_ENDPOINT_URL": env["AWS_ENDPOINT_URL"],
+        # the job-execution helpers cost ~2 GB of memory and the pipeline does not use them
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }
+
+
+SERVERS = (
+    Server("seaweedfs", _seaweedfs_command, dict, _s3_healthy, start_timeout_s=60),
+    Server(
+        "mlflow",
+        _mlflow_command,
+        _mlflow_env,
+        lambda: _http_ok(f"{client_env()['MLFLOW_TRACKING_URI']}/health"),
+        start_timeout_s=120,
+    ),
+)
+
+
+def up() -> dict[str, str]:
+    for server in SERVERS:
+        server.start()
+        if server.name == "seaweedfs":
+            create_buckets()
+    return write_env_file()
+
+
+def down() -> None:
+    for server in reversed(SERVERS):
+        server.stop()
+
+
+def status() -> dict[str, bool]:
+    return {server.name: bool(server.pid()) and server.healthy() for server in SERVERS}

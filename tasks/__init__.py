@@ -1,0 +1,1 @@
+"""Pipeline steps, each run as ``python -m tasks.<step>``. Never imports Airflow."""

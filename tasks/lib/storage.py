@@ -1,0 +1,214 @@
+"""One API for local paths and ``s3://`` URIs.
+
+Steps read inputs and write outputs through these functions only, so a step runs the same
+against a folder on disk (tests, laptops) and against the S3 server (local stack, cluster).
+
+Outputs are committed, never written in place: :func:`staged_output` hands the step a local
+scratch folder and publishes it only when the step succeeds. On S3 the objects are uploaded
+first and a ``_SUCCESS`` manifest is written last; readers call :func:`require_complete`, so a
+crash mid-upload leaves nothing a reader would take for a result, and a retry starts by
+clearing the prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from tasks.lib.errors import StepError
+
+SUCCESS_MARKER = "_SUCCESS"
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def join(uri: str, *parts: str) -> str:
+    """Join path segments onto a URI with ``/`` (also for local paths)."""
+    out = uri.rstrip("/")
+    for part in parts:
+        out = f"{out}/{part.strip('/')}"
+    return out
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """``s3://bucket/key/path`` -> ``("bucket", "key/path")``."""
+    if not is_s3(uri):
+        raise StepError(f"{uri}: not an s3:// URI")
+    bucket, _, key = uri[len("s3://") :].partition("/")
+    if not bucket:
+        raise StepError(f"{uri}: s3 URI has no bucket")
+    return bucket, key
+
+
+@lru_cache(maxsize=1)
+def s3_client() -> Any:
+    """A boto3 S3 client for the endpoint in ``AWS_ENDPOINT_URL`` (the local stack) or AWS."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
+        config=Config(retries={"max_attempts": 5, "mode": "standard"}, s3={"addressing_style": "path"}),
+    )
+
+
+def exists(uri: str) -> bool:
+    if not is_s3(uri):
+        return Path(uri).exists()
+    bucket, key = split_s3(uri)
+    from botocore.exceptions import ClientError
+
+    try:
+        s3_client().head_object(Bucket=bucket, Key=key)
+        return True
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return False
+        raise
+
+
+def list_files(uri: str) -> list[str]:
+    """All files below ``uri`` (recursively), as full URIs, sorted."""
+    if not is_s3(uri):
+        root = Path(uri)
+        if not root.is_dir():
+            return []
+        return sorted(str(p) for p in root.rglob("*") if p.is_file())
+    bucket, key = split_s3(uri)
+    prefix = key.rstrip("/") + "/" if key else ""
+    found: list[str] = []
+    for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        found.extend(f"s3://{bucket}/{obj['Key']}" for obj in page.get("Contents", []))
+    return sorted(found)
+
+
+def read_bytes(uri: str) -> bytes:
+    if not is_s3(uri):
+        try:
+            return Path(uri).read_bytes()
+        except FileNotFoundError:
+            raise StepError(f"{uri}: no such file") from None
+    bucket, key = split_s3(uri)
+    from botocore.exceptions import ClientError
+
+    try:
+        body: bytes = s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        return body
+    except ClientError as exc:
+        raise StepError(f"{uri}: cannot read ({exc.response.get('Error', {}).get('Code')})") from None
+
+
+def read_json(uri: str) -> Any:
+    try:
+        return json.loads(read_bytes(uri))
+    except json.JSONDecodeError as exc:
+        raise StepError(f"{uri}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def download(uri: str, local_path: Path) -> Path:
+    """Copy one file to ``local_path`` (no copy for a local source: its path is returned)."""
+    if not is_s3(uri):
+        if not Path(uri).is_file():
+            raise StepError(f"{uri}: no such file")
+        return Path(uri)
+    bucket, key = split_s3(uri)
+    local_path.parent.mkdir(parents=True, exist_ok=True)
+    s3_client().download_file(bucket, key, str(local_path))
+    return local_path
+
+
+def download_tree(uri: str, local_dir: Path) -> Path:
+    """Copy a committed output folder to ``local_dir`` (a local folder is used in place)."""
+    require_complete(uri)
+    if not is_s3(uri):
+        return Path(uri)
+    prefix = uri.rstrip("/") + "/"
+    for file_uri in list_files(uri):
+        download(file_uri, local_dir / file_uri[len(prefix) :])
+    return local_dir
+
+
+def delete_tree(uri: str) -> None:
+    if not is_s3(uri):
+        shutil.rmtree(uri, ignore_errors=True)
+        return
+    bucket, _ = split_s3(uri)
+    keys = [split_s3(u)[1] for u in list_files(uri)]
+    for start in range(0, len(keys), 1000):
+        batch = [{"Key": k} for k in keys[start : start + 1000]]
+        s3_client().delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest(local_dir: Path) -> dict[str, Any]:
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+    return {
+        "files": {
+            str(p.relative_to(local_dir)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in files
+        }
+    }
+
+
+def commit_dir(local_dir: Path, uri: str) -> None:
+    """Publish ``local_dir`` at ``uri``, replacing what was there, manifest last."""
+    manifest = json.dumps(_manifest(local_dir), indent=1, sort_keys=True).encode()
+    if is_s3(uri):
+        delete_tree(uri)  # leftovers of an earlier, failed attempt
+        bucket, key = split_s3(uri)
+        for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+            rel = path.relative_to(local_dir).as_posix()
+            s3_client().upload_file(str(path), bucket, f"{key.rstrip('/')}/{rel}")
+        s3_client().put_object(Bucket=bucket, Key=f"{key.rstrip('/')}/{SUCCESS_MARKER}", Body=manifest)
+        return
+    (local_dir / SUCCESS_MARKER).write_bytes(manifest)
+    final = Path(uri)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        # rename the old result aside first: os.replace cannot replace a non-empty folder
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        final.rename(old)
+        shutil.move(str(local_dir), final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        shutil.move(str(local_dir), final)
+
+
+def require_complete(uri: str) -> None:
+    """Fail unless ``uri`` is a committed output (its ``_SUCCESS`` manifest exists)."""
+    if not exists(join(uri, SUCCESS_MARKER)):
+        raise StepError(f"{uri}: not a complete step output (no {SUCCESS_MARKER} marker)")
+
+
+@contextlib.contextmanager
+def staged_output(uri: str) -> Iterator[Path]:
+    """A local scratch folder that becomes ``uri`` only if the ``with`` body succeeds."""
+    # For local outputs stage beside the target, so the final move is a rename on one filesystem.
+    parent = None if is_s3(uri) else Path(uri).parent
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".staging-", dir=parent))
+    try:
+        yield scratch
+        commit_dir(scratch, uri)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
