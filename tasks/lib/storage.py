@@ -207,6 +207,7 @@ def staged_output(uri: str) -> Iterator[Path]:
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".staging-", dir=parent))
+    scratch.chmod(0o755)  # mkdtemp's 0700 would become the published folder's mode
     try:
         yield scratch
         commit_dir(scratch, uri)

@@ -1,0 +1,125 @@
+"""The DVC data registry: a git repo whose tags name data versions, data on an S3 remote.
+
+Each logical date gets one tag (``data-YYYY-MM-DD``) on a commit whose ``.dvc`` file points at
+that snapshot in the remote, so a backfill or an audit reads exactly that version with
+``dvc.api.open(path, repo=REGISTRY, rev=TAG)`` or ``dvc pull``. DVC holds a repository lock,
+so every operation here runs under an exclusive file lock: parallel runs queue, never collide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.lib.errors import StepError
+from tasks.lib.step import log
+
+SNAPSHOT_PATH = "data/snapshot.jsonl"
+VERSION_PATH = "data/version.json"
+
+
+@dataclass(frozen=True)
+class DataVersion:
+    tag: str
+    content_hash: str
+    records: int
+    bytes: int
+    commit: str
+    created: bool  # False when the tag already existed with the same content (a retry)
+
+
+class Registry:
+    def __init__(self, path: Path, remote_url: str) -> None:
+        self.path = path
+        self.remote_url = remote_url
+
+    def _run(self, *argv: str) -> str:
+        proc = subprocess.run(argv, cwd=self.path, capture_output=True, text=True)
+        if proc.returncode != 0:
+            detail = (proc.stderr or proc.stdout).strip().splitlines()
+            raise RuntimeError(f"{' '.join(argv[:3])} failed in {self.path}: {detail[-1] if detail else proc.returncode}")
+        return proc.stdout.strip()
+
+    def git(self, *args: str) -> str:
+        return self._run("git", *args)
+
+    def dvc(self, *args: str) -> str:
+        return self._run(sys.executable, "-m", "dvc", *args)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        self.path.mkdir(parents=True, exist_ok=True)
+        with (self.path.parent / f".{self.path.name}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def ensure(self) -> None:
+        """Create the repo and its remote once; (re)point the remote at this environment's S3."""
+        if not (self.path / ".dvc").is_dir():
+            self.git("init", "-q", "-b", "main")
+            self.git("config", "user.name", "llm-pipeline")
+            self.git("config", "user.email", "llm-pipeline@localhost")
+            self.dvc("init", "-q")
+            self.dvc("config", "core.autostage", "true")
+            self.dvc("remote", "add", "-d", "store", self.remote_url)
+            self.git("add", "-A")
+            self.git("commit", "-q", "-m", "Initialize the data registry")
+        # the endpoint is environment-specific (local stack vs cloud): keep it in the git-ignored
+        # local config; the keys come from AWS_* in the environment
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            self.dvc("remote", "modify", "--local", "store", "endpointurl", endpoint)
+
+    def tag_version(self, tag: str) -> dict[str, object] | None:
+        if not self.git("tag", "--list", tag):
+            return None
+        loaded: dict[str, object] = json.loads(self.git("show", f"{tag}:{VERSION_PATH}"))
+        return loaded
+
+    def commit_snapshot(self, tag: str, snapshot: Path, version: dict[str, object]) -> DataVersion:
+        """Version ``snapshot`` under ``tag``; a retry with the same content is a no-op."""
+        with self.locked():
+            self.ensure()
+            existing = self.tag_version(tag)
+            if existing is not None:
+                if existing["content_hash"] != version["content_hash"]:
+                    raise StepError(
+                        f"data version {tag} already exists with content {existing['content_hash'][:12]}"  # type: ignore[index]
+                        f", this snapshot is {str(version['content_hash'])[:12]}: raw data changed under an existing tag"
+                    )
+                log.info("data version %s already exists with the same content: reusing it", tag)
+                # make sure the remote holds it (an earlier attempt may have died before the push)
+                self.dvc("push", "-q", "-r", "store", f"{SNAPSHOT_PATH}.dvc")
+                return self._version(tag, existing, created=False)
+            target = self.path / SNAPSHOT_PATH
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(snapshot, target)
+            (self.path / VERSION_PATH).write_text(json.dumps(version, indent=1, sort_keys=True) + "\n")
+            self.dvc("add", "-q", SNAPSHOT_PATH)
+            self.dvc("push", "-q", "-r", "store")
+            self.git("add", "-A")
+            if self.git("status", "--porcelain"):
+                self.git("commit", "-q", "-m", f"Data version {tag}")
+            self.git("tag", "-a", tag, "-m", f"snapshot {version['content_hash']}")
+            return self._version(tag, version, created=True)
+
+    def _version(self, tag: str, version: dict[str, object], created: bool) -> DataVersion:
+        return DataVersion(
+            tag=tag,
+            content_hash=str(version["content_hash"]),
+            records=int(version["records"]),  # type: ignore[call-overload]
+            bytes=int(version["bytes"]),  # type: ignore[call-overload]
+            commit=self.git("rev-list", "-n", "1", tag),
+            created=created,
+        )

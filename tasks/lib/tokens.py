@@ -1,0 +1,93 @@
+"""Tokenizer training/loading and the on-disk token dataset format.
+
+Dataset layout (what ``tokenize merge`` writes and training memory-maps):
+
+    index.json            dtype, vocab, tokenizer hash, per split: documents, tokens, files
+    train.bin / val.bin   concatenated token ids (each document ends with EOS), ``dtype``
+    train.offsets.npy     int64, documents + 1 entries: document d is bin[offsets[d]:offsets[d+1]]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.lib import storage
+from tasks.lib.errors import StepError
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = [EOS, PAD]
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype[Any]:
+    """The smallest unsigned dtype that holds every token id."""
+    if vocab_size <= 0:
+        raise StepError(f"vocab size {vocab_size}: must be positive")
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def split_of(content_hash: str, val_fraction: float) -> str:
+    """Train/val assignment by document hash: independent of sharding and of record order."""
+    return "val" if int(content_hash[:8], 16) / 2**32 < val_fraction else "train"
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, count: int | None = None) -> Any:
+    """A byte-level BPE (GPT-2 style) trained on ``texts``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=count)
+    return tokenizer
+
+
+def tokenizer_hash(serialized: str) -> str:
+    return hashlib.sha256(serialized.encode("utf-8")).hexdigest()
+
+
+def load_tokenizer(uri: str, scratch: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    path = storage.download(uri, scratch / "tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on bad files
+        raise StepError(f"{uri}: not a valid tokenizer file ({exc})") from None
+    if tokenizer.token_to_id(EOS) is None:
+        raise StepError(f"{uri}: tokenizer has no {EOS} token")
+    return tokenizer
+
+
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open("rb") as fh:
+        for line in fh:
+            if line.strip():
+                yield json.loads(line)
+
+
+def shard_range(count: int, index: int, num_shards: int) -> tuple[int, int]:
+    """Contiguous, balanced record range ``[start, end)`` of shard ``index`` of ``num_shards``."""
+    if num_shards < 1 or not 0 <= index < num_shards:
+        raise StepError(f"shard {index} of {num_shards}: invalid shard index")
+    return count * index // num_shards, count * (index + 1) // num_shards
+
+
+def offsets_from_lengths(lengths: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets

@@ -1,0 +1,238 @@
+"""Distributed tokenization of a snapshot into memory-mappable token files.
+
+Three sub-commands, three kinds of DAG task:
+
+    prepare  pick the tokenizer: the current production model's (a retrain must not change the
+             vocabulary), else an explicit --tokenizer, else train a byte-level BPE on the
+             snapshot. Tokenizers are stored content-addressed: {store}/sha256-<hash>/.
+    encode   one shard (--shard-index i --num-shards N, a contiguous record range): token ids
+             of each document + EOS, split train/val by document hash. N run in parallel.
+    merge    concatenate the N shards in shard order into train.bin / val.bin + offsets +
+             index.json. Shards are contiguous and the split is by hash, so the output is
+             byte-identical for any N.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Rust-side parallelism of encode_batch must be on before tokenizers is imported (2x here).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from tasks.lib import storage, tokens  # noqa: E402
+from tasks.lib.errors import StepError  # noqa: E402
+from tasks.lib.params import load_params, step_params  # noqa: E402
+from tasks.lib.step import Progress, log, run_step, step_parser  # noqa: E402
+
+
+def scratch_dir(output: Path, name: str) -> Path:
+    """Downloads go beside the staged output, never inside it."""
+    path = output.parent / f".{output.name}-{name}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def champion_tokenizer(model_name: str) -> str | None:
+    """The tokenizer URI of the production model (MLflow alias ``champion``), if any."""
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = MlflowClient().get_model_version_by_alias(model_name, "champion")
+    except MlflowException:
+        return None  # no registered model or no champion yet
+    uri = version.tags.get("tokenizer_uri")
+    if not uri:
+        raise StepError(f"models:/{model_name}@champion (version {version.version}) has no tokenizer_uri tag")
+    return str(uri)
+
+
+def store_tokenizer(tokenizer: Any, store: str) -> tuple[str, str]:
+    serialized = tokenizer.to_str()
+    digest = tokens.tokenizer_hash(serialized)
+    folder = storage.join(store, f"sha256-{digest}")
+    uri = storage.join(folder, "tokenizer.json")
+    if not storage.exists(storage.join(folder, storage.SUCCESS_MARKER)):
+        with storage.staged_output(folder) as out:
+            (out / "tokenizer.json").write_text(serialized, encoding="utf-8")
+    return uri, digest
+
+
+def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
+    with storage.staged_output(args.output) as out:
+        scratch = scratch_dir(out, "in")
+        existing = args.tokenizer or champion_tokenizer(load_params()["pipeline"]["model_name"])
+        if existing:
+            source = "explicit" if args.tokenizer else "champion"
+            tokenizer = tokens.load_tokenizer(existing, scratch)
+            log.info("reusing the %s tokenizer %s (vocab %d)", source, existing, tokenizer.get_vocab_size())
+        else:
+            source = "trained"
+            snapshot = storage.download(args.snapshot, scratch / "snapshot.jsonl")
+            count = sum(1 for _ in tokens.read_jsonl(snapshot))
+            started = time.perf_counter()
+            tokenizer = tokens.train_tokenizer(
+                (r["text"] for r in tokens.read_jsonl(snapshot)), int(params["vocab_size"]), count
+            )
+            log.info(
+                "trained a byte-level BPE (vocab %d) on %d documents in %.1fs",
+                tokenizer.get_vocab_size(), count, time.perf_counter() - started,
+            )
+        uri, digest = store_tokenizer(tokenizer, params["tokenizer_store"])
+        info = {
+            "tokenizer_uri": uri,
+            "tokenizer_hash": digest,
+            "tokenizer_source": source,
+            "vocab_size": tokenizer.get_vocab_size(),
+            "dtype": tokens.token_dtype(tokenizer.get_vocab_size()).name,
+        }
+        (out / "tokenizer.json").write_text(json.dumps(info, indent=1))
+        shutil.rmtree(scratch)
+    return info
+
+
+def encode(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
+    with storage.staged_output(args.output) as out:
+        scratch = scratch_dir(out, "in")
+        tokenizer = tokens.load_tokenizer(args.tokenizer, scratch)
+        dtype = tokens.token_dtype(tokenizer.get_vocab_size())
+        eos = tokenizer.token_to_id(tokens.EOS)
+        snapshot = storage.download(args.snapshot, scratch / "snapshot.jsonl")
+        records = list(tokens.read_jsonl(snapshot))
+        start, end = tokens.shard_range(len(records), args.shard_index, args.num_shards)
+        mine = records[start:end]
+        files = {split: (out / f"{split}.bin").open("wb") for split in tokens.SPLITS}
+        lengths: dict[str, list[int]] = {split: [] for split in tokens.SPLITS}
+        progress = Progress(f"encode shard {args.shard_index}/{args.num_shards}", None, "tokens")
+        started = time.perf_counter()
+        batch = int(params["batch_documents"])
+        for first in range(0, len(mine), batch):
+            chunk = mine[first : first + batch]
+            encoded = tokenizer.encode_batch([r["text"] for r in chunk], add_special_tokens=False)
+            for record, enc in zip(chunk, encoded, strict=True):
+                split = tokens.split_of(record["content_hash"], float(params["val_fraction"]))
+                ids = np.asarray([*enc.ids, eos], dtype=dtype)
+                files[split].write(ids.tobytes())
+                lengths[split].append(len(ids))
+                progress.update(len(ids))
+        for split in tokens.SPLITS:
+            files[split].close()
+            np.save(out / f"{split}.lengths.npy", np.asarray(lengths[split], dtype=np.int64))
+        seconds = time.perf_counter() - started
+        total = sum(sum(v) for v in lengths.values())
+        stats = {
+            "shard_index": args.shard_index,
+            "num_shards": args.num_shards,
+            "records": [start, end],
+            "tokens": total,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(total / max(seconds, 1e-9)),
+        }
+        (out / "stats.json").write_text(json.dumps(stats))
+        shutil.rmtree(scratch)
+    log.info("shard %d/%d: %d documents, %d tokens, %.0f tokens/s", args.shard_index, args.num_shards,
+             end - start, total, stats["tokens_per_s"])
+    return {"shard_uri": args.output, **stats}
+
+
+def merge(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
+    shard_uris = [storage.join(args.shards, f"{i:05d}") for i in range(args.num_shards)]
+    with storage.staged_output(args.output) as out:
+        scratch = scratch_dir(out, "shards")
+        local = [storage.download_tree(uri, scratch / f"{i:05d}") for i, uri in enumerate(shard_uris)]
+        shard_stats = [json.loads((d / "stats.json").read_text()) for d in local]
+        tokenizer = tokens.load_tokenizer(args.tokenizer, scratch)
+        dtype = tokens.token_dtype(tokenizer.get_vocab_size())
+        splits: dict[str, Any] = {}
+        for split in tokens.SPLITS:
+            with (out / f"{split}.bin").open("wb") as dst:
+                for d in local:
+                    with (d / f"{split}.bin").open("rb") as src:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+            lengths = np.concatenate([np.load(d / f"{split}.lengths.npy") for d in local])
+            offsets = tokens.offsets_from_lengths(lengths)
+            np.save(out / f"{split}.offsets.npy", offsets)
+            if (out / f"{split}.bin").stat().st_size != int(offsets[-1]) * dtype.itemsize:
+                raise StepError(f"{args.shards}: {split} shards hold a different token count than their lengths")
+            splits[split] = {
+                "documents": len(lengths),
+                "tokens": int(offsets[-1]),
+                "bin": f"{split}.bin",
+                "offsets": f"{split}.offsets.npy",
+                "sha256": storage.sha256_file(out / f"{split}.bin"),
+            }
+        if splits["train"]["tokens"] == 0:
+            raise StepError(f"{args.snapshot}: tokenization produced no training tokens")
+        index = {
+            "format": "llm-pipeline-tokens/1",
+            "dtype": dtype.name,
+            "vocab_size": tokenizer.get_vocab_size(),
+            "eos_id": tokenizer.token_to_id(tokens.EOS),
+            "tokenizer_uri": args.tokenizer,
+            "tokenizer_hash": tokens.tokenizer_hash(tokenizer.to_str()),
+            "snapshot_uri": args.snapshot,
+            "val_fraction": float(params["val_fraction"]),
+            "splits": splits,
+        }
+        (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+        shutil.rmtree(scratch)
+    total = sum(s["tokens"] for s in shard_stats)
+    busiest = max(s["seconds"] for s in shard_stats)
+    return {
+        "dataset_uri": args.output,
+        "index_uri": storage.join(args.output, "index.json"),
+        "tokens": {split: splits[split]["tokens"] for split in tokens.SPLITS},
+        "documents": {split: splits[split]["documents"] for split in tokens.SPLITS},
+        "dtype": dtype.name,
+        "tokenizer_hash": index["tokenizer_hash"],
+        # shards run in parallel: the slowest one bounds the step
+        "tokens_per_s": round(total / max(busiest, 1e-9)),
+        "tokens_per_s_per_worker": [s["tokens_per_s"] for s in shard_stats],
+    }
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    params = step_params("tokenize", args.overrides)
+    if not storage.exists(args.snapshot):
+        raise StepError(f"{args.snapshot}: snapshot not found")
+    handler = {"prepare": prepare, "encode": encode, "merge": merge}[args.command]
+    result: dict[str, Any] = handler(args, params)
+    return result
+
+
+def parser() -> argparse.ArgumentParser:
+    p = step_parser("tokenize", __doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("prepare", "pick or train the tokenizer"), ("encode", "tokenize one shard"),
+                       ("merge", "merge the shards into the dataset")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--snapshot", required=True, help="URI of snapshot.jsonl")
+        cmd.add_argument("--output", required=True, help="run-scoped output URI")
+        if name == "prepare":
+            cmd.add_argument("--tokenizer", help="use this tokenizer.json instead of the champion's / a new one")
+        else:
+            cmd.add_argument("--tokenizer", required=True, help="URI of tokenizer.json")
+            cmd.add_argument("--num-shards", type=int, required=True)
+        if name == "encode":
+            cmd.add_argument("--shard-index", type=int, required=True)
+        if name == "merge":
+            cmd.add_argument("--shards", required=True, help="URI holding the shard outputs 00000, 00001, ...")
+    # --set must also work after the sub-command
+    for action in list(sub.choices.values()):
+        action.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return p
+
+
+if __name__ == "__main__":
+    run_step(parser(), main)
