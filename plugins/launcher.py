@@ -202,3 +202,22 @@ def mapped_step(
     Airflow dynamic task mapping; one pod each in the cluster, one process each locally."""
     operator_cls, kwargs = _operator(task_id, module, kind, env_vars, **operator_kwargs)
     return operator_cls.partial(**kwargs).expand(arguments=argument_lists)
+
+
+def shard_arguments(arguments: list[str], *, output_root: str, num_shards: str, task_id: str = "shard_plan") -> Any:
+    """An XComArg of ``num_shards`` argument lists for :func:`mapped_step`: shard ``i`` gets
+    ``--output {output_root}/{i:05d} --shard-index i --num-shards N`` appended.
+
+    A tiny task, because N is only known at run time (a Param); its inputs are templated.
+    """
+    from airflow.sdk import task
+
+    @task(task_id=task_id)
+    def plan(arguments: list[str], output_root: str, num_shards: str) -> list[list[str]]:
+        count = int(num_shards)
+        return [
+            [*arguments, "--output", f"{output_root}/{i:05d}", "--shard-index", str(i), "--num-shards", str(count)]
+            for i in range(count)
+        ]
+
+    return plan(arguments, output_root, num_shards)

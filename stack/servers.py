@@ -44,6 +44,17 @@ def credentials() -> dict[str, str]:
     return loaded
 
 
+def _secret(name: str) -> str:
+    """A random secret generated once per stack folder (never committed)."""
+    path = state_dir() / "secrets.json"
+    stored: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+    if name not in stored:
+        stored[name] = secrets.token_urlsafe(32)
+        path.write_text(json.dumps(stored))
+        path.chmod(0o600)
+    return stored[name]
+
+
 def client_env() -> dict[str, str]:
     """What a client (a step, the DAG, a test) needs to reach the stack."""
     port = ports()
@@ -252,6 +263,43 @@ def _mlflow_env() -> dict[str, str]:
     }
 
 
+def _airflow_env() -> dict[str, str]:
+    port = ports()["airflow"]
+    return {
+        **client_env(),  # the steps Airflow launches reach the stack with these
+        "AIRFLOW_HOME": str(REPO_ROOT),
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+        # every component must sign and check task tokens with the same key
+        "AIRFLOW__API_AUTH__JWT_SECRET": _secret("airflow_jwt"),
+        "AIRFLOW__API__SECRET_KEY": _secret("airflow_api"),
+    }
+
+
+def _airflow_health() -> dict[str, object]:
+    try:
+        url = f"http://127.0.0.1:{ports()['airflow']}/api/v2/monitor/health"
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            loaded: dict[str, object] = json.loads(resp.read())
+            return loaded
+    except (OSError, ValueError):
+        return {}
+
+
+def _airflow_component(component: str) -> Server:
+    """One Airflow component, run from the orchestrator venv beside this one."""
+    airflow = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
+    if component == "api-server":
+        healthy: Callable[[], bool] = lambda: bool(_airflow_health())  # noqa: E731
+    else:
+        key = component.replace("-", "_")
+        healthy = lambda: (_airflow_health().get(key) or {}).get("status") == "healthy"  # type: ignore[union-attr]  # noqa: E731
+    return Server(f"airflow-{component}", lambda: [airflow, component], _airflow_env, healthy, start_timeout_s=120)
+
+
+AIRFLOW_SERVERS = tuple(_airflow_component(c) for c in ("api-server", "scheduler", "dag-processor", "triggerer"))
+
 SERVERS = (
     Server("seaweedfs", _seaweedfs_command, dict, _s3_healthy, start_timeout_s=60),
     Server(
@@ -264,18 +312,23 @@ SERVERS = (
 )
 
 
-def up() -> dict[str, str]:
+def up(with_airflow: bool = False) -> dict[str, str]:
     for server in SERVERS:
         server.start()
         if server.name == "seaweedfs":
             create_buckets()
-    return write_env_file()
+    env = write_env_file()
+    if with_airflow:
+        for server in AIRFLOW_SERVERS:
+            server.start()
+    return env
 
 
 def down() -> None:
-    for server in reversed(SERVERS):
+    for server in reversed(SERVERS + AIRFLOW_SERVERS):
         server.stop()
 
 
 def status() -> dict[str, bool]:
-    return {server.name: bool(server.pid()) and server.healthy() for server in SERVERS}
+    running = [s for s in AIRFLOW_SERVERS if s.pid()]
+    return {server.name: bool(server.pid()) and server.healthy() for server in (*SERVERS, *running)}

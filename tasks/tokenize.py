@@ -220,14 +220,18 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--snapshot", required=True, help="URI of snapshot.jsonl")
         cmd.add_argument("--output", required=True, help="run-scoped output URI")
         if name == "prepare":
-            cmd.add_argument("--tokenizer", help="use this tokenizer.json instead of the champion's / a new one")
+            cmd.add_argument(
+                "--tokenizer", default="", help="use this tokenizer.json (empty: the champion's, else train one)"
+            )
         else:
             cmd.add_argument("--tokenizer", required=True, help="URI of tokenizer.json")
             cmd.add_argument("--num-shards", type=int, required=True)
         if name == "encode":
             cmd.add_argument("--shard-index", type=int, required=True)
         if name == "merge":
-            cmd.add_argument("--shards", required=True, help="URI holding the shard outputs 00000, 00001, ...")
+            cmd.add_argument(
+                "--shards", required=True, help="URI holding the encode outputs as 00000, 00001, ... (one per shard)"
+            )
     # --set must also work after the sub-command
     for action in list(sub.choices.values()):
         action.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

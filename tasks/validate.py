@@ -44,7 +44,9 @@ def build_suite(gx: Any, params: dict[str, Any]) -> Any:
         ),
         # mean copies per kept record = records_in / records; duplicate ratio = 1 - 1/mean
         e.ExpectColumnMeanToBeBetween(column="copies", min_value=1.0, max_value=max_copies_mean),
-        e.ExpectColumnValuesToNotMatchRegex(column="text", regex=BROKEN_CHARS_RE),
+        e.ExpectColumnValuesToNotMatchRegex(
+            column="text", regex=BROKEN_CHARS_RE, mostly=1.0 - float(params["max_broken_text_ratio"])
+        ),
         e.ExpectColumnValuesToMatchRegex(column="created_at", regex=ISO_TIMESTAMP_RE),
         e.ExpectColumnValuesToNotMatchRegex(
             column="text", regex=EMAIL_RE, mostly=1.0 - float(params["max_email_ratio"])
@@ -76,7 +78,7 @@ def failure_line(failed: list[dict[str, Any]]) -> str:
         if f.get("error"):
             parts.append(f"{name}: could not be evaluated ({f['error']})")
         elif f["unexpected_count"] is not None:
-            parts.append(f"{name}: {f['unexpected_count']} unexpected ({f['unexpected_percent']:.1f}%)")
+            parts.append(f"{name}: {f['unexpected_count']} unexpected ({f['unexpected_percent']:.3g}%)")
         else:
             parts.append(f"{name}: observed {f['observed_value']}")
     return "; ".join(parts)

@@ -1,0 +1,116 @@
+"""Retrain the language model: snapshot -> validate -> tokenize -> (train -> evaluate -> register
+-> export -> deploy, as later steps land).
+
+This file only wires steps. Each step is ``python -m tasks.<step>`` run by the launcher in
+``plugins/launcher.py`` (a pod in a cluster, a local process by default); settings come from
+params.yaml, outputs are run-scoped URIs, XCom carries only small JSON results.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from airflow.sdk import DAG, Param
+from launcher import mapped_step, run_output_uri, shard_arguments, step
+from pipeline_params import pipeline_params
+
+params = pipeline_params()
+pipeline = params["pipeline"]
+
+
+def result(task_id: str, key: str) -> str:
+    """Template reading one field of an upstream step's result."""
+    return f"{{{{ ti.xcom_pull(task_ids='{task_id}')['{key}'] }}}}"
+
+
+# End of the data interval (exclusive): a manual override, else the run's interval end, else
+# the time it was triggered (a run triggered with logical_date=null has no interval).
+END_DATE = "{{ params.end_date or ((data_interval_end or dag_run.run_after) | ds) }}"
+
+with DAG(
+    dag_id=pipeline["dag_id"],
+    description="Retrain the language model on the latest data window",
+    schedule=pipeline["schedule"],
+    start_date=dt.datetime.fromisoformat(pipeline["start_date"]).replace(tzinfo=dt.timezone.utc),
+    catchup=False,
+    max_active_runs=2,
+    default_args={
+        "retries": pipeline["retries"],
+        "retry_delay": dt.timedelta(seconds=pipeline["retry_delay_s"]),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": dt.timedelta(seconds=pipeline["max_retry_delay_s"]),
+    },
+    params={
+        "end_date": Param(
+            None, type=["null", "string"], format="date",
+            description="Read the look-back window ending before this date (YYYY-MM-DD); empty: the run's data interval.",
+        ),
+        "lookback_days": Param(
+            pipeline["lookback_days"], type="integer", minimum=1, maximum=366,
+            description="How many daily partitions before the end date to snapshot.",
+        ),
+        "raw_data_uri": Param(
+            pipeline["raw_data_uri"], type="string", pattern=r"^(s3://|/).+",
+            description="Raw JSON Lines partitioned as date=YYYY-MM-DD/ (s3:// URI or absolute path).",
+        ),
+        "num_shards": Param(
+            params["tokenize"]["num_shards"], type="integer", minimum=1, maximum=256,
+            description="Parallel tokenization tasks (one pod each in a cluster).",
+        ),
+        "tokenizer_uri": Param(
+            None, type=["null", "string"],
+            description="Use this tokenizer.json; empty: the production model's, or train one on first run.",
+        ),
+    },
+    tags=["llm", "retrain"],
+    doc_md=__doc__,
+) as dag:
+    snapshot = step(
+        "snapshot",
+        "tasks.snapshot",
+        [
+            "--source", "{{ params.raw_data_uri }}",
+            "--end-date", END_DATE,
+            "--lookback-days", "{{ params.lookback_days }}",
+            "--output", run_output_uri("snapshot"),
+        ],
+    )
+    validate = step(
+        "validate",
+        "tasks.validate",
+        ["--snapshot", result("snapshot", "snapshot_uri"), "--output", run_output_uri("validate")],
+    )
+    tokenizer = step(
+        "tokenizer",
+        "tasks.tokenize",
+        [
+            "prepare",
+            "--snapshot", result("snapshot", "snapshot_uri"),
+            "--output", run_output_uri("tokenize/tokenizer"),
+            "--tokenizer", "{{ params.tokenizer_uri or '' }}",
+        ],
+    )
+    shard_args = shard_arguments(
+        [
+            "encode",
+            "--snapshot", result("snapshot", "snapshot_uri"),
+            "--tokenizer", result("tokenizer", "tokenizer_uri"),
+        ],
+        output_root=run_output_uri("tokenize/shards"),
+        num_shards="{{ params.num_shards }}",
+    )
+    encode = mapped_step("tokenize_shard", "tasks.tokenize", shard_args)
+    merge = step(
+        "tokenize_merge",
+        "tasks.tokenize",
+        [
+            "merge",
+            "--snapshot", result("snapshot", "snapshot_uri"),
+            "--tokenizer", result("tokenizer", "tokenizer_uri"),
+            "--num-shards", "{{ params.num_shards }}",
+            "--shards", run_output_uri("tokenize/shards"),
+            "--output", run_output_uri("tokenize/dataset"),
+        ],
+    )
+
+    snapshot >> validate >> tokenizer >> shard_args >> encode >> merge
