@@ -1,0 +1,140 @@
+"""The launcher: local processes that surface step failures, and cluster pods that pass the
+Kubernetes 1.32 schema (built offline with the provider's own dry-run, validated strictly)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from conftest import REPO_ROOT
+
+import launcher
+
+VALIDATE = [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "-k", "1.32.0"]
+
+
+def test_mode_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPELINE_LAUNCHER_MODE", "kubernetes")
+    assert launcher.launcher_mode() == "kubernetes"
+    monkeypatch.setenv("PIPELINE_LAUNCHER_MODE", "docker")
+    with pytest.raises(ValueError, match="launcher mode 'docker'"):
+        launcher.launcher_mode()
+    monkeypatch.delenv("PIPELINE_LAUNCHER_MODE")
+    assert launcher.launcher_mode() == "local"  # params.yaml default
+
+
+def test_run_output_uri_is_scoped_by_dag_run() -> None:
+    uri = launcher.run_output_uri("validate")
+    assert uri.startswith("s3://pipeline/runs/{{ dag.dag_id }}/")
+    assert uri.endswith("/validate") and "run_id" in uri
+
+
+# -- local mode -----------------------------------------------------------------------------
+
+
+def local_step(tmp_path: Path, *arguments: str, module: str = "tasks.seed") -> launcher.LocalStepOperator:
+    return launcher.LocalStepOperator(task_id="t", module=module, arguments=list(arguments))
+
+
+def test_local_step_returns_the_step_result(tmp_path: Path) -> None:
+    op = local_step(tmp_path, "--output", str(tmp_path / "raw"), "--end-date", "2026-11-02",
+                    "--set", "days=2", "--set", "max_documents=40")
+    result = op.execute(context={})
+    assert result["written"] == 40 and result["days"] == ["2026-11-01", "2026-11-02"]
+    assert op.argv()[1:3] == ["-m", "tasks.seed"]
+
+
+def test_bad_input_fails_the_task_without_retry_and_names_the_problem(tmp_path: Path) -> None:
+    op = local_step(tmp_path, "--source", str(tmp_path / "nothing"), "--end-date", "2026-11-22",
+                    "--output", str(tmp_path / "out"), module="tasks.snapshot")
+    with pytest.raises(AirflowFailException, match=r"^ERROR python -m tasks.snapshot: .*empty interval"):
+        op.execute(context={})
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_crash_fails_the_task_with_its_last_line(tmp_path: Path) -> None:
+    op = local_step(tmp_path, "--end-date", "not-a-date", "--output", str(tmp_path / "raw"))
+    with pytest.raises(AirflowException, match="tasks.seed exited with 1: ValueError: Invalid isoformat"):
+        op.execute(context={})
+
+
+# -- cluster mode ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster_dag(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.setenv("PIPELINE_LAUNCHER_MODE", "kubernetes")
+    import llm_retrain
+
+    yield importlib.reload(llm_retrain).dag
+    monkeypatch.setenv("PIPELINE_LAUNCHER_MODE", "local")
+    importlib.reload(llm_retrain)
+
+
+def pod_of(task: Any) -> dict[str, Any]:
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from kubernetes.client import ApiClient
+
+    if not isinstance(task, KubernetesPodOperator):  # mapped: the pod one map index gets
+        task = KubernetesPodOperator(
+            **{**task.partial_kwargs, "task_id": task.task_id, "arguments": ["encode", "--shard-index", "0"]}
+        )
+    serialized: dict[str, Any] = ApiClient().sanitize_for_serialization(task.build_pod_request_obj(None, dry_run=True))
+    return serialized
+
+
+def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:
+    path = tmp_path / "objects.yaml"
+    path.write_text(yaml.safe_dump_all(objects))
+    proc = subprocess.run([*VALIDATE, str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Path) -> None:
+    steps = [t for t in cluster_dag.tasks if t.task_id != "shard_plan"]
+    pods = [pod_of(t) for t in steps]
+    assert len(pods) == 5
+    validate_strict(pods, tmp_path)
+    for pod in pods:
+        spec, container = pod["spec"], pod["spec"]["containers"][0]
+        assert pod["metadata"]["namespace"] == "llm-pipeline"
+        assert spec["serviceAccountName"] == "llm-pipeline-runner"
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["command"][:2] == ["python", "-m"] and container["command"][2].startswith("tasks.")
+        assert {s["secretRef"]["name"] for s in container["envFrom"]} == {"llm-pipeline-storage", "llm-pipeline-mlflow"}
+        assert container["resources"]["limits"]["memory"] == "4Gi"
+    # the step's result comes back through the xcom sidecar
+    assert any(c["name"] == "airflow-xcom-sidecar" for c in pods[0]["spec"]["containers"])
+
+
+def test_gpu_step_pod_requests_gpus_and_tolerates_gpu_nodes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PIPELINE_LAUNCHER_MODE", "kubernetes")
+    op = launcher.step("gpu_probe", "tasks.seed", ["--help"], kind="gpu")
+    pod = pod_of(op)
+    validate_strict([pod], tmp_path)
+    spec = pod["spec"]
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert spec["containers"][0]["image"].endswith("runtime-gpu:0.1.0")
+
+
+def test_validator_rejects_an_unknown_field(tmp_path: Path) -> None:
+    """The schema check is real: a misspelt field fails it."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
+                                "spec": {"containers": [{"name": "c", "image": "i", "imagePullPolicyy": "x"}]}}))
+    assert subprocess.run([*VALIDATE, str(path)], capture_output=True).returncode != 0
+
+
+def test_repo_root_is_the_launch_directory() -> None:
+    assert (REPO_ROOT / "tasks" / "__init__.py").exists()

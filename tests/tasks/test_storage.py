@@ -1,0 +1,73 @@
+"""Storage URIs: local and S3 through one API; outputs appear only when committed."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tasks.lib import storage
+from tasks.lib.errors import StepError
+
+
+def test_join_and_split() -> None:
+    assert storage.join("s3://b/root/", "x", "/y") == "s3://b/root/x/y"
+    assert storage.split_s3("s3://bucket/a/b.txt") == ("bucket", "a/b.txt")
+    with pytest.raises(StepError, match="not an s3:// URI"):
+        storage.split_s3("/tmp/x")
+
+
+def test_staged_output_commits_with_manifest(tmp_path: Path) -> None:
+    out = str(tmp_path / "run" / "step")
+    with storage.staged_output(out) as scratch:
+        (scratch / "a.txt").write_text("alpha")
+        assert not Path(out).exists()  # nothing visible before the commit
+    storage.require_complete(out)
+    assert (Path(out) / "a.txt").read_text() == "alpha"
+    manifest = storage.read_json(storage.join(out, storage.SUCCESS_MARKER))
+    assert manifest["files"]["a.txt"]["bytes"] == 5
+
+
+def test_failed_step_leaves_nothing_and_keeps_previous_result(tmp_path: Path) -> None:
+    out = str(tmp_path / "step")
+    with storage.staged_output(out) as scratch:
+        (scratch / "v.txt").write_text("first")
+    with pytest.raises(RuntimeError), storage.staged_output(out) as scratch:
+        (scratch / "v.txt").write_text("half-written")
+        raise RuntimeError("step crashed")
+    assert (Path(out) / "v.txt").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["step"]  # no staging leftovers
+
+
+def test_retry_replaces_previous_output(tmp_path: Path) -> None:
+    out = str(tmp_path / "step")
+    for content in ("one", "two"):
+        with storage.staged_output(out) as scratch:
+            (scratch / "v.txt").write_text(content)
+    assert (Path(out) / "v.txt").read_text() == "two"
+
+
+def test_incomplete_output_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "partial").mkdir()
+    with pytest.raises(StepError, match="not a complete step output"):
+        storage.require_complete(str(tmp_path / "partial"))
+
+
+@pytest.mark.integration
+def test_s3_round_trip_and_commit(stack_env: dict[str, str], tmp_path: Path) -> None:
+    out = f"s3://pipeline/tests/{uuid.uuid4().hex}/step"
+    with storage.staged_output(out) as scratch:
+        (scratch / "nested").mkdir()
+        (scratch / "nested" / "b.bin").write_bytes(b"\x00\x01" * 1000)
+    storage.require_complete(out)
+    assert storage.read_bytes(storage.join(out, "nested/b.bin")) == b"\x00\x01" * 1000
+    local = storage.download_tree(out, tmp_path / "copy")
+    assert (local / "nested" / "b.bin").stat().st_size == 2000
+    # a retry first clears leftovers of the earlier attempt
+    storage.s3_client().put_object(Bucket="pipeline", Key=storage.split_s3(out)[1] + "/stale.txt", Body=b"x")
+    with storage.staged_output(out) as scratch:
+        (scratch / "c.txt").write_text("c")
+    assert [u.rsplit("/", 1)[1] for u in storage.list_files(out)] == ["_SUCCESS", "c.txt"]
+    with pytest.raises(StepError, match="cannot read"):
+        storage.read_bytes(storage.join(out, "missing.txt"))

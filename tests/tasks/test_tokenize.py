@@ -1,0 +1,110 @@
+"""Tokenizer choice, sharding, dtype and the 1-vs-N determinism of the tokenize step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import error_lines, run_module, step_result
+
+from tasks import seed
+from tasks.lib import records, tokens
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small snapshot of real text: 600 installed docstrings, normalized and de-duplicated."""
+    raw = ({"id": str(i), "text": doc, "source": name, "created_at": "2026-11-01T00:00:00"}
+           for i, (name, doc) in enumerate(seed.documents(600)))
+    result = records.normalize_and_dedup(raw)
+    path = tmp_path_factory.mktemp("snap") / "snapshot.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in result.records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_uri(snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("tok")
+    proc = run_module(
+        "tasks.tokenize", "prepare", "--snapshot", str(snapshot), "--output", str(root / "prepare"),
+        "--set", "vocab_size=1000", "--set", f"tokenizer_store={root / 'store'}",
+        env={"MLFLOW_TRACKING_URI": ""},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = step_result(proc)
+    assert result["tokenizer_source"] == "trained"
+    assert result["vocab_size"] == 1000 and result["dtype"] == "uint16"
+    assert str(result["tokenizer_uri"]).endswith(f"sha256-{result['tokenizer_hash']}/tokenizer.json")
+    return str(result["tokenizer_uri"])
+
+
+def tokenize(snapshot: Path, tokenizer: str, out: Path, num_shards: int) -> dict[str, object]:
+    for i in range(num_shards):
+        proc = run_module(
+            "tasks.tokenize", "encode", "--snapshot", str(snapshot), "--tokenizer", tokenizer,
+            "--shard-index", str(i), "--num-shards", str(num_shards), "--output", str(out / "shards" / f"{i:05d}"),
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_module(
+        "tasks.tokenize", "merge", "--snapshot", str(snapshot), "--tokenizer", tokenizer,
+        "--num-shards", str(num_shards), "--shards", str(out / "shards"), "--output", str(out / "dataset"),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return step_result(proc)
+
+
+@pytest.mark.parametrize(("vocab", "dtype"), [(1000, np.uint16), (65536, np.uint16), (65537, np.uint32)])
+def test_token_dtype(vocab: int, dtype: type) -> None:
+    assert tokens.token_dtype(vocab) == np.dtype(dtype)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 7, 50])
+def test_shards_cover_every_record_once(num_shards: int) -> None:
+    ranges = [tokens.shard_range(23, i, num_shards) for i in range(num_shards)]
+    covered = [i for start, end in ranges for i in range(start, end)]
+    assert covered == list(range(23))
+
+
+def test_split_depends_only_on_document_hash() -> None:
+    hashes = [records.content_hash(str(i)) for i in range(4000)]
+    splits = [tokens.split_of(h, 0.05) for h in hashes]
+    assert splits == [tokens.split_of(h, 0.05) for h in reversed(hashes)][::-1]
+    assert 0.03 < splits.count("val") / len(splits) < 0.07
+
+
+def test_one_and_three_workers_write_identical_datasets(snapshot: Path, tokenizer_uri: str, tmp_path: Path) -> None:
+    one = tokenize(snapshot, tokenizer_uri, tmp_path / "n1", 1)
+    three = tokenize(snapshot, tokenizer_uri, tmp_path / "n3", 3)
+    assert one["tokens"] == three["tokens"]
+    names = ["train.bin", "val.bin", "train.offsets.npy", "val.offsets.npy", "index.json"]
+    for name in names:
+        assert (tmp_path / "n1/dataset" / name).read_bytes() == (tmp_path / "n3/dataset" / name).read_bytes(), name
+    index = json.loads((tmp_path / "n1/dataset/index.json").read_text())
+    assert index["dtype"] == "uint16" and index["splits"]["val"]["documents"] > 0
+    train = np.memmap(tmp_path / "n1/dataset/train.bin", dtype=index["dtype"], mode="r")
+    offsets = np.load(tmp_path / "n1/dataset/train.offsets.npy")
+    assert len(train) == offsets[-1] == index["splits"]["train"]["tokens"]
+    assert train[offsets[1] - 1] == index["eos_id"]  # every document ends with EOS
+
+
+def test_explicit_tokenizer_is_reused_not_retrained(snapshot: Path, tokenizer_uri: str, tmp_path: Path) -> None:
+    proc = run_module(
+        "tasks.tokenize", "prepare", "--snapshot", str(snapshot), "--tokenizer", tokenizer_uri,
+        "--output", str(tmp_path / "prepare"), "--set", f"tokenizer_store={tmp_path / 'store'}",
+        env={"MLFLOW_TRACKING_URI": ""},
+    )
+    result = step_result(proc)
+    assert result["tokenizer_source"] == "explicit"
+    assert tokenizer_uri.endswith(f"sha256-{result['tokenizer_hash']}/tokenizer.json")
+
+
+def test_merge_with_a_missing_shard_fails_and_writes_nothing(snapshot: Path, tokenizer_uri: str, tmp_path: Path) -> None:
+    proc = run_module(
+        "tasks.tokenize", "merge", "--snapshot", str(snapshot), "--tokenizer", tokenizer_uri,
+        "--num-shards", "2", "--shards", str(tmp_path / "nowhere"), "--output", str(tmp_path / "dataset"),
+    )
+    assert proc.returncode == 2
+    assert error_lines(proc) and "not a complete step output" in error_lines(proc)[0]
+    assert not (tmp_path / "dataset").exists()
