@@ -17,12 +17,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env up down airflow-up status pipeline test test-unit lint benchmark clean
+.PHONY: help env up down status pipeline repro test test-unit lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (embedded default)"
 	@echo "make test       set up and run the whole test suite"
 	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow) and the Airflow UI"
+	@echo "make repro      the data half as DVC stages (dvc repro), outside Airflow"
 	@echo "make lint       ruff + mypy"
 	@echo "make benchmark  benchmarks/*.py"
 
@@ -68,6 +69,12 @@ pipeline: env .airflow/airflow.db
 	$(STACK_ENV) && $(RT_PY) -m tasks.seed
 	$(STACK_ENV) && $(ORCH)/bin/airflow dags test llm_retrain $(PIPELINE_DATE)
 
+# The data half as DVC stages (dvc.yaml), outside Airflow, against the local stack.
+repro: env
+	$(RT_PY) -m stack up
+	$(STACK_ENV) && $(RT_PY) -m tasks.seed
+	$(STACK_ENV) && PATH=$(CURDIR)/$(RUNTIME)/bin:$$PATH dvc repro
+
 # Both environments run their half of the suite: tasks/ and the stack in the runtime env,
 # dags/ and plugins/ (including the end-to-end DAG run) in the orchestrator env.
 test: env
@@ -80,7 +87,6 @@ test-unit: env
 
 lint: env
 	$(ORCH)/bin/ruff check .
-	$(ORCH)/bin/ruff format --check .
 	$(ORCH)/bin/mypy --python-executable $(ORCH_PY) dags plugins
 	$(ORCH)/bin/mypy --python-executable $(RT_PY) tasks stack benchmarks
 

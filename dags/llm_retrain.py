@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 
 from airflow.sdk import DAG, Param
+
 from launcher import mapped_step, run_output_uri, shard_arguments, step
 from pipeline_params import pipeline_params
 
@@ -31,7 +32,7 @@ with DAG(
     dag_id=pipeline["dag_id"],
     description="Retrain the language model on the latest data window",
     schedule=pipeline["schedule"],
-    start_date=dt.datetime.fromisoformat(pipeline["start_date"]).replace(tzinfo=dt.timezone.utc),
+    start_date=dt.datetime.fromisoformat(pipeline["start_date"]).replace(tzinfo=dt.UTC),
     catchup=False,
     max_active_runs=2,
     default_args={

@@ -29,6 +29,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
 from pipeline_params import REPO_ROOT, pipeline_params
 
 # Exit codes of the step contract (tasks/lib/step.py)

@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -210,7 +211,7 @@ def _buckets_reachable() -> bool:
         return False
 
 
-def _s3_client():  # type: ignore[no-untyped-def]
+def _s3_client() -> Any:
     import boto3
 
     env = client_env()
@@ -290,11 +291,15 @@ def _airflow_health() -> dict[str, object]:
 def _airflow_component(component: str) -> Server:
     """One Airflow component, run from the orchestrator venv beside this one."""
     airflow = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
-    if component == "api-server":
-        healthy: Callable[[], bool] = lambda: bool(_airflow_health())  # noqa: E731
-    else:
-        key = component.replace("-", "_")
-        healthy = lambda: (_airflow_health().get(key) or {}).get("status") == "healthy"  # type: ignore[union-attr]  # noqa: E731
+    key = component.replace("-", "_")
+
+    def healthy() -> bool:
+        report = _airflow_health()
+        if component == "api-server":
+            return bool(report)
+        state = report.get(key)
+        return isinstance(state, dict) and state.get("status") == "healthy"
+
     return Server(f"airflow-{component}", lambda: [airflow, component], _airflow_env, healthy, start_timeout_s=120)
 
 

@@ -80,7 +80,7 @@ def build_partitions(days: list[dt.date], max_documents: int) -> dict[dt.date, l
     for name, doc in documents(max_documents):
         doc_id = hashlib.sha1(f"{name}\0{doc}".encode()).hexdigest()[:20]
         day = day_of(doc_id, days)
-        created = dt.datetime.combine(day, dt.time(), dt.timezone.utc) + dt.timedelta(
+        created = dt.datetime.combine(day, dt.time(), dt.UTC) + dt.timedelta(
             seconds=int(doc_id[:6], 16) % 86400
         )
         by_day[day].append(

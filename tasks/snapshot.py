@@ -14,6 +14,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ def collect(source: str, days: list[dt.date], max_record_bytes: int) -> records.
         raise StepError(f"{source}: no partitions with data for {days[0]}..{days[-1]} (empty interval)")
     progress = Progress("snapshot read", len(files), "files")
 
-    def all_records():  # type: ignore[no-untyped-def]
+    def all_records() -> Iterator[dict[str, Any]]:
         for _, uri in files:
             yield from records.parse_lines(uri, storage.read_bytes(uri), max_record_bytes)
             progress.update(1)

@@ -19,19 +19,19 @@ import os
 # Rust-side parallelism of encode_batch must be on before tokenizers is imported (2x here).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from tasks.lib import storage, tokens  # noqa: E402
-from tasks.lib.errors import StepError  # noqa: E402
-from tasks.lib.params import load_params, step_params  # noqa: E402
-from tasks.lib.step import Progress, log, run_step, step_parser  # noqa: E402
+from tasks.lib import storage, tokens
+from tasks.lib.errors import StepError
+from tasks.lib.params import load_params, step_params
+from tasks.lib.step import Progress, log, run_step, step_parser
 
 
 def scratch_dir(output: Path, name: str) -> Path:
@@ -97,7 +97,9 @@ def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
             "vocab_size": tokenizer.get_vocab_size(),
             "dtype": tokens.token_dtype(tokenizer.get_vocab_size()).name,
         }
-        (out / "tokenizer.json").write_text(json.dumps(info, indent=1))
+        # the tokenizer itself beside its description, so dvc.yaml stages can point at a path
+        (out / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
+        (out / "info.json").write_text(json.dumps(info, indent=1))
         shutil.rmtree(scratch)
     return info
 

@@ -203,7 +203,7 @@ def require_complete(uri: str) -> None:
 def staged_output(uri: str) -> Iterator[Path]:
     """A local scratch folder that becomes ``uri`` only if the ``with`` body succeeds."""
     # For local outputs stage beside the target, so the final move is a rename on one filesystem.
-    parent = None if is_s3(uri) else Path(uri).parent
+    parent = None if is_s3(uri) else Path(uri).resolve().parent
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".staging-", dir=parent))

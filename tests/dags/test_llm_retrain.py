@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import subprocess
 import sys
 from typing import Any
@@ -35,7 +36,7 @@ def test_parsing_imports_no_heavy_module() -> None:
 
 def test_steps_run_in_order(dag: Any) -> None:
     assert len(dag.tasks) == len(ORDER)
-    for upstream, downstream in zip(ORDER, ORDER[1:], strict=False):
+    for upstream, downstream in itertools.pairwise(ORDER):
         assert dag.get_task(upstream).downstream_task_ids == {downstream}
     assert dag.get_task("tokenize_merge").downstream_task_ids == set()
 
@@ -72,7 +73,7 @@ def airflow_db() -> None:
 @pytest.mark.integration
 def test_data_half_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -> None:
     run = dag.test(
-        logical_date=dt.datetime(2026, 11, 22, tzinfo=dt.timezone.utc),
+        logical_date=dt.datetime(2026, 11, 22, tzinfo=dt.UTC),
         run_conf={"raw_data_uri": SEED_URI, "num_shards": 2},
     )
     states = ti_states(run)
@@ -89,7 +90,7 @@ def test_data_half_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) 
 @pytest.mark.integration
 def test_bad_data_stops_the_run_before_tokenization(dag: Any, airflow_db: None, stack_env: dict[str, str]) -> None:
     run = dag.test(
-        logical_date=dt.datetime(2026, 11, 8, tzinfo=dt.timezone.utc),
+        logical_date=dt.datetime(2026, 11, 8, tzinfo=dt.UTC),
         run_conf={"raw_data_uri": "s3://raw/no-such-source"},
     )
     states = ti_states(run)

@@ -62,7 +62,7 @@ def test_bad_input_fails_the_task_without_retry_and_names_the_problem(tmp_path: 
 
 def test_a_crash_fails_the_task_with_its_last_line(tmp_path: Path) -> None:
     op = local_step(tmp_path, "--end-date", "not-a-date", "--output", str(tmp_path / "raw"))
-    with pytest.raises(AirflowException, match="tasks.seed exited with 1: ValueError: Invalid isoformat"):
+    with pytest.raises(AirflowException, match=r"tasks\.seed exited with 1: ValueError: Invalid isoformat"):
         op.execute(context={})
 
 

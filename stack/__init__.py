@@ -1,0 +1,1 @@
+"""The local stack of the embedded default (see ``python -m stack --help``)."""
