@@ -119,14 +119,19 @@ def encode(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
         progress = Progress(f"encode shard {args.shard_index}/{args.num_shards}", None, "tokens")
         started = time.perf_counter()
         batch = int(params["batch_documents"])
+        val_fraction = float(params["val_fraction"])
         for first in range(0, len(mine), batch):
             chunk = mine[first : first + batch]
             encoded = tokenizer.encode_batch([r["text"] for r in chunk], add_special_tokens=False)
+            # one array per split and batch: per-document arrays cost ~15% of the throughput
+            batch_ids: dict[str, list[int]] = {split: [] for split in tokens.SPLITS}
             for record, enc in zip(chunk, encoded, strict=True):
-                split = tokens.split_of(record["content_hash"], float(params["val_fraction"]))
-                ids = np.asarray([*enc.ids, eos], dtype=dtype)
-                files[split].write(ids.tobytes())
-                lengths[split].append(len(ids))
+                split = tokens.split_of(record["content_hash"], val_fraction)
+                batch_ids[split].extend(enc.ids)
+                batch_ids[split].append(eos)
+                lengths[split].append(len(enc.ids) + 1)
+            for split, ids in batch_ids.items():
+                files[split].write(np.array(ids, dtype=dtype).tobytes())
                 progress.update(len(ids))
         for split in tokens.SPLITS:
             files[split].close()
