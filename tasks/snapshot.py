@@ -62,7 +62,8 @@ def write_snapshot(result: records.DedupResult, out_dir: Path) -> dict[str, Any]
 def registry() -> Registry:
     params = step_params("snapshot")
     path = Path(os.environ.get("DVC_REGISTRY_DIR") or REPO_ROOT / params["registry_dir"])
-    return Registry(path, params["registry_remote"])
+    git_remote = os.environ.get("DVC_REGISTRY_GIT_REMOTE", params["registry_git_remote"])
+    return Registry(path, params["registry_remote"], git_remote)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,6 +4,10 @@ Each logical date gets one tag (``data-YYYY-MM-DD``) on a commit whose ``.dvc`` 
 that snapshot in the remote, so a backfill or an audit reads exactly that version with
 ``dvc.api.open(path, repo=REGISTRY, rev=TAG)`` or ``dvc pull``. DVC holds a repository lock,
 so every operation here runs under an exclusive file lock: parallel runs queue, never collide.
+
+With a ``git_remote`` (cluster mode: pods have no shared disk), the registry is a clone that
+is fast-forwarded before and pushed, tags included, after each new version; a push that loses
+a race to another run fails the step, and its retry starts from the newer history.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ class DataVersion:
 
 
 class Registry:
-    def __init__(self, path: Path, remote_url: str) -> None:
+    def __init__(self, path: Path, remote_url: str, git_remote: str = "") -> None:
         self.path = path
         self.remote_url = remote_url
+        self.git_remote = git_remote
 
     def _run(self, *argv: str) -> str:
         proc = subprocess.run(argv, cwd=self.path, capture_output=True, text=True)
@@ -66,8 +71,11 @@ class Registry:
 
     def ensure(self) -> None:
         """Create the repo and its remote once; (re)point the remote at this environment's S3."""
+        if self.git_remote:
+            self._sync_from_git_remote()
         if not (self.path / ".dvc").is_dir():
-            self.git("init", "-q", "-b", "main")
+            if not (self.path / ".git").is_dir():
+                self.git("init", "-q", "-b", "main")
             self.git("config", "user.name", "llm-pipeline")
             self.git("config", "user.email", "llm-pipeline@localhost")
             self.dvc("init", "-q")
@@ -80,6 +88,19 @@ class Registry:
         endpoint = os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             self.dvc("remote", "modify", "--local", "store", "endpointurl", endpoint)
+
+    def _sync_from_git_remote(self) -> None:
+        if not (self.path / ".git").is_dir():
+            self._run("git", "clone", "-q", self.git_remote, ".")
+            self.git("config", "user.name", "llm-pipeline")
+            self.git("config", "user.email", "llm-pipeline@localhost")
+        self.git("fetch", "-q", "--tags", "origin")
+        if self.git("ls-remote", "--heads", "origin", "main"):
+            self.git("checkout", "-q", "-B", "main", "origin/main")
+
+    def _publish(self, tag: str) -> None:
+        if self.git_remote:
+            self.git("push", "-q", "origin", "main", tag)
 
     def tag_version(self, tag: str) -> dict[str, object] | None:
         if not self.git("tag", "--list", tag):
@@ -112,6 +133,7 @@ class Registry:
             if self.git("status", "--porcelain"):
                 self.git("commit", "-q", "-m", f"Data version {tag}")
             self.git("tag", "-a", tag, "-m", f"snapshot {version['content_hash']}")
+            self._publish(tag)
             return self._version(tag, version, created=True)
 
     def _version(self, tag: str, version: dict[str, object], created: bool) -> DataVersion:

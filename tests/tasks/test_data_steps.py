@@ -167,3 +167,25 @@ def test_champion_tokenizer_is_reused(seeded_raw: str, tmp_path: Path) -> None:
     assert reused["tokenizer_source"] == "champion"
     assert reused["tokenizer_hash"] == trained["tokenizer_hash"] and reused["vocab_size"] == 600
     client.delete_registered_model_alias(name, "champion")
+
+
+def test_registry_shared_through_a_git_remote_between_pods(seeded_raw: str, tmp_path: Path) -> None:
+    """Cluster mode: each pod clones the registry, versions, and pushes; nothing on shared disk."""
+    remote = tmp_path / "registry.git"
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(remote)], check=True)
+
+    def pod(name: str, end: str) -> dict[str, object]:
+        env = {"DVC_REGISTRY_DIR": str(tmp_path / name), "DVC_REGISTRY_GIT_REMOTE": str(remote)}
+        proc = run_module("tasks.snapshot", "--source", seeded_raw, "--end-date", end,
+                          "--output", out_uri("snapshot"), env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        version = step_result(proc)["data_version"]
+        assert isinstance(version, dict)
+        return version
+
+    first = pod("pod-a", "2026-11-18")
+    pod("pod-b", "2026-11-17")
+    again = pod("pod-c", "2026-11-18")  # a retry elsewhere finds the pushed tag
+    assert again["new"] is False and again["content_hash"] == first["content_hash"]
+    tags = subprocess.run(["git", "tag"], cwd=remote, capture_output=True, text=True, check=True).stdout.split()
+    assert tags == ["data-2026-11-17", "data-2026-11-18"]
