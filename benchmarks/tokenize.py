@@ -19,15 +19,16 @@ from pathlib import Path
 if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     del sys.path[0]
 
-import os  # noqa: E402
+import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -55,11 +56,11 @@ def baseline(tokenizer_file: Path, texts: list[str]) -> tuple[float, int]:
     return time.perf_counter() - started, total
 
 
-def run(*args: str) -> dict[str, object]:
+def run(*args: str) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "tasks.tokenize", *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, check=True)
     line = next(x for x in reversed(proc.stderr.splitlines()) if " result {" in x)
-    loaded: dict[str, object] = json.loads(line.split(" result ", 1)[1])
+    loaded: dict[str, Any] = json.loads(line.split(" result ", 1)[1])
     return loaded
 
 
@@ -82,7 +83,7 @@ def distributed(snapshot: Path, tokenizer_file: Path, workers: int, out: Path) -
     wall = time.perf_counter() - started
     busiest = max(json.loads((out / "shards" / f"{i:05d}" / "stats.json").read_text())["seconds"]
                   for i in range(workers))
-    total = sum(merged["tokens"].values())  # type: ignore[union-attr]
+    total = sum(merged["tokens"].values())
     return wall, busiest, int(total)
 
 
