@@ -60,7 +60,7 @@ def write_result(result: dict[str, Any]) -> None:
     path = result_path()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks of one job may share the path
         tmp.write_text(text)
         tmp.replace(path)
 

@@ -1,0 +1,150 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), written straight to the
+run-scoped checkpoint URI (S3 through fsspec, or a local folder).
+
+- Every rank writes its own shards; DCP's coordinator writes ``.metadata`` last, so a
+  checkpoint is *complete* exactly when ``.metadata`` exists. Resume picks the newest complete
+  one; a half-written one is ignored (and later deleted by retention).
+- Asynchronous saves run on a process group of their own (``dcp.async_save`` on the default
+  group mismatches gloo collectives with the training loop's).
+- Retention keeps the last ``keep_last`` complete checkpoints plus the best by validation loss.
+- DCP reshards on load: a checkpoint saved by 2 ranks loads on 1 (or without any process group)
+  and the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tasks.lib import storage
+from tasks.lib.step import log
+
+STEP_RE = re.compile(r"/step-(\d{8})/")
+METADATA = ".metadata"
+META_JSON = "trainer.json"
+
+
+def _writer(uri: str) -> Any:
+    if storage.is_s3(uri):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(uri)
+    return dcp.FileSystemWriter(uri)
+
+
+def _reader(uri: str) -> Any:
+    if storage.is_s3(uri):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(uri)
+    return dcp.FileSystemReader(uri)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    uri: str
+    step: int
+    trainer: dict[str, Any]
+
+
+def list_complete(root: str) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``root``, oldest first."""
+    files = storage.list_files(root)
+    steps = sorted({int(m.group(1)) for f in files if (m := STEP_RE.search(f)) and f.endswith("/" + METADATA)})
+    out = []
+    for step in steps:
+        uri = step_uri(root, step)
+        meta_uri = storage.join(uri, META_JSON)
+        trainer = storage.read_json(meta_uri) if meta_uri in files else {"step": step}
+        out.append(CheckpointInfo(uri=uri, step=step, trainer=trainer))
+    return out
+
+
+def step_uri(root: str, step: int) -> str:
+    return storage.join(root, f"step-{step:08d}")
+
+
+class Checkpointer:
+    def __init__(self, root: str, keep_last: int, async_save: bool, rank: int) -> None:
+        self.root, self.keep_last, self.async_save, self.rank = root, keep_last, async_save, rank
+        self._pending: tuple[Any, CheckpointInfo] | None = None  # (Future, info)
+        self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self.blocking_seconds = 0.0  # time the training loop waited on checkpoints
+
+    def latest(self) -> CheckpointInfo | None:
+        complete = list_complete(self.root)
+        return complete[-1] if complete else None
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        info = CheckpointInfo(step_uri(self.root, trainer["step"]), trainer["step"], dict(trainer))
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self._group is not None:
+            future = dcp.async_save(state, storage_writer=_writer(info.uri), process_group=self._group)
+            self._pending = (future, info)
+        else:
+            dcp.save(state, storage_writer=_writer(info.uri))
+            self._finish(info)
+        self.blocking_seconds += time.perf_counter() - started
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            future, info = self._pending
+            future.result()
+            self._pending = None
+            self._finish(info)
+
+    def _finish(self, info: CheckpointInfo) -> None:
+        if self.rank != 0:
+            return
+        bucket_key = storage.join(info.uri, META_JSON)
+        _write_json(bucket_key, info.trainer)
+        log.info("checkpoint step %d complete: %s", info.step, info.uri)
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        complete = list_complete(self.root)
+        keep = {c.step for c in complete[-self.keep_last :]}
+        scored = [c for c in complete if c.trainer.get("val_loss") is not None]
+        if scored:
+            keep.add(min(scored, key=lambda c: c.trainer["val_loss"]).step)
+        newest = complete[-1].step if complete else -1
+        on_disk = {int(m.group(1)) for f in storage.list_files(self.root) if (m := STEP_RE.search(f))}
+        for step in sorted(on_disk - keep):
+            if step < newest:  # never touch one that may still be being written
+                storage.delete_tree(step_uri(self.root, step))
+
+    def load(self, info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, storage_reader=_reader(info.uri))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        log.info("resumed from %s (step %d)", info.uri, info.step)
+        return dict(info.trainer)
+
+
+def load_model_weights(uri: str, model: torch.nn.Module) -> None:
+    """Load only the model part of a checkpoint into a plain (unsharded) model, no process group."""
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=_reader(uri), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    model.load_state_dict(state["model"])
+
+
+def _write_json(uri: str, payload: dict[str, Any]) -> None:
+    data = json.dumps(payload, sort_keys=True).encode()
+    if storage.is_s3(uri):
+        bucket, key = storage.split_s3(uri)
+        storage.s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+    else:
+        with open(uri, "wb") as fh:
+            fh.write(data)

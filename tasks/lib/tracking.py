@@ -1,0 +1,100 @@
+"""MLflow tracking for training, done by rank 0 only.
+
+The run of a DAG run is found by its ``dag_run`` tag, so a retried or restarted train step keeps
+logging into the same run instead of opening a second one. Without ``MLFLOW_TRACKING_URI`` the
+tracker only logs locally (plain ``python -m tasks.train`` on a laptop).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tasks.lib.model import GPTConfig
+from tasks.lib.parallel import Dist
+from tasks.lib.step import log
+
+
+class Tracker:
+    def __init__(self, is_main: bool, params: dict[str, Any], dag_run_tag: str) -> None:
+        self.enabled = is_main and bool(os.environ.get("MLFLOW_TRACKING_URI"))
+        self.params, self.dag_run_tag = params, dag_run_tag
+        self.run_id: str | None = None
+        if is_main and not self.enabled:
+            log.info("MLFLOW_TRACKING_URI is not set: metrics go to the log only")
+
+    def start(self, config: GPTConfig, env: Dist, resumed_from: str | None, dataset: str) -> None:
+        if not self.enabled:
+            return
+        import mlflow
+
+        mlflow.set_experiment(self.params["experiment"])
+        existing = None
+        if self.dag_run_tag:
+            found = mlflow.search_runs(filter_string=f"tags.dag_run = '{self.dag_run_tag}'", output_format="list")
+            existing = found[0].info.run_id if found else None
+        tags = {"dag_run": self.dag_run_tag, "step": "train"} if self.dag_run_tag else {"step": "train"}
+        run = mlflow.start_run(run_id=existing, run_name=None if existing else f"train {self.dag_run_tag}".strip(), tags=tags)
+        self.run_id = run.info.run_id
+        if existing is None:
+            flat = {k: v for k, v in self.params.items() if k != "presets"}
+            mlflow.log_params({**flat, **{f"model.{k}": v for k, v in config.to_dict().items()},
+                               "world_size": env.world, "device": str(env.device), "dataset": dataset,
+                               "model.num_params": config.num_params()})
+        if resumed_from:
+            mlflow.set_tag("resumed_from", resumed_from)
+        log.info("MLflow run %s (%s)", self.run_id, "resumed" if existing else "new")
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.enabled:
+            import mlflow
+
+            mlflow.log_metrics(metrics, step=step)
+
+    def log_model_files(self, folder: Path) -> None:
+        if not self.enabled:
+            return
+        import mlflow
+
+        mlflow.log_artifact(str(folder / "config.json"), artifact_path="model")
+        mlflow.log_artifact(str(folder / "model.pt"), artifact_path="model")
+        plot = self._loss_plot(folder.parent / f".{folder.name}-loss.png")
+        if plot is not None:
+            mlflow.log_artifact(str(plot))
+            plot.unlink()
+
+    def _loss_plot(self, path: Path) -> Path | None:
+        """The whole run's loss curve (also steps logged before a restart), from the server."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from mlflow import MlflowClient
+
+        client = MlflowClient()
+        assert self.run_id is not None
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name in ("loss", "val_loss"):
+            history = sorted((m.step, m.value) for m in client.get_metric_history(self.run_id, name))
+            if history:
+                ax.plot(*zip(*history, strict=True), label=name, marker="o" if name == "val_loss" else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross entropy")
+        ax.set_title("training loss")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def finish(self, result: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        import mlflow
+
+        mlflow.log_metrics({k: float(result[k]) for k in ("final_loss", "tokens_per_s") if result.get(k) is not None})
+        if result.get("val_loss") is not None:
+            mlflow.log_metric("final_val_loss", float(result["val_loss"]))
+        mlflow.end_run()

@@ -1,0 +1,324 @@
+"""Train the GPT on the tokenized dataset: FSDP2 (default) / DDP / single process, launched by
+``torchrun`` (c10d rendezvous), with sharded, resumable checkpoints and MLflow tracking.
+
+    torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \\
+        -m tasks.train --dataset URI --checkpoints URI --output URI [--set engine=ddp ...]
+
+Every start (first run, torchrun restart after a worker died, Airflow retry) resumes from the
+newest complete checkpoint under ``--checkpoints`` (model, optimizer, step, data position).
+Rank 0 logs to the MLflow run of the DAG run (found by tag, so retries reuse it) and writes the
+consolidated model: ``model.pt`` (state dict) + ``config.json`` (architecture, tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tasks.lib import parallel, storage
+from tasks.lib.checkpoint import Checkpointer
+from tasks.lib.data import BatchSampler, TokenSplit, open_split
+from tasks.lib.errors import StepError
+from tasks.lib.model import GPT, GPTConfig
+from tasks.lib.params import load_params, step_params
+from tasks.lib.step import log, run_step, step_parser
+from tasks.lib.tracking import Tracker
+
+BYTES_PER_PARAM_TRAINING = 16  # fp32 weights + grads + two AdamW moments
+
+
+def model_config(params: dict[str, Any], vocab_size: int) -> GPTConfig:
+    presets = params["presets"]
+    if params["preset"] not in presets:
+        raise StepError(f"train.preset {params['preset']!r}: unknown (presets: {', '.join(presets)})")
+    try:
+        return GPTConfig(vocab_size=vocab_size, **presets[params["preset"]])
+    except (TypeError, ValueError) as exc:
+        raise StepError(f"train.presets.{params['preset']}: {exc}") from None
+
+
+def check_data(split: TokenSplit, config: GPTConfig, name: str) -> None:
+    """Token ids must fit the model's vocabulary (catches dtype/vocab mix-ups before step 0)."""
+    top = int(split.tokens.max())
+    if top >= config.vocab_size:
+        raise StepError(f"{name} split: token id {top} >= model vocab {config.vocab_size} (dtype/vocab mismatch)")
+
+
+def check_fits(config: GPTConfig, params: dict[str, Any], env: parallel.Dist, train: BatchSampler) -> None:
+    """Refuse a preset/batch that cannot fit memory or the data, before any training step."""
+    global_batch = params["micro_batch"] * params["grad_accum"] * env.world
+    if global_batch > train.windows:
+        raise StepError(
+            f"global batch of {global_batch} sequences exceeds the {train.windows} sequences of "
+            f"{config.seq_len} tokens in the train split"
+        )
+    shards = env.world if params["engine"] == "fsdp2" else 1
+    state_bytes = config.num_params() * BYTES_PER_PARAM_TRAINING / shards
+    # activations kept for backward: ~34 * d_model bytes per token and layer, plus the logits
+    per_token = (34 * config.d_model * config.n_layers) / (4 if params["activation_checkpointing"] else 1)
+    act_bytes = params["micro_batch"] * config.seq_len * (per_token + 8 * config.vocab_size)
+    need = state_bytes + act_bytes
+    if env.device.type == "cuda":
+        available = torch.cuda.mem_get_info(env.device)[1]
+    else:
+        import psutil
+
+        available = psutil.virtual_memory().available / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    if need > 0.9 * available:
+        raise StepError(
+            f"preset {params['preset']} ({config.num_params() / 1e6:.0f}M params) with micro_batch "
+            f"{params['micro_batch']} needs ~{need / 2**30:.1f} GiB per process, {available / 2**30:.1f} GiB available"
+        )
+
+
+def lr_at(step: int, params: dict[str, Any]) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr``."""
+    lr, warmup, total = float(params["lr"]), int(params["warmup_steps"]), int(params["max_steps"])
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    floor = lr * float(params["min_lr_ratio"])
+    return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, params: dict[str, Any]) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": float(params["weight_decay"])}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=float(params["lr"]),
+        betas=tuple(params["betas"]),
+        fused=False,
+    )
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; through the wrapper's forward (FSDP2 / DDP hooks)."""
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, sampler: BatchSampler, params: dict[str, Any], env: parallel.Dist) -> float:
+    """Mean loss over the same ``eval_batches`` val batches every time."""
+    model.eval()
+    total = torch.zeros((), device=env.device)
+    for i in range(int(params["eval_batches"])):
+        x, y = sampler.batch(i * params["micro_batch"] * env.world, env.rank, env.world)
+        with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device)):
+            total += loss_fn(model, x.to(env.device), y.to(env.device))
+    model.train()
+    return float(parallel.all_reduce_mean(total / int(params["eval_batches"]), env))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def local_dataset(uri: str) -> Path:
+    """The dataset folder on local disk (memory-mapping needs files; S3 is downloaded once per node)."""
+    if not storage.is_s3(uri):
+        storage.require_complete(uri)
+        return Path(uri)
+    cache = Path(tempfile.gettempdir()) / "llm-pipeline-datasets" / uri.replace("s3://", "").replace("/", "_")
+    marker = cache / storage.SUCCESS_MARKER
+    if not marker.exists():
+        # one download per node: ranks of a node race to the same folder, so download then rename
+        staging = Path(tempfile.mkdtemp(prefix=cache.name, dir=cache.parent if cache.parent.exists() else None))
+        storage.download_tree(uri, staging)
+        storage.download(storage.join(uri, storage.SUCCESS_MARKER), staging / storage.SUCCESS_MARKER)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            staging.rename(cache)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)  # another rank won the race
+    return cache
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    params = step_params("train", args.overrides)
+    env = parallel.init_distributed()
+    try:
+        return _train(args, params, env)
+    finally:
+        parallel.shutdown()
+
+
+def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist) -> dict[str, Any]:
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+    dataset_dir = local_dataset(args.dataset)
+    train_split, val_split = open_split(dataset_dir, "train"), open_split(dataset_dir, "val")
+    config = model_config(params, train_split.vocab_size)
+    check_data(train_split, config, "train")
+    check_data(val_split, config, "val")
+    train_sampler = BatchSampler(train_split.tokens, config.seq_len, params["micro_batch"], params["seed"])
+    val_sampler = BatchSampler(val_split.tokens, config.seq_len, params["micro_batch"], params["seed"] + 1)
+    check_fits(config, params, env, train_sampler)
+
+    seed_everything(int(params["seed"]))
+    gpt = GPT(config)
+    gpt.activation_checkpointing = bool(params["activation_checkpointing"])
+    model = parallel.wrap(gpt, params["engine"], env)
+    optimizer = build_optimizer(model, params)
+    checkpointer = Checkpointer(args.checkpoints, int(params["keep_last"]), bool(params["async_checkpoint"]), env.rank)
+
+    state: dict[str, Any] = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "val_loss": None, "best_val_loss": None}
+    latest = checkpointer.latest()
+    if latest is not None:
+        state.update(checkpointer.load(latest, model, optimizer))
+    tracker = Tracker(env.is_main, params, args.mlflow_run_tag)
+    tracker.start(config, env, resumed_from=latest.uri if latest else None, dataset=args.dataset)
+
+    max_steps, accum = int(params["max_steps"]), int(params["grad_accum"])
+    global_batch = params["micro_batch"] * accum * env.world
+    tokens_per_step = global_batch * config.seq_len
+    log.info(
+        "training %s (%.2fM params) engine=%s world=%d on %s: %d steps x %d tokens, from step %d",
+        params["preset"], config.num_params() / 1e6, params["engine"], env.world, env.device, max_steps,
+        tokens_per_step, state["step"],
+    )
+    window_start, window_tokens, data_seconds, window_steps = time.perf_counter(), 0, 0.0, 0
+    train_start = time.perf_counter()
+    started_step = state["step"]
+    loss_value = float("nan")
+    while state["step"] < max_steps:
+        step = state["step"]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, params)
+        step_loss = torch.zeros((), device=env.device)
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            x, y = train_sampler.batch(state["samples_seen"] + micro * params["micro_batch"] * env.world, env.rank, env.world)
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            data_seconds += time.perf_counter() - t0
+            with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device)):
+                loss = loss_fn(model, x, y)
+            (loss / accum).backward()
+            step_loss += loss.detach() / accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(params["grad_clip"]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] = step + 1
+        state["samples_seen"] += global_batch
+        state["tokens_seen"] += tokens_per_step
+        window_tokens += tokens_per_step
+        window_steps += 1
+
+        if state["step"] % int(params["log_every"]) == 0 or state["step"] == max_steps:
+            loss_value = float(parallel.all_reduce_mean(step_loss, env))
+            elapsed = time.perf_counter() - window_start
+            rate = window_tokens / elapsed
+            done = state["step"] - started_step
+            eta = (max_steps - state["step"]) * (time.perf_counter() - train_start) / max(done, 1)
+            metrics = {
+                "loss": loss_value,
+                "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": rate,
+                "step_time_s": elapsed / window_steps,
+                "data_loading_share": data_seconds / elapsed,
+                "checkpoint_time_s": checkpointer.blocking_seconds,
+                "epoch": train_sampler.epoch_of(state["samples_seen"]),
+            }
+            log.info(
+                "step %d/%d loss %.4f lr %.2e %.0f tok/s step %.3fs data %.1f%% ETA %.0fs",
+                state["step"], max_steps, loss_value, metrics["lr"], rate, metrics["step_time_s"],
+                100 * metrics["data_loading_share"], eta,
+            )
+            tracker.log_metrics(metrics, state["step"])
+            window_start, window_tokens, data_seconds, window_steps = time.perf_counter(), 0, 0.0, 0
+
+        last = state["step"] == max_steps
+        if state["step"] % int(params["eval_every"]) == 0 or last:
+            state["val_loss"] = evaluate(model, val_sampler, params, env)
+            if state["best_val_loss"] is None or state["val_loss"] < state["best_val_loss"]:
+                state["best_val_loss"] = state["val_loss"]
+            log.info("step %d val_loss %.4f", state["step"], state["val_loss"])
+            tracker.log_metrics({"val_loss": state["val_loss"]}, state["step"])
+        if state["step"] % int(params["checkpoint_every"]) == 0 or last:
+            checkpointer.save(model, optimizer, state)
+    checkpointer.wait()
+
+    final_loss = loss_value if not math.isnan(loss_value) else float(state.get("final_loss", float("nan")))
+    state["final_loss"] = final_loss
+    seconds = time.perf_counter() - train_start
+    trained_tokens = (state["step"] - started_step) * tokens_per_step
+    result = export_model(model, config, train_split, args, state, env, tracker)
+    result.update(
+        final_loss=final_loss,
+        val_loss=state["val_loss"],
+        tokens_seen=state["tokens_seen"],
+        steps=state["step"],
+        tokens_per_s=trained_tokens / seconds if trained_tokens else 0.0,
+        checkpoints=[c.uri for c in _complete(args.checkpoints)],
+        resumed_from=latest.uri if latest else None,
+        world_size=env.world,
+        engine=params["engine"],
+    )
+    tracker.finish(result)
+    # every process reports rank 0's result (each pod of an Indexed Job hands one to Airflow)
+    return parallel.broadcast_object(result, env)
+
+
+def _complete(root: str) -> list[Any]:
+    from tasks.lib.checkpoint import list_complete
+
+    return list_complete(root)
+
+
+def export_model(
+    model: torch.nn.Module, config: GPTConfig, split: TokenSplit, args: argparse.Namespace,
+    state: dict[str, Any], env: parallel.Dist, tracker: Tracker,
+) -> dict[str, Any]:
+    """Gather the full weights on rank 0 and publish model.pt + config.json at ``--output``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not env.is_main:
+        return {"model_uri": args.output}
+    with storage.staged_output(args.output) as out:
+        torch.save(full, out / "model.pt")
+        description = {
+            "architecture": "gpt",
+            "config": config.to_dict(),
+            "tokenizer_uri": split.tokenizer_uri,
+            "tokenizer_hash": split.tokenizer_hash,
+            "eos_id": split.eos_id,
+            "dataset_uri": args.dataset,
+            "step": state["step"],
+            "tokens_seen": state["tokens_seen"],
+        }
+        (out / "config.json").write_text(json.dumps(description, indent=1, sort_keys=True))
+        tracker.log_model_files(out)
+    return {"model_uri": args.output, "model_file": storage.join(args.output, "model.pt"), "mlflow_run_id": tracker.run_id}
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    load_params()  # fail early on a broken params file
+    return train(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = step_parser("train", __doc__.splitlines()[0])
+    p.add_argument("--dataset", required=True, help="URI of the tokenize step's dataset folder")
+    p.add_argument("--checkpoints", required=True, help="run-scoped URI for DCP checkpoints (resumed from)")
+    p.add_argument("--output", required=True, help="run-scoped URI for the consolidated model")
+    p.add_argument("--mlflow-run-tag", default="", help="tag value (dag_run) that names this DAG run's MLflow run")
+    return p
+
+
+if __name__ == "__main__":
+    run_step(parser(), main)
