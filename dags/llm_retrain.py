@@ -1,4 +1,4 @@
-"""Retrain the language model: snapshot -> validate -> tokenize -> (train -> evaluate -> register
+"""Retrain the language model: snapshot -> validate -> tokenize -> train (-> evaluate -> register
 -> export -> deploy, as later steps land).
 
 This file only wires steps. Each step is ``python -m tasks.<step>`` run by the launcher in
@@ -12,7 +12,7 @@ import datetime as dt
 
 from airflow.sdk import DAG, Param
 
-from launcher import mapped_step, run_output_uri, shard_arguments, step
+from launcher import distributed_step, mapped_step, run_output_uri, shard_arguments, step
 from pipeline_params import pipeline_params
 
 params = pipeline_params()
@@ -57,6 +57,10 @@ with DAG(
         "num_shards": Param(
             params["tokenize"]["num_shards"], type="integer", minimum=1, maximum=256,
             description="Parallel tokenization tasks (one pod each in a cluster).",
+        ),
+        "train_max_steps": Param(
+            params["train"]["max_steps"], type="integer", minimum=1,
+            description="Optimizer steps of the train step (the rest of its settings: params.yaml train).",
         ),
         "tokenizer_uri": Param(
             None, type=["null", "string"],
@@ -114,4 +118,21 @@ with DAG(
         ],
     )
 
-    snapshot >> validate >> tokenizer >> shard_args >> encode >> merge
+    train_params = params["train"]
+    train = distributed_step(
+        "train",
+        "tasks.train",
+        [
+            "--dataset", result("tokenize_merge", "dataset_uri"),
+            # run-scoped: a retry or a restarted worker resumes from the newest complete checkpoint
+            "--checkpoints", run_output_uri("train/checkpoints"),
+            "--output", run_output_uri("train/model"),
+            "--mlflow-run-tag", "{{ dag.dag_id }}/{{ run_id }}",
+            "--set", "max_steps={{ params.train_max_steps }}",
+        ],
+        nodes=train_params["nodes"],
+        procs_per_node=train_params["procs_per_node"],
+        max_restarts=train_params["max_restarts"],
+    )
+
+    snapshot >> validate >> tokenizer >> shard_args >> encode >> merge >> train

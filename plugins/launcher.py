@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
 import signal
+import socket
 import subprocess
 import tempfile
-from collections import deque
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +65,8 @@ class LocalStepOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("arguments", "env_vars")
     ui_color = "#e8f4e8"
+    # when one process of a multi-process step fails, how long the others get to notice
+    peer_grace_s = 60.0
 
     def __init__(
         self,
@@ -74,17 +80,26 @@ class LocalStepOperator(BaseOperator):
         self.module = module
         self.arguments = arguments or []
         self.env_vars = env_vars or {}
-        self._proc: subprocess.Popen[str] | None = None
+        self._procs: list[subprocess.Popen[str]] = []
 
     def argv(self) -> list[str]:
         return [runtime_python(), "-m", self.module, *map(str, self.arguments)]
 
+    def commands(self, context: Any) -> list[list[str]]:
+        """The processes of this step: one here, one per node for distributed steps."""
+        return [self.argv()]
+
+    def process_env(self) -> dict[str, str]:
+        return {**os.environ, **self.env_vars}
+
     def execute(self, context: Any) -> Any:
         with tempfile.TemporaryDirectory(prefix="step-result-") as scratch:
             result_path = Path(scratch) / "return.json"
-            env = {**os.environ, **self.env_vars, "STEP_RESULT_PATH": str(result_path)}
-            self.log.info("running %s", " ".join(self.argv()))
-            returncode, error_line = self._run(env)
+            env = {**self.process_env(), "STEP_RESULT_PATH": str(result_path)}
+            commands = self.commands(context)
+            for command in commands:
+                self.log.info("running %s", " ".join(command))
+            returncode, error_line = self._run(commands, env)
             if returncode == BAD_INPUT_EXIT_CODE:
                 # bad input does not get better by retrying
                 raise AirflowFailException(error_line or f"{self.module}: bad input (exit {returncode})")
@@ -92,33 +107,106 @@ class LocalStepOperator(BaseOperator):
                 raise AirflowException(f"{self.module} exited with {returncode}: {error_line}")
             return json.loads(result_path.read_text()) if result_path.exists() else None
 
-    def _run(self, env: dict[str, str]) -> tuple[int, str]:
-        """Stream the step's output into the task log; return its exit code and error line."""
-        tail: deque[str] = deque(maxlen=1)
-        error_line = ""
-        self._proc = subprocess.Popen(
-            self.argv(),
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,
-        )
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            line = line.rstrip("\n")
-            self.log.info("%s", line)
-            tail.append(line)
-            if line.startswith("ERROR "):
+    def _run(self, commands: list[list[str]], env: dict[str, str]) -> tuple[int, str]:
+        """Stream every process's output into the task log; return the first failure's exit
+        code (0 if all succeeded) and the line that explains it."""
+        lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        self._procs = []
+        for index, command in enumerate(commands):
+            proc = subprocess.Popen(
+                command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True, bufsize=1, start_new_session=True,
+            )
+            self._procs.append(proc)
+            threading.Thread(target=_pump, args=(proc, index, lines), daemon=True).start()
+        prefix = len(commands) > 1
+        open_streams, last_line, error_line = len(commands), "", ""
+        failed_at: float | None = None
+        while open_streams:
+            try:
+                index, line = lines.get(timeout=1.0)
+            except queue.Empty:
+                failed_at = self._stop_peers_after_failure(failed_at)
+                continue
+            if line is None:
+                open_streams -= 1
+                continue
+            self.log.info("%s%s", f"[node {index}] " if prefix else "", line)
+            last_line = line
+            if line.startswith("ERROR ") and not error_line:
                 error_line = line
-        returncode = self._proc.wait()
-        return returncode, error_line or (tail[0] if tail else "")
+        codes = [proc.wait() for proc in self._procs]
+        failures = [code for code in codes if code != 0]
+        return (failures[0] if failures else 0), error_line or last_line
+
+    def _stop_peers_after_failure(self, failed_at: float | None) -> float | None:
+        if not any(p.poll() not in (None, 0) for p in self._procs):
+            return failed_at
+        now = time.monotonic()
+        if failed_at is None:
+            return now
+        if now - failed_at > self.peer_grace_s:
+            self.on_kill()
+        return failed_at
 
     def on_kill(self) -> None:
-        if self._proc and self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
+        for proc in self._procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+
+
+def _pump(proc: subprocess.Popen[str], index: int, lines: queue.Queue[tuple[int, str | None]]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.put((index, line.rstrip("\n")))
+    lines.put((index, None))
+
+
+class LocalTorchrunOperator(LocalStepOperator):
+    """A multi-node step on one machine: one ``torchrun`` agent per node, like separate hosts,
+    meeting through c10d rendezvous on 127.0.0.1 (gloo on CPUs)."""
+
+    def __init__(self, *, nodes: int, procs_per_node: int, max_restarts: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.nodes, self.procs_per_node, self.max_restarts = nodes, procs_per_node, max_restarts
+
+    def commands(self, context: Any) -> list[list[str]]:
+        port = _free_port()
+        ti = context.get("ti") if context else None
+        # a fresh rendezvous per attempt: a retry must not meet the ghosts of the failed one
+        rdzv_id = f"{getattr(ti, 'run_id', 'local')}-{getattr(ti, 'try_number', 0)}-{port}"
+        torchrun = str(Path(runtime_python()).parent / "torchrun")
+        return [
+            [
+                torchrun,
+                f"--nnodes={self.nodes}",
+                f"--nproc-per-node={self.procs_per_node}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id={re.sub(r'[^A-Za-z0-9_.-]', '-', rdzv_id)}",
+                f"--max-restarts={self.max_restarts}",
+                "-m",
+                self.module,
+                *map(str, self.arguments),
+            ]
+            for _ in range(self.nodes)
+        ]
+
+    def process_env(self) -> dict[str, str]:
+        processes = self.nodes * self.procs_per_node
+        return {
+            **super().process_env(),
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes)),
+            # a node that restarts must not look for the store on the agent that died
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
@@ -203,6 +291,60 @@ def mapped_step(
     Airflow dynamic task mapping; one pod each in the cluster, one process each locally."""
     operator_cls, kwargs = _operator(task_id, module, kind, env_vars, **operator_kwargs)
     return operator_cls.partial(**kwargs).expand(arguments=argument_lists)
+
+
+def distributed_step(
+    task_id: str,
+    module: str,
+    arguments: list[str],
+    *,
+    nodes: int,
+    procs_per_node: int,
+    max_restarts: int,
+    kind: str = "gpu",
+    env_vars: dict[str, str] | None = None,
+    **operator_kwargs: Any,
+) -> BaseOperator:
+    """A ``torchrun`` step over ``nodes`` x ``procs_per_node`` processes: an Indexed Job with a
+    rendezvous Service in a cluster, ``nodes`` local torchrun agents on 127.0.0.1 otherwise."""
+    env_vars = {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
+    if launcher_mode() == "kubernetes":
+        from k8s_job import TorchrunJobOperator
+        from kubernetes.client import models as k8s
+
+        cluster = pipeline_params()["launcher"]["kubernetes"]
+        training = cluster["training"]
+        kwargs = _pod_kwargs(task_id, module, kind)
+        resources = {key: dict(value) for key, value in cluster["kinds"][kind]["resources"].items()}
+        for bound in resources.values():  # one GPU per process of a node
+            if "nvidia.com/gpu" in bound:
+                bound["nvidia.com/gpu"] = str(procs_per_node)
+        kwargs["container_resources"] = k8s.V1ResourceRequirements(**resources)
+        return TorchrunJobOperator(
+            task_id=task_id,
+            module=module,
+            arguments=arguments,
+            env_vars=env_vars,
+            nodes=nodes,
+            procs_per_node=procs_per_node,
+            max_restarts=max_restarts,
+            rdzv_port=training["rdzv_port"],
+            queue_name=training["queue_name"],
+            priority_class=training["priority_class"],
+            ttl_seconds_after_finished=training["ttl_after_finished_s"],
+            active_deadline_seconds=training["active_deadline_s"],
+            **{**kwargs, **operator_kwargs},
+        )
+    return LocalTorchrunOperator(
+        task_id=task_id,
+        module=module,
+        arguments=arguments,
+        env_vars=env_vars,
+        nodes=nodes,
+        procs_per_node=procs_per_node,
+        max_restarts=max_restarts,
+        **operator_kwargs,
+    )
 
 
 def shard_arguments(arguments: list[str], *, output_root: str, num_shards: str, task_id: str = "shard_plan") -> Any:
