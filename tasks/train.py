@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from tasks.lib import parallel, storage
-from tasks.lib.checkpoint import Checkpointer
+from tasks.lib.checkpoint import TRAINER_FIELDS, Checkpointer
 from tasks.lib.data import BatchSampler, TokenSplit, open_split
 from tasks.lib.errors import StepError
 from tasks.lib.model import GPT, GPTConfig
@@ -57,12 +57,6 @@ def check_data(split: TokenSplit, config: GPTConfig, name: str) -> None:
 
 def check_fits(config: GPTConfig, params: dict[str, Any], env: parallel.Dist, train: BatchSampler) -> None:
     """Refuse a preset/batch that cannot fit memory or the data, before any training step."""
-    global_batch = params["micro_batch"] * params["grad_accum"] * env.world
-    if global_batch > train.windows:
-        raise StepError(
-            f"global batch of {global_batch} sequences exceeds the {train.windows} sequences of "
-            f"{config.seq_len} tokens in the train split"
-        )
     shards = env.world if params["engine"] == "fsdp2" else 1
     state_bytes = config.num_params() * BYTES_PER_PARAM_TRAINING / shards
     # activations kept for backward: ~34 * d_model bytes per token and layer, plus the logits
@@ -79,6 +73,12 @@ def check_fits(config: GPTConfig, params: dict[str, Any], env: parallel.Dist, tr
         raise StepError(
             f"preset {params['preset']} ({config.num_params() / 1e6:.0f}M params) with micro_batch "
             f"{params['micro_batch']} needs ~{need / 2**30:.1f} GiB per process, {available / 2**30:.1f} GiB available"
+        )
+    global_batch = params["micro_batch"] * params["grad_accum"] * env.world
+    if global_batch > train.windows:
+        raise StepError(
+            f"global batch of {global_batch} sequences exceeds the {train.windows} sequences of "
+            f"{config.seq_len} tokens in the train split"
         )
 
 
@@ -175,7 +175,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     optimizer = build_optimizer(model, params)
     checkpointer = Checkpointer(args.checkpoints, int(params["keep_last"]), bool(params["async_checkpoint"]), env.rank)
 
-    state: dict[str, Any] = {"step": 0, "samples_seen": 0, "tokens_seen": 0, "val_loss": None, "best_val_loss": None}
+    state: dict[str, Any] = dict(TRAINER_FIELDS)
     latest = checkpointer.latest()
     if latest is not None:
         state.update(checkpointer.load(latest, model, optimizer))
@@ -186,14 +186,13 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     global_batch = params["micro_batch"] * accum * env.world
     tokens_per_step = global_batch * config.seq_len
     log.info(
-        "training %s (%.2fM params) engine=%s world=%d on %s: %d steps x %d tokens, from step %d",
-        params["preset"], config.num_params() / 1e6, params["engine"], env.world, env.device, max_steps,
-        tokens_per_step, state["step"],
+        "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s: %d steps x %d tokens, from step %d",
+        params["preset"], config.num_params() / 1e6, params["engine"], env.rank, env.world, os.getpid(),
+        env.device, max_steps, tokens_per_step, state["step"],
     )
     window_start, window_tokens, data_seconds, window_steps = time.perf_counter(), 0, 0.0, 0
     train_start = time.perf_counter()
     started_step = state["step"]
-    loss_value = float("nan")
     while state["step"] < max_steps:
         step = state["step"]
         for group in optimizer.param_groups:
@@ -218,7 +217,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         window_steps += 1
 
         if state["step"] % int(params["log_every"]) == 0 or state["step"] == max_steps:
-            loss_value = float(parallel.all_reduce_mean(step_loss, env))
+            loss_value = state["loss"] = float(parallel.all_reduce_mean(step_loss, env))
             elapsed = time.perf_counter() - window_start
             rate = window_tokens / elapsed
             done = state["step"] - started_step
@@ -252,8 +251,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
             checkpointer.save(model, optimizer, state)
     checkpointer.wait()
 
-    final_loss = loss_value if not math.isnan(loss_value) else float(state.get("final_loss", float("nan")))
-    state["final_loss"] = final_loss
+    final_loss = state["loss"]  # the last step always logs, so this is the final step's loss
     seconds = time.perf_counter() - train_start
     trained_tokens = (state["step"] - started_step) * tokens_per_step
     result = export_model(model, config, train_split, args, state, env, tracker)

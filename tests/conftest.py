@@ -1,5 +1,5 @@
-"""Fixtures shared by both halves of the suite (runtime venv: tasks/ stack/; orchestrator
-venv: dags/ plugins/). Only stdlib + pytest here, so it imports in either environment.
+"""Fixtures shared by both halves of the suite (runtime venv: tasks/ stack/ containers/;
+orchestrator venv: dags/ plugins/). Helpers live in helpers.py.
 
 Integration fixtures start the real local stack once per session, in a temporary state folder
 and on ports of their own, so a developer's running stack is neither reused nor disturbed.
@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RUNTIME_PY = REPO_ROOT / ".venvs" / "runtime" / "bin" / "python"
-SESSION_DIR = Path(tempfile.mkdtemp(prefix="llm-pipeline-tests-"))
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import (
+    REPO_ROOT,
+    SEED_DOCUMENTS,
+    SEED_END,
+    SEED_URI,
+    SESSION_DIR,
+    TEST_PORTS,
+    run_module,
+    step_result,
+)
 
 # Airflow reads its config at import: point the orchestrator half at a throwaway database.
 os.environ.setdefault("AIRFLOW_HOME", str(REPO_ROOT))
@@ -31,45 +38,10 @@ for path in (REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "dags"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-# Ports of the test stack: apart from the defaults (8333, 9333, 5000, ...) of a dev stack.
-TEST_PORTS = {
-    "s3": 8433,
-    "seaweedfs_master": 9433,
-    "seaweedfs_volume": 18180,
-    "seaweedfs_filer": 18988,
-    "mlflow": 5100,
-    "airflow": 8180,
-}
-
-# Raw demo data the integration tests share: 14 days ending on SEED_END, a week per run.
-SEED_URI = "s3://raw/test-seed"
-SEED_END = "2026-11-21"
-SEED_DOCUMENTS = 3000
 
 
-def run_module(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m MODULE ARGS`` in the runtime venv from the repo root, output captured."""
-    return subprocess.run(
-        [str(RUNTIME_PY), "-m", module, *args],
-        cwd=REPO_ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def step_result(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
-    """The result JSON a step logged (``... result {json}``)."""
-    for line in reversed(proc.stderr.splitlines()):
-        if " result {" in line:
-            loaded: dict[str, object] = json.loads(line.split(" result ", 1)[1])
-            return loaded
-    raise AssertionError(f"no result line; rc={proc.returncode}\n{proc.stderr[-3000:]}")
-
-
-def error_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
-    return [line for line in proc.stderr.splitlines() if line.startswith("ERROR ")]
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -98,3 +70,35 @@ def seeded_raw(stack_env: dict[str, str]) -> str:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return SEED_URI
+
+
+@pytest.fixture(scope="session")
+def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small snapshot of real text: 600 installed docstrings, normalized and de-duplicated."""
+    from tasks import seed
+    from tasks.lib import records
+
+    raw = ({"id": str(i), "text": doc, "source": name, "created_at": "2026-11-01T00:00:00"}
+           for i, (name, doc) in enumerate(seed.documents(600)))
+    result = records.normalize_and_dedup(raw)
+    path = tmp_path_factory.mktemp("snap") / "snapshot.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in result.records))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_uri(snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("tok")
+    proc = run_module(
+        "tasks.tokenize", "prepare", "--snapshot", str(snapshot), "--output", str(root / "prepare"),
+        "--set", "vocab_size=1000", "--set", f"tokenizer_store={root / 'store'}",
+        env={"MLFLOW_TRACKING_URI": ""},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = step_result(proc)
+    assert result["tokenizer_source"] == "trained"
+    assert result["vocab_size"] == 1000 and result["dtype"] == "uint16"
+    assert str(result["tokenizer_uri"]).endswith(f"sha256-{result['tokenizer_hash']}/tokenizer.json")
+    return str(result["tokenizer_uri"])
+
+

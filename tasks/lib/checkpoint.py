@@ -23,10 +23,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_map
 
 from tasks.lib import storage
 from tasks.lib.step import log
 
+# what the training loop keeps besides model and optimizer (DCP needs the keys to load them)
+TRAINER_FIELDS: dict[str, Any] = {
+    "step": 0, "samples_seen": 0, "tokens_seen": 0, "loss": None, "val_loss": None, "best_val_loss": None,
+}
 STEP_RE = re.compile(r"/step-(\d{8})/")
 METADATA = ".metadata"
 META_JSON = "trainer.json"
@@ -88,9 +93,13 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         info = CheckpointInfo(step_uri(self.root, trainer["step"]), trainer["step"], dict(trainer))
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        # the trainer state (step, data position) travels inside the checkpoint: complete together
+        state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer)}
         if self._group is not None:
-            future = dcp.async_save(state, storage_writer=_writer(info.uri), process_group=self._group)
+            # Stage a copy: on CPU dcp.async_save writes the live tensors in the background while
+            # the next optimizer steps update them in place (a resume then diverged by 0.04 loss).
+            staged = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, state)
+            future = dcp.async_save(staged, storage_writer=_writer(info.uri), process_group=self._group)
             self._pending = (future, info)
         else:
             dcp.save(state, storage_writer=_writer(info.uri))
@@ -126,11 +135,12 @@ class Checkpointer:
 
     def load(self, info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": dict(TRAINER_FIELDS)}
         dcp.load(state, storage_reader=_reader(info.uri))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        log.info("resumed from %s (step %d)", info.uri, info.step)
-        return dict(info.trainer)
+        trainer: dict[str, Any] = state["trainer"]
+        log.info("resumed from %s (step %d, %d samples seen)", info.uri, trainer["step"], trainer["samples_seen"])
+        return trainer
 
 
 def load_model_weights(uri: str, model: torch.nn.Module) -> None:

@@ -57,7 +57,7 @@ def wrap(model: nn.Module, engine: str, env: Dist) -> nn.Module:
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
     model.to(env.device)
-    if engine == "single" or (env.world == 1 and engine == "ddp"):
+    if engine == "single" or env.world == 1:  # nothing to shard or synchronize
         return model
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import yaml
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 from tasks.lib.params import load_params
 

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 import pytest
-from conftest import REPO_ROOT, SEED_URI
+from helpers import REPO_ROOT, SEED_URI
 
 HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", "tokenizers")
 ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge"]

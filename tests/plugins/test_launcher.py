@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
-from conftest import REPO_ROOT
+from helpers import REPO_ROOT
 
 import launcher
 

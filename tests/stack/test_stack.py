@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_module
+from helpers import run_module
 
 from tasks.lib import storage
 

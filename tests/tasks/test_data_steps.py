@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import RUNTIME_PY, error_lines, run_module, step_result
+from helpers import RUNTIME_PY, error_lines, run_module, step_result
 
 from tasks.lib import storage
 

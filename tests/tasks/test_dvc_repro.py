@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO_ROOT, RUNTIME_PY, SEED_URI
+from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI
 
 pytestmark = pytest.mark.integration
 

@@ -7,52 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import error_lines, run_module, step_result
+from helpers import error_lines, run_module, step_result, tokenize
 
-from tasks import seed
 from tasks.lib import records, tokens
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small snapshot of real text: 600 installed docstrings, normalized and de-duplicated."""
-    raw = ({"id": str(i), "text": doc, "source": name, "created_at": "2026-11-01T00:00:00"}
-           for i, (name, doc) in enumerate(seed.documents(600)))
-    result = records.normalize_and_dedup(raw)
-    path = tmp_path_factory.mktemp("snap") / "snapshot.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in result.records))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer_uri(snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = tmp_path_factory.mktemp("tok")
-    proc = run_module(
-        "tasks.tokenize", "prepare", "--snapshot", str(snapshot), "--output", str(root / "prepare"),
-        "--set", "vocab_size=1000", "--set", f"tokenizer_store={root / 'store'}",
-        env={"MLFLOW_TRACKING_URI": ""},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = step_result(proc)
-    assert result["tokenizer_source"] == "trained"
-    assert result["vocab_size"] == 1000 and result["dtype"] == "uint16"
-    assert str(result["tokenizer_uri"]).endswith(f"sha256-{result['tokenizer_hash']}/tokenizer.json")
-    return str(result["tokenizer_uri"])
-
-
-def tokenize(snapshot: Path, tokenizer: str, out: Path, num_shards: int) -> dict[str, object]:
-    for i in range(num_shards):
-        proc = run_module(
-            "tasks.tokenize", "encode", "--snapshot", str(snapshot), "--tokenizer", tokenizer,
-            "--shard-index", str(i), "--num-shards", str(num_shards), "--output", str(out / "shards" / f"{i:05d}"),
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_module(
-        "tasks.tokenize", "merge", "--snapshot", str(snapshot), "--tokenizer", tokenizer,
-        "--num-shards", str(num_shards), "--shards", str(out / "shards"), "--output", str(out / "dataset"),
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return step_result(proc)
 
 
 @pytest.mark.parametrize(("vocab", "dtype"), [(1000, np.uint16), (65536, np.uint16), (65537, np.uint32)])

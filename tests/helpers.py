@@ -1,0 +1,84 @@
+"""Helpers of the test suite (both environments: stdlib + pytest only at import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RUNTIME_PY = REPO_ROOT / ".venvs" / "runtime" / "bin" / "python"
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="llm-pipeline-tests-"))
+
+# Ports of the test stack: apart from the defaults (8333, 9333, 5000, ...) of a dev stack.
+TEST_PORTS = {
+    "s3": 8433,
+    "seaweedfs_master": 9433,
+    "seaweedfs_volume": 18180,
+    "seaweedfs_filer": 18988,
+    "mlflow": 5100,
+    "airflow": 8180,
+}
+
+# Raw demo data the integration tests share: 14 days ending on SEED_END, a week per run.
+SEED_URI = "s3://raw/test-seed"
+SEED_END = "2026-11-21"
+SEED_DOCUMENTS = 3000
+
+
+def run_module(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS`` in the runtime venv from the repo root, output captured."""
+    return subprocess.run(
+        [str(RUNTIME_PY), "-m", module, *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def step_result(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
+    """The result JSON a step logged (``... result {json}``)."""
+    for line in reversed(proc.stderr.splitlines()):
+        if " result {" in line:
+            loaded: dict[str, object] = json.loads(line.split(" result ", 1)[1])
+            return loaded
+    raise AssertionError(f"no result line; rc={proc.returncode}\n{proc.stderr[-3000:]}")
+
+
+def error_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("ERROR ")]
+
+
+
+def tokenize(snapshot: Path, tokenizer: str, out: Path, num_shards: int) -> dict[str, object]:
+    for i in range(num_shards):
+        proc = run_module(
+            "tasks.tokenize", "encode", "--snapshot", str(snapshot), "--tokenizer", tokenizer,
+            "--shard-index", str(i), "--num-shards", str(num_shards), "--output", str(out / "shards" / f"{i:05d}"),
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_module(
+        "tasks.tokenize", "merge", "--snapshot", str(snapshot), "--tokenizer", tokenizer,
+        "--num-shards", str(num_shards), "--shards", str(out / "shards"), "--output", str(out / "dataset"),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return step_result(proc)
+
+
+
+def write_dataset(root: Path, tokens: Any, vocab: int, claimed: int | None = None) -> Path:
+    """A hand-made dataset folder (for the checks that must reject it)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        tokens.tofile(root / f"{split}.bin")
+    index = {"dtype": tokens.dtype.name, "vocab_size": vocab, "eos_id": 0, "tokenizer_uri": "t", "tokenizer_hash": "h",
+             "splits": {s: {"tokens": claimed if claimed is not None else len(tokens), "bin": f"{s}.bin"}
+                        for s in ("train", "val")}}
+    (root / "index.json").write_text(json.dumps(index))
+    (root / "_SUCCESS").write_text("{}")  # as if committed by the tokenize step
+    return root

@@ -1,0 +1,93 @@
+"""The GPT and the training data sampler (unit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import write_dataset
+
+from tasks.lib.data import BatchSampler, open_split
+from tasks.lib.errors import StepError
+from tasks.lib.model import GPT, GPTConfig
+
+TINY = GPTConfig(vocab_size=97, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+
+
+def test_forward_shapes_and_tied_head() -> None:
+    model = GPT(TINY)
+    logits = model(torch.randint(0, 97, (3, 16)))
+    assert logits.shape == (3, 16, 97)
+    assert model.head.weight is model.embed.weight
+    assert sum(p.numel() for p in model.parameters()) == TINY.num_params()
+
+
+def test_attention_is_causal() -> None:
+    torch.manual_seed(0)
+    model = GPT(TINY).eval()
+    ids = torch.randint(0, 97, (1, 16))
+    changed = ids.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 97
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    assert torch.allclose(a[0, :10], b[0, :10], atol=1e-6)
+    assert not torch.allclose(a[0, 10:], b[0, 10:])
+
+
+def test_loss_starts_near_uniform_and_a_step_lowers_it() -> None:
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    x = torch.randint(0, 97, (4, 16))
+    loss = model.loss(x[:, :-1], x[:, 1:])
+    assert abs(loss.item() - np.log(97)) < 0.3
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(5):
+        opt.zero_grad()
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+    assert model.loss(x[:, :-1], x[:, 1:]).item() < loss.item() - 0.5
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"n_heads": 5}, "not divisible"), ({"n_heads": 32}, "must be even")])
+def test_bad_configs_are_rejected(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**{**TINY.to_dict(), **kwargs})
+
+
+def test_longer_input_than_seq_len_is_an_error() -> None:
+    with pytest.raises(ValueError, match="exceeds seq_len"):
+        GPT(TINY)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def stream(n: int) -> np.memmap:  # type: ignore[type-arg]
+    return np.arange(n, dtype=np.uint16)  # type: ignore[return-value]
+
+
+def test_global_sample_sequence_is_independent_of_world_size() -> None:
+    sampler = BatchSampler(stream(10_000), seq_len=16, micro_batch=2, seed=7)
+    one = [sampler.batch(seen, 0, 1)[0] for seen in range(0, 40, 2)]
+    two = [torch.cat([sampler.batch(seen, r, 2)[0] for r in range(2)]) for seen in range(0, 40, 4)]
+    assert torch.equal(torch.cat(one), torch.cat(two))
+
+
+def test_batches_are_windows_with_shifted_targets_and_epochs_reshuffle() -> None:
+    sampler = BatchSampler(stream(16 * 5 + 1), seq_len=16, micro_batch=1, seed=3)
+    assert sampler.windows == 5
+    x, y = sampler.batch(0, 0, 1)
+    assert torch.equal(x[0, 1:], y[0, :-1]) and x[0, 0] % 16 == 0
+    first = [int(sampler.batch(g, 0, 1)[0][0, 0]) for g in range(5)]
+    second = [int(sampler.batch(g, 0, 1)[0][0, 0]) for g in range(5, 10)]
+    assert sorted(first) == sorted(second) == [0, 16, 32, 48, 64] and first != second
+
+
+def test_open_split_checks_files_against_the_index(tmp_path: Path) -> None:
+    good = write_dataset(tmp_path / "good", np.arange(100, dtype=np.uint16), 128)
+    assert len(open_split(good, "train").tokens) == 100
+    with pytest.raises(StepError, match=r"no index\.json"):
+        open_split(tmp_path / "nothing", "train")
+    with pytest.raises(StepError, match=r"index\.json says 90 uint16 tokens"):
+        open_split(write_dataset(tmp_path / "short", np.arange(100, dtype=np.uint16), 128, claimed=90), "train")
+    with pytest.raises(StepError, match="empty"):
+        open_split(write_dataset(tmp_path / "empty", np.arange(0, dtype=np.uint16), 128), "train")

@@ -1,0 +1,203 @@
+"""The train step under real torchrun: 2 "nodes" (two agents, c10d rendezvous, gloo) on one
+machine. Reproducibility, resume after a killed worker, resharding, retention, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result, tokenize, write_dataset
+
+from tasks.lib import checkpoint
+from tasks.lib.model import GPT, GPTConfig
+
+TORCHRUN = str(RUNTIME_PY.parent / "torchrun")
+FAST = ["--set", "log_every=5", "--set", "eval_every=10", "--set", "checkpoint_every=10",
+        "--set", "warmup_steps=5", "--set", "micro_batch=2", "--set", "eval_batches=2"]
+NO_MLFLOW = {"MLFLOW_TRACKING_URI": ""}
+
+
+@pytest.fixture(scope="session")
+def dataset(snapshot: Path, tokenizer_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("train-data")
+    tokenize(snapshot, tokenizer_uri, root, 1)
+    return root / "dataset"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_nodes(nodes: int, args: list[str], logs: Path, env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+    """One torchrun agent per node, like separate machines meeting on a rendezvous endpoint."""
+    port = free_port()
+    logs.mkdir(parents=True, exist_ok=True)
+    return [
+        subprocess.Popen(
+            [TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test-{port}", "--max-restarts=2",
+             "-m", "tasks.train", *args],
+            cwd=REPO_ROOT, stdout=(logs / f"node{i}.log").open("wb"), stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})},
+            start_new_session=True,
+        )
+        for i in range(nodes)
+    ]
+
+
+def finish(procs: list[subprocess.Popen[bytes]], logs: Path) -> dict[str, Any]:
+    for proc in procs:
+        proc.wait(timeout=600)
+    text = (logs / "node0.log").read_text()
+    assert all(p.returncode == 0 for p in procs), text[-4000:]
+    line = next(x for x in reversed(text.splitlines()) if " result {" in x)
+    loaded: dict[str, Any] = json.loads(line.split(" result ", 1)[1])
+    return loaded
+
+
+def train(tmp: Path, dataset: Path, nodes: int, steps: int, *extra: str, ckpt: Path | None = None) -> dict[str, Any]:
+    args = ["--dataset", str(dataset), "--checkpoints", str(ckpt or tmp / "ckpt"), "--output", str(tmp / "model"),
+            "--set", f"max_steps={steps}", *FAST, *extra]
+    return finish(start_nodes(nodes, args, tmp / "logs", NO_MLFLOW), tmp / "logs")
+
+
+def weights(model_dir: str) -> dict[str, torch.Tensor]:
+    loaded: dict[str, torch.Tensor] = torch.load(Path(model_dir) / "model.pt", weights_only=True)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def reference(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """An uninterrupted 2-node FSDP2 run of 30 steps, checkpoints every 10."""
+    root = tmp_path_factory.mktemp("reference")
+    return root, train(root, dataset, 2, 30)
+
+
+def test_two_node_fsdp2_trains_and_loss_falls(reference: tuple[Path, dict[str, Any]]) -> None:
+    root, result = reference
+    assert result["world_size"] == 2 and result["engine"] == "fsdp2" and result["steps"] == 30
+    log = (root / "logs" / "node0.log").read_text()
+    losses = [float(x) for x in re.findall(r"step \d+/30 loss ([\d.]+)", log)]
+    uniform = math.log(1000)  # the test tokenizer's vocabulary: loss of a model that knows nothing
+    assert losses[-1] < uniform - 0.8 and losses[-1] < losses[0], losses
+    config = json.loads((Path(result["model_uri"]) / "config.json").read_text())
+    model = GPT(GPTConfig(**config["config"]))
+    model.load_state_dict(weights(result["model_uri"]))  # the consolidated model loads unsharded
+
+
+def test_same_seed_data_and_world_give_bit_identical_weights(
+    reference: tuple[Path, dict[str, Any]], dataset: Path, tmp_path: Path
+) -> None:
+    again = train(tmp_path, dataset, 2, 30)
+    ref, new = weights(reference[1]["model_uri"]), weights(again["model_uri"])
+    assert all(torch.equal(ref[k], new[k]) for k in ref)
+
+
+def test_killed_worker_restarts_and_resumes_to_the_same_result(
+    reference: tuple[Path, dict[str, Any]], dataset: Path, tmp_path: Path
+) -> None:
+    args = ["--dataset", str(dataset), "--checkpoints", str(tmp_path / "ckpt"), "--output", str(tmp_path / "model"),
+            "--set", "max_steps=30", *FAST]
+    procs = start_nodes(2, args, tmp_path / "logs", NO_MLFLOW)
+    node1 = tmp_path / "logs" / "node1.log"
+    deadline = time.monotonic() + 300
+    while "step 15/30" not in node1.read_text(errors="replace"):  # past the step-10 checkpoint
+        assert time.monotonic() < deadline and procs[1].poll() is None, node1.read_text()[-3000:]
+        time.sleep(0.2)
+    worker = psutil.Process(procs[1].pid).children(recursive=True)[0]
+    worker.send_signal(signal.SIGKILL)
+    result = finish(procs, tmp_path / "logs")
+    assert result["resumed_from"] and result["resumed_from"].endswith("step-00000010")
+    assert abs(result["final_loss"] - reference[1]["final_loss"]) < 1e-4
+    ref, new = weights(reference[1]["model_uri"]), weights(result["model_uri"])
+    assert max((ref[k] - new[k]).abs().max().item() for k in ref) < 1e-5
+
+
+def test_checkpoint_of_two_ranks_resumes_on_one_and_back(
+    reference: tuple[Path, dict[str, Any]], dataset: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    # 2 -> 1: continue the reference run's checkpoints in a single process
+    import shutil
+
+    shutil.copytree(reference[0] / "ckpt", ckpt)
+    one = train(tmp_path / "a", dataset, 1, 40, ckpt=ckpt)
+    assert one["world_size"] == 1 and one["resumed_from"].endswith("step-00000030") and one["steps"] == 40
+    # 1 -> 2
+    two = train(tmp_path / "b", dataset, 2, 50, ckpt=ckpt)
+    assert two["world_size"] == 2 and two["resumed_from"].endswith("step-00000040")
+    # and a checkpoint loads without any process group, into a plain model
+    config = GPTConfig(**json.loads((Path(two["model_uri"]) / "config.json").read_text())["config"])
+    plain = GPT(config)
+    checkpoint.load_model_weights(checkpoint.list_complete(str(ckpt))[-1].uri, plain)
+    final = weights(two["model_uri"])
+    assert all(torch.equal(plain.state_dict()[k], final[k]) for k in final)
+
+
+def test_retention_keeps_last_two_and_best(reference: tuple[Path, dict[str, Any]]) -> None:
+    complete = checkpoint.list_complete(str(reference[0] / "ckpt"))
+    steps = [c.step for c in complete]
+    best = min(complete, key=lambda c: c.trainer["val_loss"]).step
+    assert steps[-2:] == [20, 30] and set(steps) == {20, 30, best}
+    assert all((reference[0] / "ckpt" / f"step-{s:08d}" / ".metadata").exists() for s in steps)
+
+
+@pytest.mark.parametrize(
+    ("setup", "extra", "message"),
+    [
+        ("missing", [], "not a complete step output"),
+        ("vocab", [], "token id 200 >= model vocab 100 (dtype/vocab mismatch)"),
+        ("ok", ["--set", "grad_accum=100000"], "sequences exceeds the"),
+        ("ok", ["--set", "preset=gpu-1b", "--set", "micro_batch=64"], "needs ~"),
+        ("ok", ["--set", "preset=nope"], "train.preset 'nope': unknown"),
+    ],
+    ids=["missing-dataset", "vocab-mismatch", "batch-bigger-than-data", "preset-does-not-fit", "unknown-preset"],
+)
+def test_bad_input_fails_before_any_step(
+    dataset: Path, tmp_path: Path, setup: str, extra: list[str], message: str
+) -> None:
+    import numpy as np
+
+    data = {"missing": tmp_path / "none", "ok": dataset,
+            "vocab": write_dataset(tmp_path / "v", np.full(5000, 200, dtype=np.uint16), 100)}[setup]
+    proc = run_module("tasks.train", "--dataset", str(data), "--checkpoints", str(tmp_path / "ckpt"),
+                      "--output", str(tmp_path / "model"), *extra, env=NO_MLFLOW)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in error_lines(proc)[0]
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "model").exists()
+
+
+@pytest.mark.integration
+def test_mlflow_run_per_dag_run_with_metrics_curve_and_model(stack_env: dict[str, str], dataset: Path,
+                                                              tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    tag = f"llm_retrain/test-{time.time_ns()}"
+    args = ["--dataset", str(dataset), "--checkpoints", f"s3://pipeline/tests/{tag}/ckpt",
+            "--output", f"s3://pipeline/tests/{tag}/model", "--mlflow-run-tag", tag, *FAST]
+    first = step_result(run_module("tasks.train", *args, "--set", "max_steps=10"))
+    again = step_result(run_module("tasks.train", *args, "--set", "max_steps=20"))  # a retry that continues
+    assert first["mlflow_run_id"] == again["mlflow_run_id"]
+    assert str(again["resumed_from"]).endswith("step-00000010")
+    client = MlflowClient()
+    run = client.get_run(str(again["mlflow_run_id"]))
+    assert run.data.tags["dag_run"] == tag and run.data.params["engine"] == "fsdp2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10, 15, 20]
+    for metric in ("tokens_per_s", "data_loading_share", "checkpoint_time_s", "val_loss", "step_time_s"):
+        assert metric in run.data.metrics
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"model", ".model-loss.png"} <= artifacts or any(p.endswith("loss.png") for p in artifacts)
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "model")} == {"model/config.json", "model/model.pt"}
