@@ -93,6 +93,7 @@ lint: env
 benchmark: env
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) benchmarks/tokenize.py
+	$(RT_PY) benchmarks/train.py
 
 clean: down
 	rm -rf .stack .airflow

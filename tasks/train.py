@@ -191,6 +191,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         env.device, max_steps, tokens_per_step, state["step"],
     )
     window_start, window_tokens, data_seconds, window_steps = time.perf_counter(), 0, 0.0, 0
+    total_data_seconds = 0.0
     train_start = time.perf_counter()
     started_step = state["step"]
     while state["step"] < max_steps:
@@ -203,6 +204,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
             x, y = train_sampler.batch(state["samples_seen"] + micro * params["micro_batch"] * env.world, env.rank, env.world)
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             data_seconds += time.perf_counter() - t0
+            total_data_seconds += time.perf_counter() - t0
             with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device)):
                 loss = loss_fn(model, x, y)
             (loss / accum).backward()
@@ -261,6 +263,8 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         tokens_seen=state["tokens_seen"],
         steps=state["step"],
         tokens_per_s=trained_tokens / seconds if trained_tokens else 0.0,
+        data_loading_share=total_data_seconds / seconds,
+        checkpoint_share=checkpointer.blocking_seconds / seconds,
         checkpoints=[c.uri for c in _complete(args.checkpoints)],
         resumed_from=latest.uri if latest else None,
         world_size=env.world,

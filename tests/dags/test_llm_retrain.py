@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO_ROOT, SEED_URI
 
 HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", "tokenizers")
-ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge"]
+ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_steps_run_in_order(dag: Any) -> None:
     assert len(dag.tasks) == len(ORDER)
     for upstream, downstream in itertools.pairwise(ORDER):
         assert dag.get_task(upstream).downstream_task_ids == {downstream}
-    assert dag.get_task("tokenize_merge").downstream_task_ids == set()
+    assert dag.get_task("train").downstream_task_ids == set()
 
 
 def test_retries_with_backoff_from_params(dag: Any) -> None:
@@ -71,10 +71,10 @@ def airflow_db() -> None:
 
 
 @pytest.mark.integration
-def test_data_half_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -> None:
+def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -> None:
     run = dag.test(
         logical_date=dt.datetime(2026, 11, 22, tzinfo=dt.UTC),
-        run_conf={"raw_data_uri": SEED_URI, "num_shards": 2},
+        run_conf={"raw_data_uri": SEED_URI, "num_shards": 2, "train_max_steps": 20},
     )
     states = ti_states(run)
     assert run.state == "success", states
@@ -85,6 +85,10 @@ def test_data_half_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) 
     assert merged["tokens"]["train"] > 100_000 and merged["dtype"] == "uint16"
     run_key = run.run_id.replace(":", "-").replace("+", "_")
     assert merged["dataset_uri"] == f"s3://pipeline/runs/llm_retrain/{run_key}/tokenize/dataset"
+    trained = next(ti for ti in run.get_task_instances() if ti.task_id == "train").xcom_pull(task_ids="train")
+    assert trained["world_size"] == 2 and trained["steps"] == 20  # 2 local nodes, FSDP2
+    assert trained["model_uri"] == f"s3://pipeline/runs/llm_retrain/{run_key}/train/model"
+    assert trained["final_loss"] < 8.0 and trained["mlflow_run_id"]
 
 
 @pytest.mark.integration

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -99,7 +100,7 @@ def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:
 
 
 def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Path) -> None:
-    steps = [t for t in cluster_dag.tasks if t.task_id != "shard_plan"]
+    steps = [t for t in cluster_dag.tasks if t.task_id not in ("shard_plan", "train")]
     pods = [pod_of(t) for t in steps]
     assert len(pods) == 5
     validate_strict(pods, tmp_path)
@@ -138,3 +139,69 @@ def test_validator_rejects_an_unknown_field(tmp_path: Path) -> None:
 
 def test_repo_root_is_the_launch_directory() -> None:
     assert (REPO_ROOT / "tasks" / "__init__.py").exists()
+
+
+# -- multi-node training --------------------------------------------------------------------
+
+
+@pytest.fixture
+def dummy_kubeconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """KubernetesJobOperator asks its hook whether it runs in-cluster while building the Job;
+    a kubeconfig file answers that offline (no API server is contacted)."""
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "offline",
+        "clusters": [{"name": "offline", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "offline", "user": {"token": "none"}}],
+        "contexts": [{"name": "offline", "context": {"cluster": "offline", "user": "offline"}}],
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_training_job_and_rendezvous_service_are_valid_kubernetes_1_32(
+    cluster_dag: Any, dummy_kubeconfig: str, tmp_path: Path
+) -> None:
+    from kubernetes.client import ApiClient
+
+    train = cluster_dag.get_task("train")
+    train.config_file = dummy_kubeconfig
+    job = train.build_job_request_obj(None)
+    service = train.build_rendezvous_service(job)
+    objects = [ApiClient().sanitize_for_serialization(o) for o in (job, service)]
+    objects[0].update(apiVersion="batch/v1", kind="Job")
+    validate_strict(objects, tmp_path)
+
+    job_d, service_d = objects
+    spec = job_d["spec"]
+    nodes = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["train"]["nodes"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nodes
+    assert spec["backoffLimit"] == 0 and spec["suspend"] is True  # Kueue admits the whole gang
+    assert job_d["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "llm-training"
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service_d["metadata"]["name"] and pod["priorityClassName"] == "llm-training"
+    assert pod["restartPolicy"] == "Never"
+    container = pod["containers"][0]
+    assert container["command"] == ["torchrun"]
+    args = container["args"]
+    assert f"--nnodes={nodes}" in args and "--rdzv-backend=c10d" in args
+    assert f"--rdzv-endpoint={service_d['metadata']['name']}.llm-pipeline.svc:29400" in args
+    assert args[args.index("-m") + 1] == "tasks.train"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # the headless Service resolves to the index-0 pod even before it is ready
+    assert service_d["spec"]["clusterIP"] == "None" and service_d["spec"]["publishNotReadyAddresses"] is True
+    assert service_d["spec"]["selector"] == {
+        "llm-pipeline/job": job_d["metadata"]["name"], "batch.kubernetes.io/job-completion-index": "0"}
+    assert spec["template"]["metadata"]["labels"]["llm-pipeline/job"] == job_d["metadata"]["name"]
+
+
+def test_local_training_runs_one_torchrun_agent_per_node() -> None:
+    op = launcher.LocalTorchrunOperator(task_id="t", module="tasks.train", arguments=["--dataset", "d"],
+                                        nodes=2, procs_per_node=1, max_restarts=2)
+    commands = op.commands({})
+    assert len(commands) == 2 and commands[0] == commands[1]
+    command = commands[0]
+    assert command[0].endswith("/torchrun") and "--nnodes=2" in command and "--max-restarts=2" in command
+    assert any(a.startswith("--rdzv-endpoint=127.0.0.1:") for a in command)
+    assert command[-3:] == ["tasks.train", "--dataset", "d"]
+    assert op.process_env()["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
