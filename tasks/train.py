@@ -57,8 +57,13 @@ def check_data(split: TokenSplit, config: GPTConfig, name: str) -> None:
 
 def check_fits(config: GPTConfig, params: dict[str, Any], env: parallel.Dist, train: BatchSampler) -> None:
     """Refuse a preset/batch that cannot fit memory or the data, before any training step."""
-    shards = env.world if params["engine"] == "fsdp2" else 1
-    state_bytes = config.num_params() * BYTES_PER_PARAM_TRAINING / shards
+    fully_sharded = params["engine"] == "fsdp2" or (params["engine"] == "deepspeed" and params["deepspeed_stage"] == 3)
+    if fully_sharded:
+        state_bytes = config.num_params() * BYTES_PER_PARAM_TRAINING / env.world
+    elif params["engine"] == "deepspeed":  # ZeRO-2: weights whole, gradients and optimizer state sharded
+        state_bytes = config.num_params() * (4 + (BYTES_PER_PARAM_TRAINING - 4) / env.world)
+    else:
+        state_bytes = config.num_params() * BYTES_PER_PARAM_TRAINING
     # activations kept for backward: ~34 * d_model bytes per token and layer, plus the logits
     per_token = (34 * config.d_model * config.n_layers) / (4 if params["activation_checkpointing"] else 1)
     act_bytes = params["micro_batch"] * config.seq_len * (per_token + 8 * config.vocab_size)
@@ -158,6 +163,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist) -> dict[str, Any]:
+    if params["engine"] not in parallel.ENGINES:
+        raise StepError(f"train.engine {params['engine']!r}: expected one of {', '.join(parallel.ENGINES)}")
+    if params["engine"] == "deepspeed" and "WORLD_SIZE" not in os.environ:
+        raise StepError("train.engine deepspeed runs under torchrun (no WORLD_SIZE in the environment)")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     dataset_dir = local_dataset(args.dataset)
     train_split, val_split = open_split(dataset_dir, "train"), open_split(dataset_dir, "val")
@@ -171,14 +180,13 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     seed_everything(int(params["seed"]))
     gpt = GPT(config)
     gpt.activation_checkpointing = bool(params["activation_checkpointing"])
-    model = parallel.wrap(gpt, params["engine"], env)
-    optimizer = build_optimizer(model, params)
+    engine = parallel.build_engine(gpt, params["engine"], params, env, lambda m: build_optimizer(m, params))
     checkpointer = Checkpointer(args.checkpoints, int(params["keep_last"]), bool(params["async_checkpoint"]), env.rank)
 
     state: dict[str, Any] = dict(TRAINER_FIELDS)
     latest = checkpointer.latest()
     if latest is not None:
-        state.update(checkpointer.load(latest, model, optimizer))
+        state.update(checkpointer.load(latest, engine))
     tracker = Tracker(env.is_main, params, args.mlflow_run_tag)
     tracker.start(config, env, resumed_from=latest.uri if latest else None, dataset=args.dataset)
 
@@ -196,8 +204,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     started_step = state["step"]
     while state["step"] < max_steps:
         step = state["step"]
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, params)
+        engine.set_lr(lr_at(step, params))
         step_loss = torch.zeros((), device=env.device)
         for micro in range(accum):
             t0 = time.perf_counter()
@@ -206,12 +213,10 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
             data_seconds += time.perf_counter() - t0
             total_data_seconds += time.perf_counter() - t0
             with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device)):
-                loss = loss_fn(model, x, y)
-            (loss / accum).backward()
+                loss = loss_fn(engine.model, x, y)
+            engine.backward(loss, accum)
             step_loss += loss.detach() / accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(params["grad_clip"]))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = engine.step(float(params["grad_clip"]))
         state["step"] = step + 1
         state["samples_seen"] += global_batch
         state["tokens_seen"] += tokens_per_step
@@ -226,7 +231,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
             eta = (max_steps - state["step"]) * (time.perf_counter() - train_start) / max(done, 1)
             metrics = {
                 "loss": loss_value,
-                "lr": optimizer.param_groups[0]["lr"],
+                "lr": lr_at(step, params),
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": rate,
                 "step_time_s": elapsed / window_steps,
@@ -244,19 +249,19 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
 
         last = state["step"] == max_steps
         if state["step"] % int(params["eval_every"]) == 0 or last:
-            state["val_loss"] = evaluate(model, val_sampler, params, env)
+            state["val_loss"] = evaluate(engine.model, val_sampler, params, env)
             if state["best_val_loss"] is None or state["val_loss"] < state["best_val_loss"]:
                 state["best_val_loss"] = state["val_loss"]
             log.info("step %d val_loss %.4f", state["step"], state["val_loss"])
             tracker.log_metrics({"val_loss": state["val_loss"]}, state["step"])
         if state["step"] % int(params["checkpoint_every"]) == 0 or last:
-            checkpointer.save(model, optimizer, state)
+            checkpointer.save(engine, state)
     checkpointer.wait()
 
     final_loss = state["loss"]  # the last step always logs, so this is the final step's loss
     seconds = time.perf_counter() - train_start
     trained_tokens = (state["step"] - started_step) * tokens_per_step
-    result = export_model(model, config, train_split, args, state, env, tracker)
+    result = export_model(engine, config, train_split, args, state, env, tracker)
     result.update(
         final_loss=final_loss,
         val_loss=state["val_loss"],
@@ -282,13 +287,11 @@ def _complete(root: str) -> list[Any]:
 
 
 def export_model(
-    model: torch.nn.Module, config: GPTConfig, split: TokenSplit, args: argparse.Namespace,
+    engine: parallel.Engine, config: GPTConfig, split: TokenSplit, args: argparse.Namespace,
     state: dict[str, Any], env: parallel.Dist, tracker: Tracker,
 ) -> dict[str, Any]:
     """Gather the full weights on rank 0 and publish model.pt + config.json at ``--output``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = engine.full_state_dict()
     if not env.is_main:
         return {"model_uri": args.output}
     with storage.staged_output(args.output) as out:

@@ -9,14 +9,21 @@ run-scoped checkpoint URI (S3 through fsspec, or a local folder).
 - Retention keeps the last ``keep_last`` complete checkpoints plus the best by validation loss.
 - DCP reshards on load: a checkpoint saved by 2 ranks loads on 1 (or without any process group)
   and the reverse.
+- The DeepSpeed engine keeps ZeRO's own partitioned format (``engine.save_checkpoint``): each
+  rank writes to a node-local folder and uploads its own files, then rank 0 writes the same
+  ``.metadata`` completion marker, so listing, resume and retention are shared. It resumes on
+  the same world size (ZeRO partitions are per rank).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.utils._pytree import tree_map
 
 from tasks.lib import storage
+from tasks.lib.parallel import Engine
 from tasks.lib.step import log
 
 # what the training loop keeps besides model and optimizer (DCP needs the keys to load them)
@@ -88,11 +96,19 @@ class Checkpointer:
         complete = list_complete(self.root)
         return complete[-1] if complete else None
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer: dict[str, Any]) -> None:
+    def save(self, engine: Engine, trainer: dict[str, Any]) -> None:
         started = time.perf_counter()
         self.wait()  # one save in flight at a time
         info = CheckpointInfo(step_uri(self.root, trainer["step"]), trainer["step"], dict(trainer))
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        if engine.deepspeed is not None:
+            self._save_deepspeed(engine, info)
+        else:
+            self._save_dcp(engine, info)
+        self.blocking_seconds += time.perf_counter() - started
+
+    def _save_dcp(self, engine: Engine, info: CheckpointInfo) -> None:
+        trainer = info.trainer
+        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
         # the trainer state (step, data position) travels inside the checkpoint: complete together
         state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer)}
         if self._group is not None:
@@ -104,8 +120,29 @@ class Checkpointer:
         else:
             dcp.save(state, storage_writer=_writer(info.uri))
             self._finish(info)
-        self.blocking_seconds += time.perf_counter() - started
 
+    def _deepspeed_dir(self) -> Path:
+        """Where DeepSpeed writes: the checkpoint folder itself, or a node-local stage for S3."""
+        if not storage.is_s3(self.root):
+            return Path(self.root)
+        digest = hashlib.sha256(self.root.encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / "llm-pipeline-deepspeed" / digest
+
+    def _save_deepspeed(self, engine: Engine, info: CheckpointInfo) -> None:
+        local_root, tag = self._deepspeed_dir(), f"step-{info.step:08d}"
+        engine.deepspeed.save_checkpoint(str(local_root), tag=tag, client_state={"trainer": info.trainer})
+        if storage.is_s3(self.root):
+            # each rank uploads the partitions it wrote; rank 0 also the shared model states
+            mine = re.compile(rf"zero_pp_rank_{self.rank}_|^mp_rank_" if self.rank == 0 else rf"zero_pp_rank_{self.rank}_")
+            bucket, key = storage.split_s3(info.uri)
+            for path in sorted((local_root / tag).iterdir()):
+                if mine.search(path.name):
+                    storage.s3_client().upload_file(str(path), bucket, f"{key}/{path.name}")
+        if dist.is_initialized():
+            dist.barrier()
+        if self.rank == 0:
+            _write_json(storage.join(info.uri, METADATA), {"format": "deepspeed", "tag": tag})
+        self._finish(info)
     def wait(self) -> None:
         if self._pending is not None:
             future, info = self._pending
@@ -133,12 +170,27 @@ class Checkpointer:
             if step < newest:  # never touch one that may still be being written
                 storage.delete_tree(step_uri(self.root, step))
 
-    def load(self, info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def load(self, info: CheckpointInfo, engine: Engine) -> dict[str, Any]:
+        if engine.deepspeed is not None:
+            return self._load_deepspeed(info, engine)
+        model, optimizer = engine.model, engine.optimizer
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": dict(TRAINER_FIELDS)}
         dcp.load(state, storage_reader=_reader(info.uri))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         trainer: dict[str, Any] = state["trainer"]
+        log.info("resumed from %s (step %d, %d samples seen)", info.uri, trainer["step"], trainer["samples_seen"])
+        return trainer
+
+    def _load_deepspeed(self, info: CheckpointInfo, engine: Engine) -> dict[str, Any]:
+        local_root, tag = self._deepspeed_dir(), f"step-{info.step:08d}"
+        if storage.is_s3(self.root):
+            for uri in storage.list_files(info.uri):
+                storage.download(uri, local_root / tag / uri.rsplit("/", 1)[1])
+        _, client_state = engine.deepspeed.load_checkpoint(str(local_root), tag=tag)
+        if client_state is None:
+            raise RuntimeError(f"{info.uri}: DeepSpeed could not load this checkpoint")
+        trainer: dict[str, Any] = client_state["trainer"]
         log.info("resumed from %s (step %d, %d samples seen)", info.uri, trainer["step"], trainer["samples_seen"])
         return trainer
 

@@ -3,7 +3,12 @@
 - ``fsdp2`` (default): ``fully_shard`` on every block, then on the root (tied embedding/head
   stay together in the root's group). bf16 parameters with fp32 reduction on accelerators.
 - ``ddp``: ``DistributedDataParallel``, for small models.
+- ``deepspeed``: DeepSpeed ZeRO (stage 2 or 3, ``train.deepspeed_stage``), its config
+  generated from params.yaml; runs on CPUs with gloo too (DeepSpeed's CPU accelerator).
 - ``single``: one process, no wrapper (the baseline the benchmark compares against).
+
+The training loop talks to an :class:`Engine` only: forward, backward, optimizer step, the
+learning rate, the full weights. It never needs to know which wrapper is underneath.
 
 ``torchrun`` sets RANK / WORLD_SIZE / LOCAL_RANK; a plain ``python -m tasks.train`` runs single.
 NCCL on GPUs, gloo on CPUs.
@@ -19,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ENGINES = ("fsdp2", "ddp", "single")
+ENGINES = ("fsdp2", "ddp", "deepspeed", "single")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,77 @@ def init_distributed() -> Dist:
 def use_bf16(device: torch.device) -> bool:
     """bf16 only where it is fast: CUDA with bf16 support (on AVX2 CPUs it is ~19x slower)."""
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+@dataclass
+class Engine:
+    name: str
+    model: nn.Module  # call it for logits: the wrapper's forward runs its hooks
+    optimizer: torch.optim.Optimizer
+    deepspeed: Any = None  # the DeepSpeed engine, when name == "deepspeed"
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def backward(self, loss: torch.Tensor, grad_accum: int) -> None:
+        if self.deepspeed is not None:
+            self.deepspeed.backward(loss)  # scales by its gradient_accumulation_steps itself
+            self.deepspeed.step()  # applies the update only at the accumulation boundary
+        else:
+            (loss / grad_accum).backward()
+
+    def step(self, grad_clip: float) -> float:
+        """Finish an optimizer step (after ``grad_accum`` backward calls); the gradient norm."""
+        if self.deepspeed is not None:
+            norm = self.deepspeed.get_global_grad_norm()  # clipped by DeepSpeed's config
+            return float(norm) if norm is not None else float("nan")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights on CPU (collective: every rank calls it; rank 0 uses the result)."""
+        if self.deepspeed is not None:
+            import deepspeed
+
+            params = list(self.deepspeed.module.parameters())
+            with deepspeed.zero.GatheredParameters(params, enabled=self.deepspeed.zero_optimization_stage() == 3):
+                return {k: v.detach().cpu().clone() for k, v in self.deepspeed.module.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {key: value for key, value in get_model_state_dict(self.model, options=options).items()}  # type: ignore[misc]
+
+
+def deepspeed_config(params: dict[str, Any], env: Dist) -> dict[str, Any]:
+    """DeepSpeed's JSON config, generated from params.yaml ``train``."""
+    return {
+        "train_micro_batch_size_per_gpu": int(params["micro_batch"]),
+        "gradient_accumulation_steps": int(params["grad_accum"]),
+        "gradient_clipping": float(params["grad_clip"]),
+        "zero_optimization": {"stage": int(params["deepspeed_stage"]), "overlap_comm": env.device.type == "cuda"},
+        "bf16": {"enabled": use_bf16(env.device)},
+        "zero_allow_untested_optimizer": True,  # torch AdamW, built by build_optimizer
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(model: nn.Module, name: str, params: dict[str, Any], env: Dist,
+                 make_optimizer: Any) -> Engine:
+    """Wrap ``model`` for ``name`` and build its optimizer with ``make_optimizer(module)``."""
+    if name == "deepspeed":
+        import deepspeed
+
+        model.to(env.device)
+        ds_engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=make_optimizer(model), config=deepspeed_config(params, env)
+        )
+        return Engine(name, ds_engine, ds_optimizer, ds_engine)
+    wrapped = wrap(model, name, env)
+    return Engine(name, wrapped, make_optimizer(wrapped))
 
 
 def wrap(model: nn.Module, engine: str, env: Dist) -> nn.Module:
