@@ -1,5 +1,5 @@
-"""Retrain the language model: snapshot -> validate -> tokenize -> train (-> evaluate -> register
--> export -> deploy, as later steps land).
+"""Retrain the language model: snapshot -> validate -> tokenize -> train -> evaluate -> register
+(-> export -> deploy, as later steps land).
 
 This file only wires steps. Each step is ``python -m tasks.<step>`` run by the launcher in
 ``plugins/launcher.py`` (a pod in a cluster, a local process by default); settings come from
@@ -19,14 +19,18 @@ params = pipeline_params()
 pipeline = params["pipeline"]
 
 
-def result(task_id: str, key: str) -> str:
-    """Template reading one field of an upstream step's result."""
-    return f"{{{{ ti.xcom_pull(task_ids='{task_id}')['{key}'] }}}}"
+def result(task_id: str, *keys: str) -> str:
+    """Template reading one field (``keys``: its path) of an upstream step's result."""
+    path = "".join(f"['{key}']" for key in keys)
+    return f"{{{{ ti.xcom_pull(task_ids='{task_id}'){path} }}}}"
 
 
 # End of the data interval (exclusive): a manual override, else the run's interval end, else
 # the time it was triggered (a run triggered with logical_date=null has no interval).
 END_DATE = "{{ params.end_date or ((data_interval_end or dag_run.run_after) | ds) }}"
+LOGICAL_DATE = "{{ (logical_date or dag_run.run_after) | ds }}"
+# names this DAG run's MLflow run and registered version (retries find them by it)
+MLFLOW_RUN_TAG = "{{ dag.dag_id }}/{{ run_id }}"
 
 with DAG(
     dag_id=pipeline["dag_id"],
@@ -127,7 +131,7 @@ with DAG(
             # run-scoped: a retry or a restarted worker resumes from the newest complete checkpoint
             "--checkpoints", run_output_uri("train/checkpoints"),
             "--output", run_output_uri("train/model"),
-            "--mlflow-run-tag", "{{ dag.dag_id }}/{{ run_id }}",
+            "--mlflow-run-tag", MLFLOW_RUN_TAG,
             "--set", "max_steps={{ params.train_max_steps }}",
         ],
         nodes=train_params["nodes"],
@@ -135,4 +139,29 @@ with DAG(
         max_restarts=train_params["max_restarts"],
     )
 
-    snapshot >> validate >> tokenizer >> shard_args >> encode >> merge >> train
+    # a rejected challenger exits 99: the task is skipped, and so is everything after it
+    evaluate = step(
+        "evaluate",
+        "tasks.evaluate",
+        [
+            "--model", result("train", "model_uri"),
+            "--dataset", result("tokenize_merge", "dataset_uri"),
+            "--output", run_output_uri("evaluate"),
+        ],
+    )
+    register = step(
+        "register",
+        "tasks.register",
+        [
+            "--model", result("train", "model_uri"),
+            "--evaluation", result("evaluate", "report_uri"),
+            "--mlflow-run-tag", MLFLOW_RUN_TAG,
+            "--lineage", "data_version=" + result("snapshot", "data_version", "tag"),
+            "--lineage", "data_content_hash=" + result("snapshot", "data_version", "content_hash"),
+            "--lineage", "dag_id={{ dag.dag_id }}",
+            "--lineage", "dag_run_id={{ run_id }}",
+            "--lineage", "logical_date=" + LOGICAL_DATE,
+        ],
+    )
+
+    snapshot >> validate >> tokenizer >> shard_args >> encode >> merge >> train >> evaluate >> register

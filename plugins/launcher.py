@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from pipeline_params import REPO_ROOT, pipeline_params
 
 # Exit codes of the step contract (tasks/lib/step.py)
 BAD_INPUT_EXIT_CODE = 2
+GATE_REJECTED_EXIT_CODE = 99
 
 # Run-scoped storage key of the DAG run: run ids hold ':' and '+', which S3 clients mangle.
 RUN_KEY = "{{ run_id | replace(':', '-') | replace('+', '_') }}"
@@ -100,12 +101,18 @@ class LocalStepOperator(BaseOperator):
             for command in commands:
                 self.log.info("running %s", " ".join(command))
             returncode, error_line = self._run(commands, env)
+            result = json.loads(result_path.read_text()) if result_path.exists() else None
+            if returncode == GATE_REJECTED_EXIT_CODE:
+                # a gate said no: keep its verdict for people and later tasks, skip what follows
+                if result is not None and context and "ti" in context:
+                    context["ti"].xcom_push(key="return_value", value=result)
+                raise AirflowSkipException(error_line or f"{self.module}: rejected by its gate")
             if returncode == BAD_INPUT_EXIT_CODE:
                 # bad input does not get better by retrying
                 raise AirflowFailException(error_line or f"{self.module}: bad input (exit {returncode})")
             if returncode != 0:
                 raise AirflowException(f"{self.module} exited with {returncode}: {error_line}")
-            return json.loads(result_path.read_text()) if result_path.exists() else None
+            return result
 
     def _run(self, commands: list[list[str]], env: dict[str, str]) -> tuple[int, str]:
         """Stream every process's output into the task log; return the first failure's exit
@@ -133,7 +140,7 @@ class LocalStepOperator(BaseOperator):
                 continue
             self.log.info("%s%s", f"[node {index}] " if prefix else "", line)
             last_line = line
-            if line.startswith("ERROR ") and not error_line:
+            if line.startswith(("ERROR ", "REJECTED ")) and not error_line:
                 error_line = line
         codes = [proc.wait() for proc in self._procs]
         failures = [code for code in codes if code != 0]
@@ -249,6 +256,7 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
         "on_finish_action": cluster["on_finish_action"],
         "startup_timeout_seconds": cluster["startup_timeout_s"],
         "do_xcom_push": True,
+        "skip_on_exit_code": GATE_REJECTED_EXIT_CODE,
         "get_logs": True,
         "log_events_on_failure": True,
     }

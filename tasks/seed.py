@@ -2,7 +2,8 @@
 
 The embedded default has no network, so its corpus is the docstrings of the Python standard
 library and of the packages installed in the runtime environment, read with ``ast`` (nothing is
-imported). Files are visited in sorted order and each document lands on a date chosen by the
+imported). One document in ``heldout_every`` (by id hash) never enters a partition: it goes to
+the held-out evaluation text, written once, which every evaluation reuses. Files are visited in sorted order and each document lands on a date chosen by the
 hash of its id, so the output is deterministic for a given environment. Existing partitions are
 never rewritten (raw data is immutable); a second run only reports them.
 """
@@ -25,6 +26,7 @@ from tasks.lib.params import step_params
 from tasks.lib.step import Progress, log, run_step, step_parser
 
 MIN_DOC_CHARS = 80
+HELDOUT_FILE = "eval.jsonl"
 
 
 def source_roots() -> list[Path]:
@@ -74,11 +76,23 @@ def day_of(doc_id: str, days: list[dt.date]) -> dt.date:
     return days[int(hashlib.sha256(doc_id.encode()).hexdigest()[:8], 16) % len(days)]
 
 
-def build_partitions(days: list[dt.date], max_documents: int) -> dict[dt.date, list[dict[str, Any]]]:
+def is_heldout(doc_id: str, every: int) -> bool:
+    return int(doc_id[6:12], 16) % every == 0
+
+
+def build_partitions(
+    days: list[dt.date], max_documents: int, heldout_every: int
+) -> tuple[dict[dt.date, list[dict[str, Any]]], list[dict[str, Any]]]:
+    """Documents by day, and the held-out ones (never in any partition: the evaluation set)."""
     by_day: dict[dt.date, list[dict[str, Any]]] = {day: [] for day in days}
+    heldout: list[dict[str, Any]] = []
     progress = Progress("seed", max_documents, "docs")
     for name, doc in documents(max_documents):
         doc_id = hashlib.sha1(f"{name}\0{doc}".encode()).hexdigest()[:20]
+        progress.update(1)
+        if is_heldout(doc_id, heldout_every):
+            heldout.append({"id": doc_id, "text": doc, "source": f"python-docstring:{name}"})
+            continue
         day = day_of(doc_id, days)
         created = dt.datetime.combine(day, dt.time(), dt.UTC) + dt.timedelta(
             seconds=int(doc_id[:6], 16) % 86400
@@ -86,8 +100,13 @@ def build_partitions(days: list[dt.date], max_documents: int) -> dict[dt.date, l
         by_day[day].append(
             {"id": doc_id, "text": doc, "source": f"python-docstring:{name}", "created_at": created.isoformat()}
         )
-        progress.update(1)
-    return by_day
+    return by_day, heldout
+
+
+def write_jsonl(uri: str, name: str, rows: list[dict[str, Any]]) -> None:
+    with storage.staged_output(uri) as scratch:
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        (scratch / name).write_text(lines, encoding="utf-8")
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -95,27 +114,31 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     output = args.output or params["output"]
     end = dt.date.fromisoformat(args.end_date or params["end_date"])
     days = records.interval_days(end + dt.timedelta(days=1), int(params["days"]))
+    heldout_uri = args.heldout_output or params["heldout_output"]
     existing = [day for day in days if storage.exists(storage.join(records.partition_uri(output, day), storage.SUCCESS_MARKER))]
-    if len(existing) == len(days):
-        log.info("all %d partitions exist under %s: raw data is immutable, nothing written", len(days), output)
-        return {"output_uri": output, "days": [d.isoformat() for d in days], "written": 0}
-    by_day = build_partitions(days, int(params["max_documents"]))
+    heldout_exists = storage.exists(storage.join(heldout_uri, storage.SUCCESS_MARKER))
+    result = {"output_uri": output, "days": [d.isoformat() for d in days], "heldout_uri": storage.join(heldout_uri, HELDOUT_FILE)}
+    if len(existing) == len(days) and heldout_exists:
+        log.info("all %d partitions and the held-out set exist: raw data is immutable, nothing written", len(days))
+        return {**result, "written": 0}
+    by_day, heldout = build_partitions(days, int(params["max_documents"]), int(params["heldout_every"]))
     written = 0
     for day in days:
-        if day in existing:
-            continue
-        with storage.staged_output(records.partition_uri(output, day)) as scratch:
-            lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in by_day[day])
-            (scratch / "part-00000.jsonl").write_text(lines, encoding="utf-8")
-        written += len(by_day[day])
-    log.info("seeded %d documents into %d partitions under %s", written, len(days) - len(existing), output)
-    return {"output_uri": output, "days": [d.isoformat() for d in days], "written": written}
+        if day not in existing:
+            write_jsonl(records.partition_uri(output, day), "part-00000.jsonl", by_day[day])
+            written += len(by_day[day])
+    if not heldout_exists:
+        write_jsonl(heldout_uri, HELDOUT_FILE, heldout)
+    log.info("seeded %d documents into %d partitions under %s; %d held out for evaluation at %s",
+             written, len(days) - len(existing), output, len(heldout), heldout_uri)
+    return {**result, "written": written}
 
 
 def parser() -> argparse.ArgumentParser:
     p = step_parser("seed", __doc__.splitlines()[0])
     p.add_argument("--output", help="raw data URI (default: seed.output in params.yaml)")
     p.add_argument("--end-date", help="last partition date, YYYY-MM-DD (default: seed.end_date)")
+    p.add_argument("--heldout-output", help="URI of the held-out evaluation text (default: seed.heldout_output)")
     return p
 
 

@@ -17,13 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tasks.lib.errors import StepError
+from tasks.lib.errors import GateRejected, StepError
 
 log = logging.getLogger("tasks")
 
 # Where KubernetesPodOperator's xcom sidecar picks the result up (do_xcom_push=True).
 POD_RESULT_PATH = Path("/airflow/xcom/return.json")
 BAD_INPUT_EXIT_CODE = 2
+GATE_REJECTED_EXIT_CODE = 99  # KubernetesPodOperator skip_on_exit_code / LocalStepOperator: skip downstream
 
 
 def step_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -75,6 +76,10 @@ def run_step(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"ERROR {parser.prog}: {first_line}", file=sys.stderr, flush=True)
         sys.exit(BAD_INPUT_EXIT_CODE)
+    except GateRejected as exc:
+        write_result(exc.result)
+        print(f"REJECTED {parser.prog}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(GATE_REJECTED_EXIT_CODE)
     write_result(result)
     sys.exit(0)
 

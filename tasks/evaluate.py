@@ -1,0 +1,175 @@
+"""Evaluation gate: the challenger (this run's model) against the champion (production).
+
+Both are measured in this step on the same data: the dataset's val split and the fixed held-out
+evaluation text (``evaluate.eval_set_uri``, never trained on, identical across runs): mean
+next-token loss, perplexity, next-token accuracy, and bits per byte on the evaluation text
+(independent of the tokenizer). A few greedy generations from fixed prompts are saved.
+
+Gate (params.yaml ``evaluate``): absolute bounds, and at most ``max_regression`` relative
+perplexity increase over the champion; the first model ever is judged on absolute bounds only.
+A rejection writes the report, then exits 99: the DAG skips everything downstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tasks.lib import storage, tokens
+from tasks.lib.data import open_split
+from tasks.lib.errors import GateRejected, StepError
+from tasks.lib.model import GPT
+from tasks.lib.model_store import CHAMPION, LoadedModel, load_model_dir, load_registered
+from tasks.lib.params import load_params, step_params
+from tasks.lib.step import log, run_step, step_parser
+
+
+@torch.no_grad()
+def stream_metrics(model: GPT, stream: np.ndarray[Any, Any], max_tokens: int, batch: int) -> dict[str, float]:
+    """Loss, perplexity and next-token accuracy over non-overlapping windows of ``stream``."""
+    seq = model.config.seq_len
+    usable = min(len(stream) - 1, max_tokens) // seq * seq
+    if usable < seq:
+        raise StepError(f"only {len(stream)} tokens to evaluate: fewer than one sequence of {seq}")
+    windows = torch.from_numpy(np.asarray(stream[: usable + 1], dtype=np.int64))
+    inputs = windows[:-1].view(-1, seq)
+    targets = windows[1:].view(-1, seq)
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(inputs), batch):
+        logits = model(inputs[start : start + batch]).float()
+        y = targets[start : start + batch]
+        total_loss += torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), reduction="sum").item()
+        correct += int((logits.argmax(-1) == y).sum())
+    loss = total_loss / usable
+    return {"loss": loss, "perplexity": math.exp(loss), "accuracy": correct / usable, "tokens": float(usable),
+            "nats": total_loss}
+
+
+def eval_set_stream(eval_set: Path, tokenizer: Any) -> tuple[np.ndarray[Any, Any], int]:
+    """The held-out texts as one token stream (EOS after each) and their UTF-8 byte count."""
+    texts = [json.loads(line)["text"] for line in eval_set.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        raise StepError(f"{eval_set}: evaluation set is empty")
+    eos = tokenizer.token_to_id(tokens.EOS)
+    ids: list[int] = []
+    for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return np.asarray(ids, dtype=np.int64), sum(len(t.encode("utf-8")) + 1 for t in texts)
+
+
+@torch.no_grad()
+def generate(model: GPT, tokenizer: Any, prompt: str, new_tokens: int) -> str:
+    """Greedy continuation (deterministic, so runs compare)."""
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids], dtype=torch.long)
+    eos = tokenizer.token_to_id(tokens.EOS)
+    for _ in range(new_tokens):
+        next_id = int(model(ids[:, -model.config.seq_len :])[0, -1].argmax())
+        if next_id == eos:
+            break
+        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    text: str = tokenizer.decode(ids[0].tolist())
+    return text
+
+
+def measure(loaded: LoadedModel, val: np.ndarray[Any, Any] | None, eval_set: Path, params: dict[str, Any],
+            scratch: Path) -> dict[str, Any]:
+    tokenizer = tokens.load_tokenizer(loaded.tokenizer_uri, scratch / f"tok-{loaded.description['tokenizer_hash'][:12]}")
+    stream, n_bytes = eval_set_stream(eval_set, tokenizer)
+    held_out = stream_metrics(loaded.model, stream, int(params["max_eval_tokens"]), int(params["batch"]))
+    # bits per byte over the measured windows' share of the text: comparable across tokenizers
+    held_out["bits_per_byte"] = held_out.pop("nats") / math.log(2) / (n_bytes * held_out["tokens"] / len(stream))
+    out: dict[str, Any] = {f"eval_{k}": v for k, v in held_out.items()}
+    if val is not None:
+        val_metrics = stream_metrics(loaded.model, val, int(params["max_eval_tokens"]), int(params["batch"]))
+        val_metrics.pop("nats")
+        out.update({f"val_{k}": v for k, v in val_metrics.items()})
+    out["samples"] = [
+        {"prompt": p, "completion": generate(loaded.model, tokenizer, p, int(params["sample_tokens"]))}
+        for p in params["prompts"]
+    ]
+    return out
+
+
+def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: dict[str, Any]) -> list[str]:
+    """Reasons to reject the challenger (empty: it passes)."""
+    reasons = []
+    if challenger["eval_perplexity"] > params["max_eval_perplexity"]:
+        reasons.append(f"eval perplexity {challenger['eval_perplexity']:.1f} > max {params['max_eval_perplexity']}")
+    if challenger["eval_accuracy"] < params["min_eval_accuracy"]:
+        reasons.append(f"eval next-token accuracy {challenger['eval_accuracy']:.3f} < min {params['min_eval_accuracy']}")
+    if champion is not None:
+        limit = champion["eval_perplexity"] * (1 + params["max_regression"])
+        if challenger["eval_perplexity"] > limit:
+            reasons.append(
+                f"eval perplexity {challenger['eval_perplexity']:.1f} regresses more than "
+                f"{params['max_regression']:.0%} on the champion's {champion['eval_perplexity']:.1f}"
+            )
+    return reasons
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    params = step_params("evaluate", args.overrides)
+    model_name = load_params()["pipeline"]["model_name"]
+    eval_uri = args.eval_set or params["eval_set_uri"]
+    with storage.staged_output(args.output) as out:
+        scratch = out.parent / f".{out.name}-in"
+        scratch.mkdir(parents=True, exist_ok=True)
+        eval_set = storage.download(eval_uri, scratch / "eval.jsonl")
+        eval_sha = storage.sha256_file(Path(eval_set))
+        challenger_model = load_model_dir(args.model, scratch / "challenger")
+        dataset = storage.download_tree(args.dataset, scratch / "dataset")
+        val = open_split(dataset, "val")
+        if val.tokenizer_hash != challenger_model.description["tokenizer_hash"]:
+            raise StepError(f"{args.dataset}: tokenized with {val.tokenizer_hash[:12]}, the model with "
+                            f"{challenger_model.description['tokenizer_hash'][:12]}")
+        challenger = measure(challenger_model, val.tokens, Path(eval_set), params, scratch)
+        champion_model = load_registered(model_name, CHAMPION) if not args.no_champion else None
+        champion = None
+        if champion_model is not None:
+            same_vocab = champion_model.description["tokenizer_hash"] == val.tokenizer_hash
+            champion = measure(champion_model, val.tokens if same_vocab else None, Path(eval_set), params, scratch)
+            champion["registry_version"] = champion_model.description["registry_version"]
+        reasons = judge(challenger, champion, params)
+        report = {
+            "passed": not reasons,
+            "reasons": reasons,
+            "model_uri": args.model,
+            "eval_set_uri": eval_uri,
+            "eval_set_sha256": eval_sha,
+            "challenger": {k: v for k, v in challenger.items() if k != "samples"},
+            "champion": None if champion is None else {k: v for k, v in champion.items() if k != "samples"},
+            "gate": {k: params[k] for k in ("max_eval_perplexity", "min_eval_accuracy", "max_regression")},
+        }
+        (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+        samples = {"challenger": challenger["samples"], "champion": champion["samples"] if champion else None}
+        (out / "samples.json").write_text(json.dumps(samples, indent=1, ensure_ascii=False))
+        shutil.rmtree(scratch)
+    result = {**report, "report_uri": storage.join(args.output, "report.json"),
+              "samples_uri": storage.join(args.output, "samples.json")}
+    log.info("challenger %s; champion %s", json.dumps(report["challenger"]), json.dumps(report["champion"]))
+    if reasons:
+        raise GateRejected("; ".join(reasons), result)
+    log.info("gate passed%s", " (first model: absolute bounds only)" if champion is None else " against the champion")
+    return result
+
+
+def parser() -> argparse.ArgumentParser:
+    p = step_parser("evaluate", __doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="URI of the train step's model folder")
+    p.add_argument("--dataset", required=True, help="URI of the tokenized dataset (its val split is measured)")
+    p.add_argument("--eval-set", help="held-out evaluation text (default: evaluate.eval_set_uri)")
+    p.add_argument("--output", required=True, help="run-scoped URI for report.json and samples.json")
+    p.add_argument("--no-champion", action="store_true", help="judge on absolute bounds only")
+    return p
+
+
+if __name__ == "__main__":
+    run_step(parser(), main)

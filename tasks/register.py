@@ -1,0 +1,149 @@
+"""Register the evaluated model in the MLflow model registry as ``challenger``.
+
+Logs the model with the pytorch flavor (signature, input example, explicit pip requirements,
+this project's ``tasks`` package as code) into the DAG run's MLflow run, registers a version
+whose tags carry the lineage (data version and content hash, tokenizer hash, git commit, DAG id,
+run id, logical date, its evaluation metrics and the champion's it was compared with), and sets
+the ``challenger`` alias. A retry of the same DAG run finds its version by the ``dag_run`` tag
+instead of registering a second one. Promotion to ``champion`` belongs to the canary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tasks.lib import storage
+from tasks.lib.errors import StepError
+from tasks.lib.model_store import CHALLENGER, load_model_dir
+from tasks.lib.params import REPO_ROOT, load_params, step_params
+from tasks.lib.step import log, run_step, step_parser
+
+LINEAGE_KEYS = ("data_version", "data_content_hash", "dag_id", "dag_run_id", "logical_date")
+
+
+def git_commit() -> str:
+    """The code version: set in images at build time, else read from the checkout."""
+    if os.environ.get("PIPELINE_GIT_COMMIT"):
+        return os.environ["PIPELINE_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_tags(items: list[str]) -> dict[str, str]:
+    tags = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in LINEAGE_KEYS:
+            raise StepError(f"--lineage {item!r}: expected KEY=VALUE with KEY one of {', '.join(LINEAGE_KEYS)}")
+        tags[key] = value
+    missing = [k for k in LINEAGE_KEYS if not tags.get(k)]
+    if missing:
+        raise StepError(f"lineage incomplete: missing {', '.join(missing)}")
+    return tags
+
+
+def find_version(client: Any, name: str, dag_run: str) -> Any | None:
+    versions = client.search_model_versions(f"name = '{name}' and tags.dag_run = '{dag_run}'")
+    return max(versions, key=lambda v: int(v.version)) if versions else None
+
+
+def training_run(dag_run: str, experiment: str) -> str:
+    """The DAG run's MLflow run (the train step opened it), or a new one."""
+    import mlflow
+
+    mlflow.set_experiment(experiment)
+    found = mlflow.search_runs(filter_string=f"tags.dag_run = '{dag_run}'", output_format="list")
+    if found:
+        return str(found[0].info.run_id)
+    run_id: str = mlflow.start_run(run_name=f"register {dag_run}", tags={"dag_run": dag_run}).info.run_id
+    mlflow.end_run()
+    return run_id
+
+
+def version_tags(lineage: dict[str, str], description: dict[str, Any], report: dict[str, Any]) -> dict[str, str]:
+    champion = report.get("champion") or {}
+    return {
+        **lineage,
+        "dag_run": lineage["dag_run_tag"],
+        "git_commit": git_commit(),
+        "tokenizer_uri": str(description["tokenizer_uri"]),
+        "tokenizer_hash": str(description["tokenizer_hash"]),
+        "model_description": json.dumps(description, sort_keys=True),
+        "eval_set_sha256": str(report["eval_set_sha256"]),
+        **{f"metric.{k}": f"{v:.6g}" for k, v in report["challenger"].items() if isinstance(v, float)},
+        **{f"champion.{k}": f"{v:.6g}" if isinstance(v, float) else str(v) for k, v in champion.items()},
+    }
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    params = step_params("register", args.overrides)
+    pipeline = load_params()["pipeline"]
+    name = pipeline["model_name"]
+    lineage = parse_tags(args.lineage)
+    lineage["dag_run_tag"] = args.mlflow_run_tag
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        raise StepError("MLFLOW_TRACKING_URI is not set: the registry is an MLflow server")
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.models import infer_signature
+
+    client = MlflowClient()
+    existing = find_version(client, name, args.mlflow_run_tag)
+    if existing is not None:
+        log.info("models:/%s version %s is already registered for %s: reusing it", name, existing.version, args.mlflow_run_tag)
+        client.set_registered_model_alias(name, CHALLENGER, existing.version)
+        return {"model_name": name, "version": str(existing.version), "alias": CHALLENGER, "new": False,
+                "model_uri": f"models:/{name}@{CHALLENGER}"}
+
+    report = storage.read_json(args.evaluation)
+    if not report.get("passed"):
+        raise StepError(f"{args.evaluation}: the evaluation gate did not pass; refusing to register")
+    with tempfile.TemporaryDirectory(prefix="register-") as tmp:
+        loaded = load_model_dir(args.model, Path(tmp))
+        seq = min(16, loaded.model.config.seq_len)
+        example = np.arange(seq, dtype=np.int64).reshape(1, seq) % loaded.model.config.vocab_size
+        with torch.no_grad():
+            logits = loaded.model(torch.from_numpy(example)).numpy()
+        signature = infer_signature(example, logits)
+        run_id = training_run(args.mlflow_run_tag, load_params()["train"]["experiment"])
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pytorch.log_model(
+                pytorch_model=loaded.model,
+                name="registered-model",
+                signature=signature,
+                input_example=example,
+                pip_requirements=list(params["pip_requirements"]),
+                code_paths=[str(REPO_ROOT / "tasks")],
+            )
+            mlflow.log_metrics({f"eval.{k}": v for k, v in report["challenger"].items() if isinstance(v, float)})
+        version = mlflow.register_model(info.model_uri, name, tags=version_tags(lineage, loaded.description, report))
+    client.set_registered_model_alias(name, CHALLENGER, version.version)
+    log.info("registered models:/%s version %s as %s (run %s)", name, version.version, CHALLENGER, run_id)
+    return {"model_name": name, "version": str(version.version), "alias": CHALLENGER, "new": True,
+            "model_uri": f"models:/{name}@{CHALLENGER}", "run_id": run_id}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = step_parser("register", __doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="URI of the train step's model folder")
+    p.add_argument("--evaluation", required=True, help="URI of the evaluate step's report.json")
+    p.add_argument("--mlflow-run-tag", required=True, help="dag_run tag of this DAG run (finds its MLflow run and version)")
+    p.add_argument("--lineage", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"lineage tag, repeated for each of: {', '.join(LINEAGE_KEYS)}")
+    return p
+
+
+if __name__ == "__main__":
+    run_step(parser(), main)
