@@ -126,6 +126,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 input_example=example,
                 pip_requirements=list(params["pip_requirements"]),
                 code_paths=[str(REPO_ROOT / "tasks")],
+                # the module itself (its class from code_paths), not a torch.export graph traced
+                # at the example's fixed shape: loading by alias gives back a GPT of any length
+                serialization_format="pickle",
             )
             mlflow.log_metrics({f"eval.{k}": v for k, v in report["challenger"].items() if isinstance(v, float)})
         version = mlflow.register_model(info.model_uri, name, tags=version_tags(lineage, loaded.description, report))

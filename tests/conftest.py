@@ -26,6 +26,7 @@ from helpers import (
     TEST_PORTS,
     run_module,
     step_result,
+    tokenize,
 )
 
 # Airflow reads its config at import: point the orchestrator half at a throwaway database.
@@ -102,3 +103,8 @@ def tokenizer_uri(snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> s
     return str(result["tokenizer_uri"])
 
 
+@pytest.fixture(scope="session")
+def dataset(snapshot: Path, tokenizer_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("train-data")
+    tokenize(snapshot, tokenizer_uri, root, 1)
+    return root / "dataset"

@@ -14,13 +14,18 @@ RUNTIME_PY = REPO_ROOT / ".venvs" / "runtime" / "bin" / "python"
 SESSION_DIR = Path(tempfile.mkdtemp(prefix="llm-pipeline-tests-"))
 
 # Ports of the test stack: apart from the defaults (8333, 9333, 5000, ...) of a dev stack.
+# TEST_PORT_OFFSET shifts them all, for two checkouts testing at once on one machine.
+_OFFSET = int(os.environ.get("TEST_PORT_OFFSET", "0"))
 TEST_PORTS = {
-    "s3": 8433,
-    "seaweedfs_master": 9433,
-    "seaweedfs_volume": 18180,
-    "seaweedfs_filer": 18988,
-    "mlflow": 5100,
-    "airflow": 8180,
+    name: port + _OFFSET
+    for name, port in {
+        "s3": 8433,
+        "seaweedfs_master": 9433,
+        "seaweedfs_volume": 18180,
+        "seaweedfs_filer": 18988,
+        "mlflow": 5100,
+        "airflow": 8180,
+    }.items()
 }
 
 # Raw demo data the integration tests share: 14 days ending on SEED_END, a week per run.

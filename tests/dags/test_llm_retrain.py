@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import json
+import os
 import subprocess
 import sys
+import urllib.request
 from typing import Any
 
 import pytest
 from helpers import REPO_ROOT, SEED_URI
 
 HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", "tokenizers")
-ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train"]
+ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train", "evaluate",
+         "register"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +42,7 @@ def test_steps_run_in_order(dag: Any) -> None:
     assert len(dag.tasks) == len(ORDER)
     for upstream, downstream in itertools.pairwise(ORDER):
         assert dag.get_task(upstream).downstream_task_ids == {downstream}
-    assert dag.get_task("train").downstream_task_ids == set()
+    assert dag.get_task("register").downstream_task_ids == set()
 
 
 def test_retries_with_backoff_from_params(dag: Any) -> None:
@@ -63,6 +67,10 @@ def ti_states(run: Any) -> dict[str, str]:
     return {ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): ti.state for ti in run.get_task_instances()}
 
 
+def xcom(run: Any, task_id: str) -> Any:
+    return next(ti for ti in run.get_task_instances() if ti.task_id == task_id).xcom_pull(task_ids=task_id)
+
+
 @pytest.fixture(scope="module")
 def airflow_db() -> None:
     from airflow.utils import db
@@ -74,21 +82,53 @@ def airflow_db() -> None:
 def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -> None:
     run = dag.test(
         logical_date=dt.datetime(2026, 11, 22, tzinfo=dt.UTC),
-        run_conf={"raw_data_uri": SEED_URI, "num_shards": 2, "train_max_steps": 20},
+        run_conf={"raw_data_uri": SEED_URI, "num_shards": 2, "train_max_steps": 60},
     )
     states = ti_states(run)
     assert run.state == "success", states
     assert states == {**{t: "success" for t in ORDER if t != "tokenize_shard"},
                       "tokenize_shard[0]": "success", "tokenize_shard[1]": "success"}
-    merged = next(ti for ti in run.get_task_instances() if ti.task_id == "tokenize_merge").xcom_pull(
-        task_ids="tokenize_merge")
+    merged = xcom(run, "tokenize_merge")
     assert merged["tokens"]["train"] > 100_000 and merged["dtype"] == "uint16"
     run_key = run.run_id.replace(":", "-").replace("+", "_")
     assert merged["dataset_uri"] == f"s3://pipeline/runs/llm_retrain/{run_key}/tokenize/dataset"
-    trained = next(ti for ti in run.get_task_instances() if ti.task_id == "train").xcom_pull(task_ids="train")
-    assert trained["world_size"] == 2 and trained["steps"] == 20  # 2 local nodes, FSDP2
+    trained = xcom(run, "train")
+    assert trained["world_size"] == 2 and trained["steps"] == 60  # 2 local nodes, FSDP2
     assert trained["model_uri"] == f"s3://pipeline/runs/llm_retrain/{run_key}/train/model"
     assert trained["final_loss"] < 8.0 and trained["mlflow_run_id"]
+    registered = xcom(run, "register")
+    assert registered["alias"] == "challenger" and registered["new"] is True
+    # the registry as the MLflow REST API reports it (no mlflow client in this environment)
+    url = f"{os.environ['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/registered-models/alias?name=llm-retrain&alias=challenger"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        version = json.loads(resp.read())["model_version"]
+    tags = {t["key"]: t["value"] for t in version["tags"]}
+    assert version["version"] == registered["version"]
+    assert tags["dag_run"] == f"llm_retrain/{run.run_id}"
+    assert tags["data_version"] == "data-2026-11-22" and tags["dag_id"] == "llm_retrain"
+
+
+@pytest.mark.integration
+def test_rejected_challenger_ends_the_run_cleanly(
+    dag: Any, airflow_db: None, seeded_raw: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gate that says no: evaluate and register are skipped, the run itself succeeds."""
+    import yaml
+
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["evaluate"]["max_eval_perplexity"] = 1.5
+    strict = tmp_path / "params.yaml"
+    strict.write_text(yaml.safe_dump(params))
+    monkeypatch.setenv("PIPELINE_PARAMS", str(strict))  # read by every step the run launches
+    run = dag.test(
+        logical_date=dt.datetime(2026, 11, 15, tzinfo=dt.UTC),
+        run_conf={"raw_data_uri": SEED_URI, "train_max_steps": 10},
+    )
+    states = ti_states(run)
+    assert run.state == "success", states
+    assert states["train"] == "success" and states["evaluate"] == "skipped" and states["register"] == "skipped"
+    verdict = xcom(run, "evaluate")
+    assert verdict["passed"] is False and "> max 1.5" in verdict["reasons"][0]
 
 
 @pytest.mark.integration

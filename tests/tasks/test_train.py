@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result, tokenize, write_dataset
+from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result, write_dataset
 
 from tasks.lib import checkpoint
 from tasks.lib.model import GPT, GPTConfig
@@ -26,13 +26,6 @@ TORCHRUN = str(RUNTIME_PY.parent / "torchrun")
 FAST = ["--set", "log_every=5", "--set", "eval_every=10", "--set", "checkpoint_every=10",
         "--set", "warmup_steps=5", "--set", "micro_batch=2", "--set", "eval_batches=2"]
 NO_MLFLOW = {"MLFLOW_TRACKING_URI": ""}
-
-
-@pytest.fixture(scope="session")
-def dataset(snapshot: Path, tokenizer_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("train-data")
-    tokenize(snapshot, tokenizer_uri, root, 1)
-    return root / "dataset"
 
 
 def free_port() -> int:

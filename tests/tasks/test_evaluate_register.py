@@ -1,0 +1,160 @@
+"""Evaluation gate and registration against the real MLflow server (sqlite + artifacts on S3)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from helpers import REPO_ROOT, error_lines, run_module, step_result
+
+pytestmark = pytest.mark.integration
+
+LINEAGE = {"data_version": "data-2026-11-22", "data_content_hash": "c0ffee", "dag_id": "llm_retrain",
+           "dag_run_id": "manual__2026-11-22T00:00:00+00:00", "logical_date": "2026-11-22"}
+
+
+@pytest.fixture(scope="module")
+def registry_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """params.yaml with a model name of this module's own, so other tests' aliases stay apart."""
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["pipeline"]["model_name"] = f"gate-test-{time.time_ns()}"
+    path = tmp_path_factory.mktemp("params") / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return {"PIPELINE_PARAMS": str(path), "MODEL_NAME": params["pipeline"]["model_name"]}
+
+
+@pytest.fixture(scope="module")
+def eval_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Held-out text: installed docstrings the training snapshot (the first 600) never saw."""
+    from tasks import seed
+
+    docs = list(seed.documents(900))[600:]
+    path = tmp_path_factory.mktemp("eval") / "eval.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "text": d}) + "\n" for i, (_, d) in enumerate(docs)))
+    return path
+
+
+def trained(root: Path, dataset: Path, steps: int) -> Path:
+    proc = run_module("tasks.train", "--dataset", str(dataset), "--checkpoints", str(root / "ckpt"),
+                      "--output", str(root / "model"), "--set", f"max_steps={steps}", "--set", "micro_batch=4",
+                      "--set", "warmup_steps=2", "--set", "eval_every=1000", "--set", "checkpoint_every=1000",
+                      env={"MLFLOW_TRACKING_URI": ""})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "model"
+
+
+@pytest.fixture(scope="module")
+def good_model(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return trained(tmp_path_factory.mktemp("good"), dataset, 80)
+
+
+@pytest.fixture(scope="module")
+def poor_model(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return trained(tmp_path_factory.mktemp("poor"), dataset, 3)
+
+
+def evaluate(model: Path, dataset: Path, eval_set: Path, out: Path, env: dict[str, str], *extra: str) -> Any:
+    return run_module("tasks.evaluate", "--model", str(model), "--dataset", str(dataset), "--eval-set",
+                      str(eval_set), "--output", str(out), "--set", "max_eval_tokens=8192", *extra, env=env)
+
+
+def register(model: Path, report: Path, tag: str, env: dict[str, str]) -> Any:
+    lineage = [a for k, v in LINEAGE.items() for a in ("--lineage", f"{k}={v}")]
+    return run_module("tasks.register", "--model", str(model), "--evaluation", str(report),
+                      "--mlflow-run-tag", tag, *lineage, env=env)
+
+
+def test_first_model_passes_on_absolute_bounds_registers_once_and_loads_by_alias(
+    registry_env: dict[str, str], good_model: Path, dataset: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    import mlflow
+    from mlflow import MlflowClient
+
+    proc = evaluate(good_model, dataset, eval_set, tmp_path / "eval", registry_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = step_result(proc)
+    assert report["passed"] is True and report["champion"] is None
+    assert report["challenger"]["eval_perplexity"] < 1000 and 0 < report["challenger"]["eval_accuracy"] < 1
+    samples = json.loads((tmp_path / "eval" / "samples.json").read_text())
+    assert len(samples["challenger"]) == 3 and samples["challenger"][0]["completion"].startswith("Return the number of")
+
+    tag = f"llm_retrain/first-{time.time_ns()}"
+    first = step_result(register(good_model, tmp_path / "eval" / "report.json", tag, registry_env))
+    retry = step_result(register(good_model, tmp_path / "eval" / "report.json", tag, registry_env))
+    assert first["new"] is True and retry["new"] is False and retry["version"] == first["version"]
+
+    client, name = MlflowClient(), registry_env["MODEL_NAME"]
+    assert len(client.search_model_versions(f"name = '{name}'")) == 1
+    version = client.get_model_version_by_alias(name, "challenger")
+    assert version.version == first["version"]
+    tags = version.tags
+    for key, value in LINEAGE.items():
+        assert tags[key] == value
+    assert tags["dag_run"] == tag and len(tags["git_commit"]) == 40
+    assert tags["tokenizer_hash"] == json.loads((good_model / "config.json").read_text())["tokenizer_hash"]
+    assert float(tags["metric.eval_perplexity"]) == pytest.approx(report["challenger"]["eval_perplexity"], rel=1e-5)
+
+    loaded = mlflow.pytorch.load_model(f"models:/{name}@challenger", map_location="cpu")
+    assert type(loaded).__name__ == "GPT"  # the module itself, runnable at any sequence length
+    reference = torch.load(good_model / "model.pt", weights_only=True)
+    assert all(torch.equal(loaded.state_dict()[k], reference[k]) for k in reference)
+    mv = client.get_model_version(name, first["version"])
+    assert mv.source.startswith("models:/")  # a logged model, with signature and requirements
+    info = mlflow.models.get_model_info(f"models:/{name}@challenger")
+    assert info.signature.inputs.to_dict()[0]["tensor-spec"]["dtype"] == "int64"
+
+
+def test_worse_challenger_is_rejected_and_champion_untouched(
+    registry_env: dict[str, str], good_model: Path, poor_model: Path, dataset: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    from mlflow import MlflowClient
+
+    from tasks.lib.model_store import promote_challenger
+
+    # make the good model the champion (what a successful canary does)
+    evaluate(good_model, dataset, eval_set, tmp_path / "e1", registry_env)
+    assert step_result(register(good_model, tmp_path / "e1" / "report.json", f"champ-{time.time_ns()}", registry_env))
+    promoted = promote_challenger(registry_env["MODEL_NAME"])
+    client, name = MlflowClient(), registry_env["MODEL_NAME"]
+    champion_version = promoted["champion"]
+
+    proc = evaluate(poor_model, dataset, eval_set, tmp_path / "e2", registry_env)
+    assert proc.returncode == 99, proc.stderr[-3000:]
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("REJECTED "))
+    assert "regresses more than 5% on the champion" in line
+    report = json.loads((tmp_path / "e2" / "report.json").read_text())
+    assert report["passed"] is False and report["champion"]["registry_version"] == champion_version
+    assert report["challenger"]["eval_perplexity"] > report["champion"]["eval_perplexity"]
+    # the rejected model cannot be registered, and the champion alias did not move
+    refused = register(poor_model, tmp_path / "e2" / "report.json", f"poor-{time.time_ns()}", registry_env)
+    assert refused.returncode == 2 and "did not pass" in error_lines(refused)[0]
+    assert client.get_model_version_by_alias(name, "champion").version == champion_version
+
+
+def test_absolute_bound_rejects_even_without_champion(
+    registry_env: dict[str, str], poor_model: Path, dataset: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    proc = evaluate(poor_model, dataset, eval_set, tmp_path / "e", registry_env, "--no-champion",
+                    "--set", "max_eval_perplexity=50")
+    assert proc.returncode == 99
+    assert "> max 50" in next(x for x in proc.stderr.splitlines() if x.startswith("REJECTED "))
+
+
+def test_promotion_keeps_the_previous_champion_for_rollback(registry_env: dict[str, str]) -> None:
+    from mlflow import MlflowClient
+
+    from tasks.lib.model_store import promote_challenger
+
+    client, name = MlflowClient(), registry_env["MODEL_NAME"]
+    champion = client.get_model_version_by_alias(name, "champion").version
+    first = min(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+    assert str(first) != champion
+    client.set_registered_model_alias(name, "challenger", str(first))
+    moved = promote_challenger(name)
+    again = promote_challenger(name)  # repeating it moves nothing
+    assert moved == again == {"champion": str(first), "previous": champion}
