@@ -147,6 +147,7 @@ with DAG(
             "--model", result("train", "model_uri"),
             "--dataset", result("tokenize_merge", "dataset_uri"),
             "--output", run_output_uri("evaluate"),
+            "--mlflow-run-tag", MLFLOW_RUN_TAG,
         ],
     )
     register = step(

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +117,24 @@ def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: d
     return reasons
 
 
+def log_to_mlflow(dag_run_tag: str, report: dict[str, Any], output: str) -> None:
+    """Metrics, report and samples into the DAG run's MLflow run (the one training opened)."""
+    if not dag_run_tag or not os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    import mlflow
+
+    mlflow.set_experiment(load_params()["train"]["experiment"])
+    found = mlflow.search_runs(filter_string=f"tags.dag_run = '{dag_run_tag}'", output_format="list")
+    if not found:
+        log.warning("no MLflow run tagged dag_run=%s: evaluation logged to storage only", dag_run_tag)
+        return
+    with tempfile.TemporaryDirectory(prefix="evaluate-") as tmp, mlflow.start_run(run_id=found[0].info.run_id):
+        for name in ("report.json", "samples.json"):
+            mlflow.log_artifact(str(storage.download(storage.join(output, name), Path(tmp) / name)), "evaluation")
+        mlflow.log_metrics({f"eval.{k}": v for k, v in report["challenger"].items() if isinstance(v, float)})
+        mlflow.set_tag("evaluation.passed", str(report["passed"]).lower())
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     params = step_params("evaluate", args.overrides)
     model_name = load_params()["pipeline"]["model_name"]
@@ -154,6 +174,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(scratch)
     result = {**report, "report_uri": storage.join(args.output, "report.json"),
               "samples_uri": storage.join(args.output, "samples.json")}
+    log_to_mlflow(args.mlflow_run_tag, report, args.output)
     log.info("challenger %s; champion %s", json.dumps(report["challenger"]), json.dumps(report["champion"]))
     if reasons:
         raise GateRejected("; ".join(reasons), result)
@@ -168,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-set", help="held-out evaluation text (default: evaluate.eval_set_uri)")
     p.add_argument("--output", required=True, help="run-scoped URI for report.json and samples.json")
     p.add_argument("--no-champion", action="store_true", help="judge on absolute bounds only")
+    p.add_argument("--mlflow-run-tag", default="", help="dag_run tag of the MLflow run to log the evaluation into")
     return p
 
 

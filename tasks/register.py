@@ -130,7 +130,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 # at the example's fixed shape: loading by alias gives back a GPT of any length
                 serialization_format="pickle",
             )
-            mlflow.log_metrics({f"eval.{k}": v for k, v in report["challenger"].items() if isinstance(v, float)})
         version = mlflow.register_model(info.model_uri, name, tags=version_tags(lineage, loaded.description, report))
     client.set_registered_model_alias(name, CHALLENGER, version.version)
     log.info("registered models:/%s version %s as %s (run %s)", name, version.version, CHALLENGER, run_id)

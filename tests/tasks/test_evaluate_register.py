@@ -75,18 +75,25 @@ def test_first_model_passes_on_absolute_bounds_registers_once_and_loads_by_alias
     import mlflow
     from mlflow import MlflowClient
 
-    proc = evaluate(good_model, dataset, eval_set, tmp_path / "eval", registry_env)
+    # the DAG run's MLflow run, as the train step opens it
+    tag = f"llm_retrain/first-{time.time_ns()}"
+    mlflow.set_experiment("llm-retrain")
+    with mlflow.start_run(tags={"dag_run": tag}) as training:
+        pass
+    proc = evaluate(good_model, dataset, eval_set, tmp_path / "eval", registry_env, "--mlflow-run-tag", tag)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = {a.path for a in MlflowClient().list_artifacts(training.info.run_id, "evaluation")}
+    assert logged == {"evaluation/report.json", "evaluation/samples.json"}
     report = step_result(proc)
     assert report["passed"] is True and report["champion"] is None
     assert report["challenger"]["eval_perplexity"] < 1000 and 0 < report["challenger"]["eval_accuracy"] < 1
     samples = json.loads((tmp_path / "eval" / "samples.json").read_text())
     assert len(samples["challenger"]) == 3 and samples["challenger"][0]["completion"].startswith("Return the number of")
 
-    tag = f"llm_retrain/first-{time.time_ns()}"
     first = step_result(register(good_model, tmp_path / "eval" / "report.json", tag, registry_env))
     retry = step_result(register(good_model, tmp_path / "eval" / "report.json", tag, registry_env))
     assert first["new"] is True and retry["new"] is False and retry["version"] == first["version"]
+    assert first["run_id"] == training.info.run_id  # registered from the DAG run's own MLflow run
 
     client, name = MlflowClient(), registry_env["MODEL_NAME"]
     assert len(client.search_model_versions(f"name = '{name}'")) == 1

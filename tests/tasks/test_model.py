@@ -91,3 +91,20 @@ def test_open_split_checks_files_against_the_index(tmp_path: Path) -> None:
         open_split(write_dataset(tmp_path / "short", np.arange(100, dtype=np.uint16), 128, claimed=90), "train")
     with pytest.raises(StepError, match="empty"):
         open_split(write_dataset(tmp_path / "empty", np.arange(0, dtype=np.uint16), 128), "train")
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients() -> None:
+    torch.manual_seed(0)
+    plain = GPT(TINY)
+    recomputed = GPT(TINY)
+    recomputed.load_state_dict(plain.state_dict())
+    recomputed.activation_checkpointing = True
+    x = torch.randint(0, 97, (2, 16))
+    losses = []
+    for model in (plain, recomputed):
+        loss = model.loss(x[:, :-1], x[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
