@@ -46,10 +46,11 @@ def local_step(tmp_path: Path, *arguments: str, module: str = "tasks.seed") -> l
 
 
 def test_local_step_returns_the_step_result(tmp_path: Path) -> None:
-    op = local_step(tmp_path, "--output", str(tmp_path / "raw"), "--end-date", "2026-11-02",
-                    "--set", "days=2", "--set", "max_documents=40")
+    op = local_step(tmp_path, "--output", str(tmp_path / "raw"), "--heldout-output", str(tmp_path / "heldout"),
+                    "--end-date", "2026-11-02", "--set", "days=2", "--set", "max_documents=40")
     result = op.execute(context={})
-    assert result["written"] == 40 and result["days"] == ["2026-11-01", "2026-11-02"]
+    heldout = (tmp_path / "heldout" / "eval.jsonl").read_text().splitlines()
+    assert result["written"] + len(heldout) == 40 and result["days"] == ["2026-11-01", "2026-11-02"]
     assert op.argv()[1:3] == ["-m", "tasks.seed"]
 
 
@@ -102,7 +103,7 @@ def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:
 def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Path) -> None:
     steps = [t for t in cluster_dag.tasks if t.task_id not in ("shard_plan", "train")]
     pods = [pod_of(t) for t in steps]
-    assert len(pods) == 5
+    assert len(pods) == 7  # every step but the shard plan (an Airflow task) and train (an Indexed Job)
     validate_strict(pods, tmp_path)
     for pod in pods:
         spec, container = pod["spec"], pod["spec"]["containers"][0]
