@@ -8,6 +8,7 @@ tracker only logs locally (plain ``python -m tasks.train`` on a laptop).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +60,10 @@ class Tracker:
 
         mlflow.log_artifact(str(folder / "config.json"), artifact_path="model")
         mlflow.log_artifact(str(folder / "model.pt"), artifact_path="model")
-        plot = self._loss_plot(folder.parent / f".{folder.name}-loss.png")
-        if plot is not None:
-            mlflow.log_artifact(str(plot))
-            plot.unlink()
+        with tempfile.TemporaryDirectory(prefix="loss-curve-") as tmp:
+            mlflow.log_artifact(str(self._loss_plot(Path(tmp) / "loss_curve.png")))
 
-    def _loss_plot(self, path: Path) -> Path | None:
+    def _loss_plot(self, path: Path) -> Path:
         """The whole run's loss curve (also steps logged before a restart), from the server."""
         import matplotlib
 

@@ -192,7 +192,7 @@ def test_mlflow_run_per_dag_run_with_metrics_curve_and_model(stack_env: dict[str
     for metric in ("tokens_per_s", "data_loading_share", "checkpoint_time_s", "val_loss", "step_time_s"):
         assert metric in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"model", ".model-loss.png"} <= artifacts or any(p.endswith("loss.png") for p in artifacts)
+    assert {"model", "loss_curve.png"} <= artifacts
     assert {a.path for a in client.list_artifacts(run.info.run_id, "model")} == {"model/config.json", "model/model.pt"}
 
 
