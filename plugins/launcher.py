@@ -262,9 +262,14 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
     }
 
 
+def step_env(env_vars: dict[str, str] | None) -> dict[str, str]:
+    """The environment every step gets on top of its own: unbuffered output, for live logs."""
+    return {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
+
+
 def _operator(task_id: str, module: str, kind: str, env_vars: dict[str, str] | None, **extra: Any) -> tuple[type[BaseOperator], dict[str, Any]]:
     """The operator class of the configured mode and its keyword arguments (no ``arguments``)."""
-    env_vars = {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
+    env_vars = step_env(env_vars)
     if launcher_mode() == "kubernetes":
         from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 
@@ -315,7 +320,7 @@ def distributed_step(
 ) -> BaseOperator:
     """A ``torchrun`` step over ``nodes`` x ``procs_per_node`` processes: an Indexed Job with a
     rendezvous Service in a cluster, ``nodes`` local torchrun agents on 127.0.0.1 otherwise."""
-    env_vars = {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
+    env_vars = step_env(env_vars)
     if launcher_mode() == "kubernetes":
         from k8s_job import TorchrunJobOperator
         from kubernetes.client import models as k8s

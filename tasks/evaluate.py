@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from tasks.lib.model import GPT
 from tasks.lib.model_store import CHAMPION, LoadedModel, load_model_dir, load_registered
 from tasks.lib.params import load_params, step_params
 from tasks.lib.step import log, run_step, step_parser
+from tasks.lib.tracking import find_dag_run
 
 
 @torch.no_grad()
@@ -123,12 +123,11 @@ def log_to_mlflow(dag_run_tag: str, report: dict[str, Any], output: str) -> None
         return
     import mlflow
 
-    mlflow.set_experiment(load_params()["train"]["experiment"])
-    found = mlflow.search_runs(filter_string=f"tags.dag_run = '{dag_run_tag}'", output_format="list")
-    if not found:
+    run_id = find_dag_run(load_params()["train"]["experiment"], dag_run_tag)
+    if run_id is None:
         log.warning("no MLflow run tagged dag_run=%s: evaluation logged to storage only", dag_run_tag)
         return
-    with tempfile.TemporaryDirectory(prefix="evaluate-") as tmp, mlflow.start_run(run_id=found[0].info.run_id):
+    with tempfile.TemporaryDirectory(prefix="evaluate-") as tmp, mlflow.start_run(run_id=run_id):
         for name in ("report.json", "samples.json"):
             mlflow.log_artifact(str(storage.download(storage.join(output, name), Path(tmp) / name)), "evaluation")
         mlflow.log_metrics({f"eval.{k}": v for k, v in report["challenger"].items() if isinstance(v, float)})
@@ -139,9 +138,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     params = step_params("evaluate", args.overrides)
     model_name = load_params()["pipeline"]["model_name"]
     eval_uri = args.eval_set or params["eval_set_uri"]
-    with storage.staged_output(args.output) as out:
-        scratch = out.parent / f".{out.name}-in"
-        scratch.mkdir(parents=True, exist_ok=True)
+    with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         eval_set = storage.download(eval_uri, scratch / "eval.jsonl")
         eval_sha = storage.sha256_file(Path(eval_set))
         challenger_model = load_model_dir(args.model, scratch / "challenger")
@@ -171,7 +168,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
         samples = {"challenger": challenger["samples"], "champion": champion["samples"] if champion else None}
         (out / "samples.json").write_text(json.dumps(samples, indent=1, ensure_ascii=False))
-        shutil.rmtree(scratch)
     result = {**report, "report_uri": storage.join(args.output, "report.json"),
               "samples_uri": storage.join(args.output, "samples.json")}
     log_to_mlflow(args.mlflow_run_tag, report, args.output)

@@ -26,6 +26,7 @@ from tasks.lib.errors import StepError
 from tasks.lib.model_store import CHALLENGER, load_model_dir
 from tasks.lib.params import REPO_ROOT, load_params, step_params
 from tasks.lib.step import log, run_step, step_parser
+from tasks.lib.tracking import find_dag_run
 
 LINEAGE_KEYS = ("data_version", "data_content_hash", "dag_id", "dag_run_id", "logical_date")
 
@@ -63,10 +64,9 @@ def training_run(dag_run: str, experiment: str) -> str:
     """The DAG run's MLflow run (the train step opened it), or a new one."""
     import mlflow
 
-    mlflow.set_experiment(experiment)
-    found = mlflow.search_runs(filter_string=f"tags.dag_run = '{dag_run}'", output_format="list")
-    if found:
-        return str(found[0].info.run_id)
+    existing = find_dag_run(experiment, dag_run)
+    if existing is not None:
+        return existing
     run_id: str = mlflow.start_run(run_name=f"register {dag_run}", tags={"dag_run": dag_run}).info.run_id
     mlflow.end_run()
     return run_id

@@ -23,7 +23,6 @@ import argparse
 import json
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,13 +31,6 @@ from tasks.lib import storage, tokens
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_params, step_params
 from tasks.lib.step import Progress, log, run_step, step_parser
-
-
-def scratch_dir(output: Path, name: str) -> Path:
-    """Downloads go beside the staged output, never inside it."""
-    path = output.parent / f".{output.name}-{name}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def champion_tokenizer(model_name: str) -> str | None:
@@ -70,8 +62,7 @@ def store_tokenizer(tokenizer: Any, store: str) -> tuple[str, str]:
 
 
 def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
-    with storage.staged_output(args.output) as out:
-        scratch = scratch_dir(out, "in")
+    with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         existing = args.tokenizer or champion_tokenizer(load_params()["pipeline"]["model_name"])
         if existing:
             source = "explicit" if args.tokenizer else "champion"
@@ -100,13 +91,11 @@ def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
         # the tokenizer itself beside its description, so dvc.yaml stages can point at a path
         (out / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
         (out / "info.json").write_text(json.dumps(info, indent=1))
-        shutil.rmtree(scratch)
     return info
 
 
 def encode(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
-    with storage.staged_output(args.output) as out:
-        scratch = scratch_dir(out, "in")
+    with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         tokenizer = tokens.load_tokenizer(args.tokenizer, scratch)
         dtype = tokens.token_dtype(tokenizer.get_vocab_size())
         eos = tokenizer.token_to_id(tokens.EOS)
@@ -147,7 +136,6 @@ def encode(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_s": round(total / max(seconds, 1e-9)),
         }
         (out / "stats.json").write_text(json.dumps(stats))
-        shutil.rmtree(scratch)
     log.info("shard %d/%d: %d documents, %d tokens, %.0f tokens/s", args.shard_index, args.num_shards,
              end - start, total, stats["tokens_per_s"])
     return {"shard_uri": args.output, **stats}
@@ -155,8 +143,7 @@ def encode(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
 
 def merge(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
     shard_uris = [storage.join(args.shards, f"{i:05d}") for i in range(args.num_shards)]
-    with storage.staged_output(args.output) as out:
-        scratch = scratch_dir(out, "shards")
+    with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         local = [storage.download_tree(uri, scratch / f"{i:05d}") for i, uri in enumerate(shard_uris)]
         shard_stats = [json.loads((d / "stats.json").read_text()) for d in local]
         tokenizer = tokens.load_tokenizer(args.tokenizer, scratch)
@@ -193,7 +180,6 @@ def merge(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
             "splits": splits,
         }
         (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
-        shutil.rmtree(scratch)
     total = sum(s["tokens"] for s in shard_stats)
     busiest = max(s["seconds"] for s in shard_stats)
     return {

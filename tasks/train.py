@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from tasks.lib import parallel, storage
-from tasks.lib.checkpoint import TRAINER_FIELDS, Checkpointer
+from tasks.lib.checkpoint import TRAINER_FIELDS, Checkpointer, list_complete
 from tasks.lib.data import BatchSampler, TokenSplit, open_split
 from tasks.lib.errors import StepError
 from tasks.lib.model import GPT, GPTConfig
-from tasks.lib.params import load_params, step_params
+from tasks.lib.params import step_params
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import Tracker
 
@@ -270,7 +270,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         tokens_per_s=trained_tokens / seconds if trained_tokens else 0.0,
         data_loading_share=total_data_seconds / seconds,
         checkpoint_share=checkpointer.blocking_seconds / seconds,
-        checkpoints=[c.uri for c in _complete(args.checkpoints)],
+        checkpoints=[c.uri for c in list_complete(args.checkpoints)],
         resumed_from=latest.uri if latest else None,
         world_size=env.world,
         engine=params["engine"],
@@ -278,12 +278,6 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     tracker.finish(result)
     # every process reports rank 0's result (each pod of an Indexed Job hands one to Airflow)
     return parallel.broadcast_object(result, env)
-
-
-def _complete(root: str) -> list[Any]:
-    from tasks.lib.checkpoint import list_complete
-
-    return list_complete(root)
 
 
 def export_model(
@@ -312,7 +306,6 @@ def export_model(
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    load_params()  # fail early on a broken params file
     return train(args)
 
 

@@ -131,8 +131,8 @@ def load_snapshot(uri: str, scratch: Path) -> Any:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     params = step_params("validate", args.overrides)
-    with storage.staged_output(args.output) as out_dir:
-        df = load_snapshot(args.snapshot, out_dir.parent / f".{out_dir.name}-in")
+    with storage.staged_output(args.output) as out_dir, storage.scratch() as scratch:
+        df = load_snapshot(args.snapshot, scratch)
         success, results = run_suite(df, params, out_dir / "report")
         failed = [r for r in results if not r["success"]]
         summary = {

@@ -213,3 +213,10 @@ def staged_output(uri: str) -> Iterator[Path]:
         commit_dir(scratch, uri)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[Path]:
+    """A private temporary folder for a step's downloads, removed however the step ends."""
+    with tempfile.TemporaryDirectory(prefix="step-scratch-") as path:
+        yield Path(path)

@@ -17,6 +17,15 @@ from tasks.lib.parallel import Dist
 from tasks.lib.step import log
 
 
+def find_dag_run(experiment: str, dag_run_tag: str) -> str | None:
+    """The id of the MLflow run tagged ``dag_run=<tag>`` in ``experiment`` (made current)."""
+    import mlflow
+
+    mlflow.set_experiment(experiment)
+    found = mlflow.search_runs(filter_string=f"tags.dag_run = '{dag_run_tag}'", output_format="list")
+    return str(found[0].info.run_id) if found else None
+
+
 class Tracker:
     def __init__(self, is_main: bool, params: dict[str, Any], dag_run_tag: str) -> None:
         self.enabled = is_main and bool(os.environ.get("MLFLOW_TRACKING_URI"))
@@ -30,11 +39,8 @@ class Tracker:
             return
         import mlflow
 
+        existing = find_dag_run(self.params["experiment"], self.dag_run_tag) if self.dag_run_tag else None
         mlflow.set_experiment(self.params["experiment"])
-        existing = None
-        if self.dag_run_tag:
-            found = mlflow.search_runs(filter_string=f"tags.dag_run = '{self.dag_run_tag}'", output_format="list")
-            existing = found[0].info.run_id if found else None
         tags = {"dag_run": self.dag_run_tag, "step": "train"} if self.dag_run_tag else {"step": "train"}
         run = mlflow.start_run(run_id=existing, run_name=None if existing else f"train {self.dag_run_tag}".strip(), tags=tags)
         self.run_id = run.info.run_id
