@@ -14,8 +14,6 @@ import argparse
 import json
 import os
 import subprocess
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,11 +70,13 @@ def training_run(dag_run: str, experiment: str) -> str:
     return run_id
 
 
-def version_tags(lineage: dict[str, str], description: dict[str, Any], report: dict[str, Any]) -> dict[str, str]:
+def version_tags(
+    lineage: dict[str, str], dag_run: str, description: dict[str, Any], report: dict[str, Any]
+) -> dict[str, str]:
     champion = report.get("champion") or {}
     return {
         **lineage,
-        "dag_run": lineage["dag_run_tag"],
+        "dag_run": dag_run,
         "git_commit": git_commit(),
         "tokenizer_uri": str(description["tokenizer_uri"]),
         "tokenizer_hash": str(description["tokenizer_hash"]),
@@ -89,10 +89,9 @@ def version_tags(lineage: dict[str, str], description: dict[str, Any], report: d
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     params = step_params("register", args.overrides)
-    pipeline = load_params()["pipeline"]
-    name = pipeline["model_name"]
+    settings = load_params()
+    name = settings["pipeline"]["model_name"]
     lineage = parse_tags(args.lineage)
-    lineage["dag_run_tag"] = args.mlflow_run_tag
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         raise StepError("MLFLOW_TRACKING_URI is not set: the registry is an MLflow server")
     import mlflow
@@ -110,14 +109,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     report = storage.read_json(args.evaluation)
     if not report.get("passed"):
         raise StepError(f"{args.evaluation}: the evaluation gate did not pass; refusing to register")
-    with tempfile.TemporaryDirectory(prefix="register-") as tmp:
-        loaded = load_model_dir(args.model, Path(tmp))
+    with storage.scratch() as scratch:
+        loaded = load_model_dir(args.model, scratch)
         seq = min(16, loaded.model.config.seq_len)
         example = np.arange(seq, dtype=np.int64).reshape(1, seq) % loaded.model.config.vocab_size
         with torch.no_grad():
             logits = loaded.model(torch.from_numpy(example)).numpy()
         signature = infer_signature(example, logits)
-        run_id = training_run(args.mlflow_run_tag, load_params()["train"]["experiment"])
+        run_id = training_run(args.mlflow_run_tag, settings["train"]["experiment"])
         with mlflow.start_run(run_id=run_id):
             info = mlflow.pytorch.log_model(
                 pytorch_model=loaded.model,
@@ -130,7 +129,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 # at the example's fixed shape: loading by alias gives back a GPT of any length
                 serialization_format="pickle",
             )
-        version = mlflow.register_model(info.model_uri, name, tags=version_tags(lineage, loaded.description, report))
+        version = mlflow.register_model(info.model_uri, name, tags=version_tags(lineage, args.mlflow_run_tag, loaded.description, report))
     client.set_registered_model_alias(name, CHALLENGER, version.version)
     log.info("registered models:/%s version %s as %s (run %s)", name, version.version, CHALLENGER, run_id)
     return {"model_name": name, "version": str(version.version), "alias": CHALLENGER, "new": True,

@@ -142,10 +142,10 @@ def local_dataset(uri: str) -> Path:
     marker = cache / storage.SUCCESS_MARKER
     if not marker.exists():
         # one download per node: ranks of a node race to the same folder, so download then rename
-        staging = Path(tempfile.mkdtemp(prefix=cache.name, dir=cache.parent if cache.parent.exists() else None))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=cache.name, dir=cache.parent))
         storage.download_tree(uri, staging)
         storage.download(storage.join(uri, storage.SUCCESS_MARKER), staging / storage.SUCCESS_MARKER)
-        cache.parent.mkdir(parents=True, exist_ok=True)
         try:
             staging.rename(cache)
         except OSError:
@@ -210,8 +210,9 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
             t0 = time.perf_counter()
             x, y = train_sampler.batch(state["samples_seen"] + micro * params["micro_batch"] * env.world, env.rank, env.world)
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            data_seconds += time.perf_counter() - t0
-            total_data_seconds += time.perf_counter() - t0
+            loading = time.perf_counter() - t0
+            data_seconds += loading
+            total_data_seconds += loading
             with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device)):
                 loss = loss_fn(engine.model, x, y)
             engine.backward(loss, accum)
@@ -219,7 +220,6 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         grad_norm = engine.step(float(params["grad_clip"]))
         state["step"] = step + 1
         state["samples_seen"] += global_batch
-        state["tokens_seen"] += tokens_per_step
         window_tokens += tokens_per_step
         window_steps += 1
 
@@ -265,7 +265,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     result.update(
         final_loss=final_loss,
         val_loss=state["val_loss"],
-        tokens_seen=state["tokens_seen"],
+        tokens_seen=state["samples_seen"] * config.seq_len,
         steps=state["step"],
         tokens_per_s=trained_tokens / seconds if trained_tokens else 0.0,
         data_loading_share=total_data_seconds / seconds,
@@ -298,7 +298,7 @@ def export_model(
             "eos_id": split.eos_id,
             "dataset_uri": args.dataset,
             "step": state["step"],
-            "tokens_seen": state["tokens_seen"],
+            "tokens_seen": state["samples_seen"] * config.seq_len,
         }
         (out / "config.json").write_text(json.dumps(description, indent=1, sort_keys=True))
         tracker.log_model_files(out)

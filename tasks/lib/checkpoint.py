@@ -38,7 +38,7 @@ from tasks.lib.step import log
 
 # what the training loop keeps besides model and optimizer (DCP needs the keys to load them)
 TRAINER_FIELDS: dict[str, Any] = {
-    "step": 0, "samples_seen": 0, "tokens_seen": 0, "loss": None, "val_loss": None, "best_val_loss": None,
+    "step": 0, "samples_seen": 0, "loss": None, "val_loss": None, "best_val_loss": None,
 }
 STEP_RE = re.compile(r"/step-(\d{8})/")
 METADATA = ".metadata"
@@ -87,7 +87,7 @@ def step_uri(root: str, step: int) -> str:
 
 class Checkpointer:
     def __init__(self, root: str, keep_last: int, async_save: bool, rank: int) -> None:
-        self.root, self.keep_last, self.async_save, self.rank = root, keep_last, async_save, rank
+        self.root, self.keep_last, self.rank = root, keep_last, rank
         self._pending: tuple[Any, CheckpointInfo] | None = None  # (Future, info)
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self.blocking_seconds = 0.0  # time the training loop waited on checkpoints
@@ -134,14 +134,13 @@ class Checkpointer:
         if storage.is_s3(self.root):
             # each rank uploads the partitions it wrote; rank 0 also the shared model states
             mine = re.compile(rf"zero_pp_rank_{self.rank}_|^mp_rank_" if self.rank == 0 else rf"zero_pp_rank_{self.rank}_")
-            bucket, key = storage.split_s3(info.uri)
             for path in sorted((local_root / tag).iterdir()):
                 if mine.search(path.name):
-                    storage.s3_client().upload_file(str(path), bucket, f"{key}/{path.name}")
+                    storage.upload(path, storage.join(info.uri, path.name))
         if dist.is_initialized():
             dist.barrier()
         if self.rank == 0:
-            _write_json(storage.join(info.uri, METADATA), {"format": "deepspeed", "tag": tag})
+            storage.write_bytes(storage.join(info.uri, METADATA), json.dumps({"format": "deepspeed", "tag": tag}).encode())
         self._finish(info)
     def wait(self) -> None:
         if self._pending is not None:
@@ -153,8 +152,7 @@ class Checkpointer:
     def _finish(self, info: CheckpointInfo) -> None:
         if self.rank != 0:
             return
-        bucket_key = storage.join(info.uri, META_JSON)
-        _write_json(bucket_key, info.trainer)
+        storage.write_bytes(storage.join(info.uri, META_JSON), json.dumps(info.trainer, sort_keys=True).encode())
         log.info("checkpoint step %d complete: %s", info.step, info.uri)
         self._apply_retention()
 
@@ -201,12 +199,3 @@ def load_model_weights(uri: str, model: torch.nn.Module) -> None:
     dcp.load(state, storage_reader=_reader(uri), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     model.load_state_dict(state["model"])
 
-
-def _write_json(uri: str, payload: dict[str, Any]) -> None:
-    data = json.dumps(payload, sort_keys=True).encode()
-    if storage.is_s3(uri):
-        bucket, key = storage.split_s3(uri)
-        storage.s3_client().put_object(Bucket=bucket, Key=key, Body=data)
-    else:
-        with open(uri, "wb") as fh:
-            fh.write(data)

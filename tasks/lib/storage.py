@@ -117,6 +117,21 @@ def read_json(uri: str) -> Any:
         raise StepError(f"{uri}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write one small object in place (markers, metadata; results go through staged_output)."""
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+        return
+    Path(uri).parent.mkdir(parents=True, exist_ok=True)
+    Path(uri).write_bytes(data)
+
+
+def upload(local_path: Path, uri: str) -> None:
+    bucket, key = split_s3(uri)
+    s3_client().upload_file(str(local_path), bucket, key)
+
+
 def download(uri: str, local_path: Path) -> Path:
     """Copy one file to ``local_path`` (no copy for a local source: its path is returned)."""
     if not is_s3(uri):
@@ -174,11 +189,9 @@ def commit_dir(local_dir: Path, uri: str) -> None:
     manifest = json.dumps(_manifest(local_dir), indent=1, sort_keys=True).encode()
     if is_s3(uri):
         delete_tree(uri)  # leftovers of an earlier, failed attempt
-        bucket, key = split_s3(uri)
         for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
-            rel = path.relative_to(local_dir).as_posix()
-            s3_client().upload_file(str(path), bucket, f"{key.rstrip('/')}/{rel}")
-        s3_client().put_object(Bucket=bucket, Key=f"{key.rstrip('/')}/{SUCCESS_MARKER}", Body=manifest)
+            upload(path, join(uri, path.relative_to(local_dir).as_posix()))
+        write_bytes(join(uri, SUCCESS_MARKER), manifest)
         return
     (local_dir / SUCCESS_MARKER).write_bytes(manifest)
     final = Path(uri)
