@@ -4,6 +4,12 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
 PYTHON ?= python3
+# torch comes from its own index (CPU wheels by default; a CUDA index for GPU machines): PyPI's
+# Linux wheel is the CUDA build (GBs) and PyPI hosts no `+cpu` local versions. Only the torch
+# install sees this index: an extra index on the whole lock costs every lookup a round trip.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+# the one supported interpreter: both locks and the images are resolved for it
+SUPPORTED_PYTHON := 3.11
 RUNTIME := .venvs/runtime
 ORCH := .venvs/orchestrator
 RT_PY := $(RUNTIME)/bin/python
@@ -12,6 +18,7 @@ DEEPSPEED := deepspeed==0.19.8
 # logical date of the run `make pipeline` executes (the seed data covers the 14 days before it)
 PIPELINE_DATE ?= 2026-11-22
 
+comma := ,
 export AIRFLOW_HOME := $(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
@@ -28,6 +35,8 @@ help:
 	@echo "make benchmark  benchmarks/*.py"
 
 .venvs/.system-deps:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != ($(subst .,$(comma),$(SUPPORTED_PYTHON))))' 2>/dev/null || { \
+	  echo "error: PYTHON=$(PYTHON) is $$($(PYTHON) -c 'import platform; print("Python", platform.python_version())' 2>/dev/null || echo 'not runnable'); this project needs Python $(SUPPORTED_PYTHON) (install it, e.g. apt-get install python$(SUPPORTED_PYTHON) python$(SUPPORTED_PYTHON)-venv, then: make test PYTHON=python$(SUPPORTED_PYTHON))" >&2; exit 1; }
 	@command -v git >/dev/null || (apt-get update -qq && apt-get install -y -qq git)
 	@mkdir -p .venvs && touch $@
 
@@ -36,7 +45,10 @@ help:
 $(RUNTIME)/.installed: requirements/runtime.txt .venvs/.system-deps
 	@echo "installing the runtime environment (first time: ~2-5 min)"
 	test -x $(RT_PY) || $(PYTHON) -m venv $(RUNTIME)
-	$(RT_PY) -m pip install -q -r requirements/runtime.txt
+	grep '^torch==' requirements/runtime.txt > $(RUNTIME)/torch.txt
+	grep -v '^torch==' requirements/runtime.txt > $(RUNTIME)/runtime-no-torch.txt
+	$(RT_PY) -m pip install -q --no-deps --index-url $(TORCH_INDEX_URL) -r $(RUNTIME)/torch.txt
+	$(RT_PY) -m pip install -q -r $(RUNTIME)/runtime-no-torch.txt
 	DS_BUILD_OPS=0 $(RT_PY) -m pip install -q --no-build-isolation --no-deps $(DEEPSPEED)
 	$(RT_PY) -m pip check
 	touch $@

@@ -25,10 +25,13 @@ def result(task_id: str, *keys: str) -> str:
     return f"{{{{ ti.xcom_pull(task_ids='{task_id}'){path} }}}}"
 
 
+# Dates read from the DagRun's attributes only: a run triggered without a logical date (the
+# CLI's `dags trigger`, the REST API with "logical_date": null) has None there, while the
+# context leaves the top-level `logical_date`/`data_interval_*` names out altogether.
 # End of the data interval (exclusive): a manual override, else the run's interval end, else
-# the time it was triggered (a run triggered with logical_date=null has no interval).
-END_DATE = "{{ params.end_date or ((data_interval_end or dag_run.run_after) | ds) }}"
-LOGICAL_DATE = "{{ (logical_date or dag_run.run_after) | ds }}"
+# the time it was triggered.
+END_DATE = "{{ params.end_date or ((dag_run.data_interval_end or dag_run.run_after) | ds) }}"
+LOGICAL_DATE = "{{ (dag_run.logical_date or dag_run.run_after) | ds }}"
 # names this DAG run's MLflow run and registered version (retries find them by it)
 MLFLOW_RUN_TAG = "{{ dag.dag_id }}/{{ run_id }}"
 

@@ -34,6 +34,7 @@ os.environ.setdefault("AIRFLOW_HOME", str(REPO_ROOT))
 os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{SESSION_DIR}/airflow.db"
 os.environ["AIRFLOW__LOGGING__BASE_LOG_FOLDER"] = str(SESSION_DIR / "airflow-logs")
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"] = str(SESSION_DIR / "airflow-passwords.json")
 os.environ.setdefault("PIPELINE_LAUNCHER_MODE", "local")
 for path in (REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "dags"):
     if str(path) not in sys.path:
@@ -43,6 +44,14 @@ for path in (REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "dags"):
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     shutil.rmtree(SESSION_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> None:
+    """The session's Airflow database (orchestrator half only: it imports Airflow)."""
+    from airflow.utils import db
+
+    db.initdb()
 
 
 @pytest.fixture(scope="session")

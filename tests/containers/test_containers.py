@@ -4,6 +4,10 @@ that exist and install the locked environments; docker-compose.yaml is well-form
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import yaml
 from helpers import REPO_ROOT
@@ -33,3 +37,44 @@ def test_compose_file_is_well_formed() -> None:
     ports = load_params()["stack"]["ports"]
     assert compose["services"]["seaweedfs"]["ports"] == [f"127.0.0.1:{ports['s3']}:{ports['s3']}"]
     assert compose["services"]["mlflow"]["ports"] == [f"127.0.0.1:{ports['mlflow']}:{ports['mlflow']}"]
+
+
+def test_locks_pin_only_versions_an_index_hosts() -> None:
+    """PyPI never hosts local versions (`torch==2.13.0+cpu`): such a pin stops a fresh install."""
+    for lock in sorted((REPO_ROOT / "requirements").glob("*.txt")):
+        pins = [line for line in lock.read_text().splitlines() if "==" in line and not line.startswith("#")]
+        assert pins, lock.name
+        local = [pin for pin in pins if "+" in pin.split("==", 1)[1]]
+        assert local == [], f"{lock.name}: local versions no index serves: {local}"
+
+
+def test_torch_comes_from_its_own_index_in_the_makefile_and_the_image() -> None:
+    """Both installers take the lock's torch pin from TORCH_INDEX_URL alone (no deps, so the
+    extra index is asked for one page only) and the rest of the lock from the default index."""
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    dockerfile = (REPO_ROOT / "containers" / "Dockerfile.runtime").read_text()
+    for name, text in (("Makefile", makefile), ("Dockerfile.runtime", dockerfile)):
+        torch_install = [line for line in text.splitlines() if "--index-url" in line]
+        assert len(torch_install) == 1 and "--no-deps" in torch_install[0], name
+        assert "TORCH_INDEX_URL" in torch_install[0] and "torch.txt" in torch_install[0], name
+        assert "grep -v '^torch=='" in text, name
+        assert "extra-index-url" not in text, name
+    assert "TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu" in makefile
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+
+
+def test_first_make_step_names_the_interpreter_to_install(tmp_path: Path) -> None:
+    """An unsupported Python stops `make` at once with one line, not a resolver traceback."""
+    shutil.copy(REPO_ROOT / "Makefile", tmp_path / "Makefile")
+    stamp = ".venvs/.system-deps"
+    for python, supported in ((sys.executable, "3.99"), (str(tmp_path / "no-python"), "3.11")):
+        proc = subprocess.run(["make", "-s", stamp, f"PYTHON={python}", f"SUPPORTED_PYTHON={supported}"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode != 0 and len(errors) == 1, proc.stderr
+        assert f"needs Python {supported}" in errors[0] and f"PYTHON={python} is" in errors[0]
+        assert not (tmp_path / stamp).exists()
+    running = ".".join(map(str, sys.version_info[:2]))
+    proc = subprocess.run(["make", "-s", stamp, f"PYTHON={sys.executable}", f"SUPPORTED_PYTHON={running}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and (tmp_path / stamp).exists(), proc.stderr

@@ -71,13 +71,6 @@ def xcom(run: Any, task_id: str) -> Any:
     return next(ti for ti in run.get_task_instances() if ti.task_id == task_id).xcom_pull(task_ids=task_id)
 
 
-@pytest.fixture(scope="module")
-def airflow_db() -> None:
-    from airflow.utils import db
-
-    db.initdb()
-
-
 @pytest.mark.integration
 def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -> None:
     run = dag.test(
