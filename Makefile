@@ -15,7 +15,7 @@ ORCH := .venvs/orchestrator
 RT_PY := $(RUNTIME)/bin/python
 ORCH_PY := $(ORCH)/bin/python
 DEEPSPEED := deepspeed==0.19.8
-# logical date of the run `make pipeline` executes (the seed data covers the 14 days before it)
+# logical date of the first run `make pipeline` executes (the seed data covers the 14 days before it)
 PIPELINE_DATE ?= 2026-11-22
 
 comma := ,
@@ -38,6 +38,8 @@ help:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != ($(subst .,$(comma),$(SUPPORTED_PYTHON))))' 2>/dev/null || { \
 	  echo "error: PYTHON=$(PYTHON) is $$($(PYTHON) -c 'import platform; print("Python", platform.python_version())' 2>/dev/null || echo 'not runnable'); this project needs Python $(SUPPORTED_PYTHON) (install it, e.g. apt-get install python$(SUPPORTED_PYTHON) python$(SUPPORTED_PYTHON)-venv, then: make test PYTHON=python$(SUPPORTED_PYTHON))" >&2; exit 1; }
 	@command -v git >/dev/null || (apt-get update -qq && apt-get install -y -qq git)
+	@# nginx: the router in front of Triton (split_clients between the stable and canary version)
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
 	@mkdir -p .venvs && touch $@
 
 # Runtime environment: what the step images hold. deepspeed builds against the installed torch,
@@ -76,10 +78,15 @@ down:
 status:
 	$(RT_PY) -m stack status
 
+# Each `make pipeline` takes the next data window (PIPELINE_DATE + runs so far, over 7 days), so a
+# second run trains on new data and canaries its model against the first run's champion.
 pipeline: env .airflow/airflow.db
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) -m tasks.seed
-	$(STACK_ENV) && $(ORCH)/bin/airflow dags test llm_retrain $(PIPELINE_DATE)
+	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") + d.timedelta(days=n % 7))') && \
+	  echo "pipeline run for $$date" && $(STACK_ENV) && $(ORCH)/bin/airflow dags test llm_retrain $$date && \
+	  echo $$date >> .stack/pipeline-runs
+	@$(STACK_ENV) && $(RT_PY) -c 'import os, urllib.request as u; print("serving:", u.urlopen(os.environ["ROUTER_URL"] + "/router/state").read().decode())'
 
 # The data half as DVC stages (dvc.yaml), outside Airflow, against the local stack.
 repro: env

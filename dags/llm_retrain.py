@@ -1,5 +1,5 @@
 """Retrain the language model: snapshot -> validate -> tokenize -> train -> evaluate -> register
-(-> export -> deploy, as later steps land).
+-> export -> deploy (a canary on Triton behind the router: promoted to champion, or rolled back).
 
 This file only wires steps. Each step is ``python -m tasks.<step>`` run by the launcher in
 ``plugins/launcher.py`` (a pod in a cluster, a local process by default); settings come from
@@ -168,4 +168,27 @@ with DAG(
         ],
     )
 
+    export = step(
+        "export",
+        "tasks.export",
+        [
+            "--model-version", result("register", "version"),
+            "--output", run_output_uri("export"),
+            "--mlflow-run-tag", MLFLOW_RUN_TAG,
+        ],
+    )
+    # a failed canary is rolled back inside the step and exits 2: the task fails without retries
+    deploy = step(
+        "deploy",
+        "tasks.deploy",
+        [
+            "canary",
+            "--model-version", result("register", "version"),
+            "--export", result("export", "export_uri"),
+            "--output", run_output_uri("deploy"),
+            "--mlflow-run-tag", MLFLOW_RUN_TAG,
+        ],
+    )
+
     snapshot >> validate >> tokenizer >> shard_args >> encode >> merge >> train >> evaluate >> register
+    register >> export >> deploy

@@ -66,7 +66,21 @@ def client_env() -> dict[str, str]:
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port['s3']}",
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port['mlflow']}",
+        # serving: Triton's own endpoints, its model repository, and the router in front of it
+        "TRITON_URL": f"http://127.0.0.1:{port['triton_http']}",
+        "TRITON_METRICS_URL": f"http://127.0.0.1:{port['triton_metrics']}/metrics",
+        "TRITON_REPOSITORY": str(triton_repository()),
+        "ROUTER_URL": f"http://127.0.0.1:{port['router']}",
+        "ROUTER_DIR": str(router_dir()),
     }
+
+
+def triton_repository() -> Path:
+    return state_dir() / "triton" / "models"
+
+
+def router_dir() -> Path:
+    return state_dir() / "router"
 
 
 def write_env_file() -> dict[str, str]:
@@ -264,6 +278,70 @@ def _mlflow_env() -> dict[str, str]:
     }
 
 
+def _pytriton_dir() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def _triton_backends() -> Path:
+    """Triton's backend folder: the wheel's python backend plus the stub built for this
+    interpreter's Python version (the wheel ships one per version beside the backend)."""
+    wheel = _pytriton_dir()
+    python = state_dir() / "triton" / "backends" / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for source in (wheel / "backends" / "python" / "libtriton_python.so",
+                   wheel / "backends" / "python" / "triton_python_backend_utils.py",
+                   wheel / "python_backend_stubs" / version / "triton_python_backend_stub"):
+        link = python / source.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(source)
+    return python.parent
+
+
+def _triton_command() -> list[str]:
+    port = ports()
+    triton_repository().mkdir(parents=True, exist_ok=True)
+    return [
+        str(_pytriton_dir() / "bin" / "tritonserver"),
+        f"--model-repository={triton_repository()}",
+        f"--backend-directory={_triton_backends()}",
+        "--model-control-mode=explicit",  # deploy loads and unloads versions
+        "--strict-readiness=false",
+        "--exit-on-error=false",
+        "--http-address=127.0.0.1", f"--http-port={port['triton_http']}",
+        "--grpc-address=127.0.0.1", f"--grpc-port={port['triton_grpc']}",
+        "--metrics-address=127.0.0.1", f"--metrics-port={port['triton_metrics']}",
+        "--allow-gpu-metrics=false",
+        "--log-verbose=0",
+    ]
+
+
+def _triton_env() -> dict[str, str]:
+    """The python stub links libpython: it must find this interpreter's (a distribution's
+    older libpython of the same minor version breaks it), and import from this venv."""
+    import sysconfig
+
+    libs = [str(sysconfig.get_config_var("LIBDIR")), str(_pytriton_dir().parent.parent / "nvidia_pytriton.libs")]
+    venv_bin = str(Path(sys.executable).parent)
+    return {
+        "LD_LIBRARY_PATH": ":".join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(":"),
+        "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(Path(sysconfig.get_paths()["purelib"])),
+        "TRITON_ORT_THREADS": "1",
+    }
+
+
+def _router_command() -> list[str]:
+    from tasks.lib.router import nginx_binary, write_router_config
+
+    port = ports()
+    conf = write_router_config(router_dir(), port["router"], port["triton_http"])
+    return [nginx_binary(), "-p", str(router_dir()), "-c", str(conf)]
+
+
 def _airflow_env() -> dict[str, str]:
     port = ports()["airflow"]
     return {
@@ -314,6 +392,10 @@ SERVERS = (
         lambda: _http_ok(f"{client_env()['MLFLOW_TRACKING_URI']}/health"),
         start_timeout_s=120,
     ),
+    Server("triton", _triton_command, _triton_env,
+           lambda: _http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60),
+    Server("router", _router_command, dict, lambda: _http_ok(f"{client_env()['ROUTER_URL']}/router/state"),
+           start_timeout_s=20),
 )
 
 

@@ -25,6 +25,10 @@ TEST_PORTS = {
         "seaweedfs_filer": 18988,
         "mlflow": 5100,
         "airflow": 8180,
+        "triton_http": 8200,
+        "triton_grpc": 8201,
+        "triton_metrics": 8202,
+        "router": 8290,
     }.items()
 }
 

@@ -46,7 +46,6 @@ def load_model_dir(uri: str, scratch: Path) -> LoadedModel:
 
 def load_registered(name: str, alias: str) -> LoadedModel | None:
     """``models:/NAME@ALIAS`` with its description, or None when there is no such alias."""
-    import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -54,37 +53,61 @@ def load_registered(name: str, alias: str) -> LoadedModel | None:
         version = MlflowClient().get_model_version_by_alias(name, alias)
     except MlflowException:
         return None
-    model = mlflow.pytorch.load_model(f"models:/{name}@{alias}", map_location="cpu")
-    if not isinstance(model, GPT):
-        raise StepError(f"models:/{name}@{alias} is a {type(model).__name__}, not this project's GPT")
-    description = json.loads(version.tags.get("model_description", "{}"))
-    if not description.get("tokenizer_uri"):
-        raise StepError(f"models:/{name}@{alias} (version {version.version}) has no model_description tag")
-    description["registry_version"] = version.version
-    return LoadedModel(model.eval(), description)
+    return load_version(name, str(version.version))
 
 
-def promote_challenger(name: str) -> dict[str, str | None]:
-    """After a successful canary: champion -> previous, challenger -> champion.
-
-    Safe to repeat: when the challenger already is the champion nothing moves.
-    """
+def load_version(name: str, version: str) -> LoadedModel:
+    """``models:/NAME/VERSION`` as an eval-mode GPT with its description (config, tokenizer)."""
+    import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
+    try:
+        found = MlflowClient().get_model_version(name, version)
+    except MlflowException as exc:
+        raise StepError(f"models:/{name}/{version}: not in the registry ({exc.error_code})") from None
+    model = mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")
+    if not isinstance(model, GPT):
+        raise StepError(f"models:/{name}/{version} is a {type(model).__name__}, not this project's GPT")
+    description = json.loads(found.tags.get("model_description", "{}"))
+    if not description.get("tokenizer_uri"):
+        raise StepError(f"models:/{name}/{version} has no model_description tag")
+    description["registry_version"] = str(found.version)
+    return LoadedModel(model.eval(), description)
+
+
+def alias_version(name: str, alias: str) -> str | None:
+    """The version ``models:/NAME@ALIAS`` points at, or None when the alias is not set."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(MlflowClient().get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def promote_version(name: str, version: str) -> dict[str, str | None]:
+    """Make ``version`` the champion: the champion it replaces becomes ``previous``.
+
+    Safe to repeat: when ``version`` already is the champion nothing moves. The version is named
+    explicitly (not read from ``challenger``), so a later run that registered a newer
+    challenger meanwhile cannot have its model promoted by this run's canary.
+    """
+    from mlflow import MlflowClient
+
     client = MlflowClient()
-
-    def version_of(alias: str) -> str | None:
-        try:
-            return str(client.get_model_version_by_alias(name, alias).version)
-        except MlflowException:
-            return None
-
-    challenger, champion = version_of(CHALLENGER), version_of(CHAMPION)
-    if challenger is None:
-        raise StepError(f"models:/{name}@{CHALLENGER} does not exist: nothing to promote")
-    if challenger != champion:
+    champion = alias_version(name, CHAMPION)
+    if champion != version:
         if champion is not None:
             client.set_registered_model_alias(name, PREVIOUS, champion)
-        client.set_registered_model_alias(name, CHAMPION, challenger)
-    return {CHAMPION: challenger, PREVIOUS: version_of(PREVIOUS)}
+        client.set_registered_model_alias(name, CHAMPION, version)
+    return {CHAMPION: version, PREVIOUS: alias_version(name, PREVIOUS)}
+
+
+def promote_challenger(name: str) -> dict[str, str | None]:
+    """champion -> previous, challenger -> champion (see :func:`promote_version`)."""
+    challenger = alias_version(name, CHALLENGER)
+    if challenger is None:
+        raise StepError(f"models:/{name}@{CHALLENGER} does not exist: nothing to promote")
+    return promote_version(name, challenger)

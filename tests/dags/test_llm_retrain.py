@@ -16,7 +16,7 @@ from helpers import REPO_ROOT, SEED_URI
 
 HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", "tokenizers")
 ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train", "evaluate",
-         "register"]
+         "register", "export", "deploy"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_steps_run_in_order(dag: Any) -> None:
     assert len(dag.tasks) == len(ORDER)
     for upstream, downstream in itertools.pairwise(ORDER):
         assert dag.get_task(upstream).downstream_task_ids == {downstream}
-    assert dag.get_task("register").downstream_task_ids == set()
+    assert dag.get_task("deploy").downstream_task_ids == set()
 
 
 def test_retries_with_backoff_from_params(dag: Any) -> None:
@@ -99,6 +99,22 @@ def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -
     assert version["version"] == registered["version"]
     assert tags["dag_run"] == f"llm_retrain/{run.run_id}"
     assert tags["data_version"] == "data-2026-11-22" and tags["dag_id"] == "llm_retrain"
+    # exported (parity checked), canaried and promoted: the model serves through the router
+    exported = xcom(run, "export")
+    assert exported["version"] == registered["version"] and exported["parity"]["max_abs_logit_diff"] < 1e-3
+    deployed = xcom(run, "deploy")
+    assert deployed["verdict"] == "promoted" and deployed["aliases"]["champion"] == registered["version"]
+    with urllib.request.urlopen(f"{os.environ['ROUTER_URL']}/router/state", timeout=5) as resp:
+        assert json.loads(resp.read())["stable"] == int(registered["version"])
+
+
+def test_rollback_dag_takes_a_target_param() -> None:
+    from airflow.dag_processing.dagbag import DagBag
+
+    rollback = DagBag(dag_folder=str(REPO_ROOT / "dags")).dags["llm_rollback"]
+    assert [t.task_id for t in rollback.tasks] == ["rollback"] and rollback.schedule is None
+    assert rollback.params["target"] == "previous"
+    assert rollback.get_task("rollback").arguments == ["rollback", "--target", "{{ params.target }}"]
 
 
 @pytest.mark.integration
@@ -120,6 +136,7 @@ def test_rejected_challenger_ends_the_run_cleanly(
     states = ti_states(run)
     assert run.state == "success", states
     assert states["train"] == "success" and states["evaluate"] == "skipped" and states["register"] == "skipped"
+    assert states["export"] == "skipped" and states["deploy"] == "skipped"
     verdict = xcom(run, "evaluate")
     assert verdict["passed"] is False and "> max 1.5" in verdict["reasons"][0]
 

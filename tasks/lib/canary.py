@@ -1,0 +1,173 @@
+"""Canary analysis: real traffic through the router, then canary compared with stable.
+
+:func:`send_traffic` is a bounded load generator (fixed rate and duration, a new connection
+per request, loopback only): it replays the export's parity inputs (windows of the held-out
+evaluation text and the fixed prompts) and records, per response, the version that answered
+(``X-Model-Version``), status, client-side latency, whether the logits were finite and whether
+the next token equals the export's PyTorch reference.
+
+:func:`judge_step` turns one step's samples into checks, as Kayenta does: the canary's error
+rate, finite outputs and next-token agreement against absolute bounds, and its latency against
+stable's over the same window with a one-sided Mann-Whitney U test (is the canary slower?)
+plus a minimum effect size (median ratio), so noise alone never fails a canary and a
+slightly-faster-or-slower model never does either.
+"""
+
+from __future__ import annotations
+
+import http.client
+import math
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from tasks.lib import triton
+
+
+@dataclass
+class Sample:
+    version: int | None  # None: no version header (the router or the connection failed)
+    ok: bool
+    status: int
+    latency_ms: float
+    finite: bool
+    agrees: bool
+
+
+def _one_request(url: str, model: str, ids: np.ndarray[Any, Any], expected: list[int], timeout_s: float) -> Sample:
+    parsed = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=timeout_s)
+    start = time.perf_counter()
+    try:
+        conn.request("POST", f"/v2/models/{model}/infer", body=triton.infer_request(ids),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = resp.read()
+        latency = (time.perf_counter() - start) * 1000
+        header = resp.getheader("X-Model-Version")
+        version = int(header) if header and header.isdigit() else None
+        if resp.status != 200:
+            return Sample(version, False, resp.status, latency, False, False)
+        length = resp.getheader("Inference-Header-Content-Length")
+        logits, next_tokens = triton.parse_infer_response(body, int(length) if length else None)
+        return Sample(version, True, 200, latency, bool(np.isfinite(logits).all()),
+                      next_tokens.tolist() == list(expected))
+    except (OSError, http.client.HTTPException, ValueError, KeyError):
+        return Sample(None, False, 0, (time.perf_counter() - start) * 1000, False, False)
+    finally:
+        conn.close()
+
+
+def send_traffic(url: str, model: str, inputs: list[np.ndarray[Any, Any]], expected: list[list[int]],
+                 rate_rps: float, duration_s: float, concurrency: int, timeout_s: float,
+                 stop: threading.Event | None = None) -> list[Sample]:
+    """``rate_rps * duration_s`` requests at a fixed rate (bounded in count and time)."""
+    total = max(1, int(rate_rps * duration_s))
+    start = time.monotonic()
+
+    def fire(index: int) -> Sample | None:
+        delay = start + index / rate_rps - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        if stop is not None and stop.is_set():
+            return None
+        pick = index % len(inputs)
+        return _one_request(url, model, inputs[pick], expected[pick], timeout_s)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(fire, range(total)))
+    return [r for r in results if r is not None]
+
+
+def _share(count: int, of: int) -> float:
+    return count / of if of else 0.0
+
+
+def summarize(samples: list[Sample], version: int | None) -> dict[str, Any]:
+    mine = [s for s in samples if s.version == version]
+    latencies = np.asarray([s.latency_ms for s in mine if s.ok]) if mine else np.asarray([])
+    ok = [s for s in mine if s.ok]
+    pct = (lambda q: float(np.percentile(latencies, q))) if len(latencies) else (lambda q: math.nan)
+    return {"version": version, "requests": len(mine), "errors": len(mine) - len(ok),
+            "error_rate": _share(len(mine) - len(ok), len(mine)),
+            "non_finite": sum(not s.finite for s in ok), "agreement": _share(sum(s.agrees for s in ok), len(ok)),
+            "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99)}
+
+
+def latency_test(canary_ms: list[float], baseline_ms: list[float]) -> dict[str, float]:
+    """One-sided Mann-Whitney U: small p means the canary's latencies are stochastically larger."""
+    from scipy.stats import mannwhitneyu
+
+    test = mannwhitneyu(canary_ms, baseline_ms, alternative="greater")
+    return {"u": float(test.statistic), "p_value": float(test.pvalue),
+            "median_ratio": float(np.median(canary_ms) / max(np.median(baseline_ms), 1e-9))}
+
+
+def judge_step(samples: list[Sample], stable: int | None, canary: int, weight: float,
+               baseline_ms: list[float], params: dict[str, Any]) -> dict[str, Any]:
+    """The step's summary and checks; ``passed`` is False when any check failed."""
+    canary_stats, stable_stats = summarize(samples, canary), summarize(samples, stable)
+    unrouted = [s for s in samples if s.version is None]
+    canary_ms = [s.latency_ms for s in samples if s.version == canary and s.ok]
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, passed: bool, value: float, limit: float, detail: str) -> None:
+        checks.append({"check": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail})
+
+    n = canary_stats["requests"]
+    check("canary_samples", n >= params["min_samples"], n, params["min_samples"],
+          f"{n} canary requests at {weight:g}%")
+    check("error_rate", canary_stats["error_rate"] <= params["max_error_rate"], canary_stats["error_rate"],
+          params["max_error_rate"], f"{canary_stats['errors']} of {n} canary requests failed")
+    check("finite_logits", canary_stats["non_finite"] == 0, canary_stats["non_finite"], 0,
+          f"{canary_stats['non_finite']} canary responses had NaN/inf logits")
+    check("next_token_agreement", canary_stats["agreement"] >= params["min_agreement"], canary_stats["agreement"],
+          params["min_agreement"], f"{canary_stats['agreement']:.1%} of canary next tokens equal the export reference")
+    latency: dict[str, float] = {}
+    if len(canary_ms) >= params["min_samples"] and len(baseline_ms) >= params["min_samples"]:
+        latency = latency_test(canary_ms, baseline_ms)
+        slower = latency["p_value"] < params["latency_alpha"] and latency["median_ratio"] > params["max_latency_ratio"]
+        check("latency", not slower, latency["median_ratio"], params["max_latency_ratio"],
+              f"median latency {latency['median_ratio']:.2f}x stable's (Mann-Whitney U p={latency['p_value']:.2g}, "
+              f"alpha {params['latency_alpha']})")
+    failed = [c for c in checks if not c["passed"]]
+    return {"weight": weight, "canary": canary_stats, "stable": stable_stats, "unrouted": len(unrouted),
+            "latency_test": latency, "checks": checks, "passed": not failed,
+            "failed": [f"{c['check']}: {c['detail']} (limit {c['limit']:g})" for c in failed]}
+
+
+def plot_report(report: dict[str, Any], path: Any) -> None:
+    """Per step: requests by version, and p50/p99 latency of canary vs stable."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = report["steps"]
+    labels = [f"{s['weight']:g}%" for s in steps]
+    x = np.arange(len(steps))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(x - 0.2, [s["stable"]["requests"] for s in steps], 0.4, label=f"stable v{report['stable']}")
+    left.bar(x + 0.2, [s["canary"]["requests"] for s in steps], 0.4, label=f"canary v{report['canary']}")
+    left.set_xticks(x, labels)
+    left.set_title("requests per version")
+    left.legend()
+    for who, style in (("stable", "-"), ("canary", "--")):
+        right.plot(x, [s[who]["p50_ms"] for s in steps], style, marker="o", label=f"{who} p50")
+        right.plot(x, [s[who]["p99_ms"] for s in steps], style, marker="x", label=f"{who} p99")
+    right.set_xticks(x, labels)
+    right.set_ylabel("ms")
+    right.set_title(f"latency; verdict: {report['verdict']}")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def as_dicts(samples: list[Sample]) -> list[dict[str, Any]]:
+    return [asdict(s) for s in samples]

@@ -1,0 +1,228 @@
+"""Triton Inference Server: model configurations from one source, and a small HTTP client.
+
+One function builds each served model's configuration as a dict (Triton's ``ModelConfig`` in
+its protobuf JSON form); :func:`to_pbtxt` writes the same dict as ``config.pbtxt`` for a model
+repository, and the JSON form goes to Triton's load API as a config override (that is how a
+deploy picks which versions are loaded). Backends:
+
+- ``python``: Triton's python backend running ONNX Runtime on ``model.onnx``
+  (``tasks/triton_models/llm/model.py``): the only backend of the tritonserver that installs on
+  these machines (PyTriton's wheel).
+- ``onnxruntime_onnx``: the same ``model.onnx`` on Triton's ONNX Runtime backend (NVIDIA's
+  tritonserver image, CPU or GPU).
+- ``tensorrt_plan``: the FP16 engine the export step builds on a GPU.
+
+Served models: ``llm`` (token ids -> next-token logits and the greedy next token) and
+``llm_generate`` (text in, text out: tokenizer + decoding loop calling ``llm`` through BLS).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from tasks.lib.errors import StepError
+
+BACKENDS = ("python", "onnxruntime_onnx", "tensorrt_plan")
+MODEL_FILES = {"python": "model.onnx", "onnxruntime_onnx": "model.onnx", "tensorrt_plan": "model.plan"}
+ENUM = re.compile(r"^(TYPE|KIND)_[A-Z0-9_]+$")
+
+
+def logits_model_config(name: str, backend: str, serve: Mapping[str, Any], gpu: bool = False) -> dict[str, Any]:
+    """``llm``: ``input_ids`` (batch, time) -> ``logits`` (batch, vocab) of the next token and
+    ``next_token`` (batch, 1). The vocabulary axis is left dynamic so versions trained with
+    different tokenizers can be served side by side under one configuration."""
+    if backend not in BACKENDS:
+        raise StepError(f"serve.backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend == "tensorrt_plan" and not gpu:
+        raise StepError("serve.backend tensorrt_plan needs the gpu kind")
+    config: dict[str, Any] = {
+        "name": name,
+        "max_batch_size": int(serve["max_batch_size"]),
+        "input": [{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1]}],
+        "output": [
+            {"name": "logits", "data_type": "TYPE_FP32", "dims": [-1]},
+            {"name": "next_token", "data_type": "TYPE_INT64", "dims": [1]},
+        ],
+        "dynamic_batching": {
+            "preferred_batch_size": [int(b) for b in serve["preferred_batch_sizes"]],
+            "max_queue_delay_microseconds": int(serve["max_queue_delay_us"]),
+        },
+        "instance_group": [{"count": int(serve["instances"]), "kind": "KIND_GPU" if gpu else "KIND_CPU"}],
+    }
+    if backend == "python":
+        config["backend"] = "python"
+    else:
+        config["platform"] = backend
+        config["default_model_filename"] = MODEL_FILES[backend]
+    return config
+
+
+def generate_model_config(name: str, logits_model: str, serve: Mapping[str, Any]) -> dict[str, Any]:
+    """``llm_generate``: ``text`` (a prompt) -> ``text`` (the continuation), python backend."""
+    generate = serve["generate"]
+    return {
+        "name": name,
+        "backend": "python",
+        "max_batch_size": 0,
+        "input": [
+            {"name": "text", "data_type": "TYPE_STRING", "dims": [1]},
+            {"name": "max_tokens", "data_type": "TYPE_INT32", "dims": [1], "optional": True},
+        ],
+        "output": [{"name": "text", "data_type": "TYPE_STRING", "dims": [1]}],
+        "instance_group": [{"count": int(serve["instances"]), "kind": "KIND_CPU"}],
+        "parameters": {
+            "logits_model": {"string_value": logits_model},
+            "max_tokens": {"string_value": str(int(generate["max_tokens"]))},
+            "top_k": {"string_value": str(int(generate["top_k"]))},
+        },
+    }
+
+
+def with_versions(config: Mapping[str, Any], versions: Sequence[int]) -> dict[str, Any]:
+    """The configuration that makes Triton serve exactly ``versions`` (explicit model control)."""
+    return {**config, "version_policy": {"specific": {"versions": sorted(int(v) for v in versions)}}}
+
+
+def to_pbtxt(config: Mapping[str, Any], indent: int = 0) -> str:
+    """A ModelConfig dict in protobuf text format (``config.pbtxt``)."""
+    pad = "  " * indent
+    lines = []
+    for key, value in config.items():
+        if key == "parameters":  # a proto map: one entry per key
+            for pkey, pvalue in value.items():
+                lines.append(f"{pad}parameters {{\n{pad}  key: {json.dumps(pkey)}\n{pad}  value {{\n"
+                             f"{to_pbtxt(pvalue, indent + 2)}{pad}  }}\n{pad}}}")
+        elif isinstance(value, Mapping):
+            lines.append(f"{pad}{key} {{\n{to_pbtxt(value, indent + 1)}{pad}}}")
+        elif isinstance(value, list) and value and isinstance(value[0], Mapping):
+            for item in value:
+                lines.append(f"{pad}{key} {{\n{to_pbtxt(item, indent + 1)}{pad}}}")
+        elif isinstance(value, list):
+            lines.append(f"{pad}{key}: [ {', '.join(_scalar(v) for v in value)} ]")
+        else:
+            lines.append(f"{pad}{key}: {_scalar(value)}")
+    return "".join(line + "\n" for line in lines)
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str) and not ENUM.match(value):
+        return json.dumps(value)
+    return str(value)
+
+
+class TritonClient:
+    """Triton's HTTP/REST API (KServe v2 + repository extension), stdlib only."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def server_ready(self) -> bool:
+        try:
+            return self._call("GET", "/v2/health/ready")[0] == 200
+        except OSError:
+            return False
+
+    def model_ready(self, name: str, version: int) -> bool:
+        return self._call("GET", f"/v2/models/{name}/versions/{version}/ready")[0] == 200
+
+    def load(self, name: str, config: Mapping[str, Any]) -> None:
+        """Load (or reload) ``name`` with this configuration; Triton loads and unloads versions
+        to match its version policy, keeping the versions that stay loaded serving."""
+        status, body = self._call("POST", f"/v2/repository/models/{name}/load",
+                                  {"parameters": {"config": json.dumps(config)}})
+        if status != 200:
+            raise StepError(f"triton {self.url}: loading {name} failed ({status}): {_error(body)}")
+
+    def unload(self, name: str) -> None:
+        status, body = self._call("POST", f"/v2/repository/models/{name}/unload", {})
+        if status != 200:
+            raise StepError(f"triton {self.url}: unloading {name} failed ({status}): {_error(body)}")
+
+    def wait_ready(self, name: str, versions: Sequence[int], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(self.model_ready(name, v) for v in versions):
+            if time.monotonic() > deadline:
+                raise StepError(f"triton {self.url}: {name} versions {list(versions)} not ready after {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+    def loaded_versions(self, name: str) -> list[int]:
+        status, body = self._call("POST", "/v2/repository/index", {"ready": True})
+        if status != 200:
+            raise StepError(f"triton {self.url}: repository index failed ({status})")
+        return sorted(int(m["version"]) for m in json.loads(body) if m.get("name") == name and m.get("version"))
+
+
+def _error(body: bytes) -> str:
+    try:
+        return str(json.loads(body).get("error", body[:300]))
+    except ValueError:
+        return body[:300].decode(errors="replace")
+
+
+# -- inference over HTTP (used through the router too) ---------------------------------------
+
+
+def infer_request(input_ids: np.ndarray[Any, Any]) -> bytes:
+    """A KServe v2 infer body: token ids as JSON, logits asked back as binary data."""
+    return json.dumps({
+        "inputs": [{"name": "input_ids", "datatype": "INT64", "shape": list(input_ids.shape),
+                    "data": input_ids.reshape(-1).tolist()}],
+        "outputs": [{"name": "logits", "parameters": {"binary_data": True}}, {"name": "next_token"}],
+    }).encode()
+
+
+def parse_infer_response(body: bytes, header_length: int | None) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """(logits (batch, vocab) float32, next_token (batch,) int64) of an infer response."""
+    head = json.loads(body[:header_length] if header_length else body)
+    binary = body[header_length:] if header_length else b""
+    outputs: dict[str, np.ndarray[Any, Any]] = {}
+    offset = 0
+    for out in head["outputs"]:
+        size = out.get("parameters", {}).get("binary_data_size")
+        if size is not None:
+            outputs[out["name"]] = np.frombuffer(binary[offset:offset + size], dtype=np.float32).reshape(out["shape"])
+            offset += size
+        else:
+            outputs[out["name"]] = np.asarray(out["data"]).reshape(out["shape"])
+    return outputs["logits"], outputs["next_token"].reshape(-1).astype(np.int64)
+
+
+def version_counters(metrics_text: str, model: str) -> dict[int, dict[str, float]]:
+    """Per-version request counters of ``model`` from Triton's Prometheus metrics (:8002)."""
+    wanted = {"nv_inference_request_success": "success", "nv_inference_request_failure": "failure",
+              "nv_inference_request_duration_us": "duration_us", "nv_inference_queue_duration_us": "queue_us",
+              "nv_inference_exec_count": "executions", "nv_inference_count": "inferences"}
+    found: dict[int, dict[str, float]] = {}
+    pattern = re.compile(r'^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$')
+    for line in metrics_text.splitlines():
+        match = pattern.match(line)
+        if not match or match.group(1) not in wanted:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+        if labels.get("model") != model or not labels.get("version", "").isdigit():
+            continue
+        entry = found.setdefault(int(labels["version"]), {})
+        key = wanted[match.group(1)]  # failures come one line per reason: summed
+        entry[key] = entry.get(key, 0.0) + float(match.group(3))
+    return found

@@ -1,0 +1,300 @@
+"""Export, Triton and the canary on the real servers: Triton (python backend + ONNX Runtime)
+behind a real nginx router, MLflow registry, S3; traffic only on 127.0.0.1.
+
+Versions are registered straight into the registry (small GPTs, no training: serving does not
+care how good a model is, only how it behaves); everything after that is the real steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result
+
+from tasks.lib import triton
+from tasks.lib.router import Route, split_conf
+
+# short canary steps: the analysis needs samples, not minutes
+CANARY = ["--set", "step_duration_s=3", "--set", "rate_rps=40", "--set", "min_samples=8"]
+SMALL = {"vocab_size": 1000, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4}
+
+
+# -- unit: configurations and the router's split --------------------------------------------
+
+
+def serve_params() -> dict[str, Any]:
+    return dict(yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["serve"])
+
+
+def test_one_config_source_for_every_backend() -> None:
+    serve = serve_params()
+    python = triton.logits_model_config("llm", "python", serve)
+    onnx_gpu = triton.logits_model_config("llm", "onnxruntime_onnx", serve, gpu=True)
+    plan = triton.logits_model_config("llm", "tensorrt_plan", serve, gpu=True)
+    assert python["backend"] == "python" and "platform" not in python
+    assert onnx_gpu["platform"] == "onnxruntime_onnx" and onnx_gpu["instance_group"][0]["kind"] == "KIND_GPU"
+    assert plan["default_model_filename"] == "model.plan"
+    for config in (python, onnx_gpu, plan):
+        assert {k: config[k] for k in ("input", "output", "dynamic_batching", "max_batch_size")} == \
+               {k: python[k] for k in ("input", "output", "dynamic_batching", "max_batch_size")}
+    text = triton.to_pbtxt(triton.with_versions(onnx_gpu, [3, 2]))
+    assert 'platform: "onnxruntime_onnx"' in text and "kind: KIND_GPU" in text and "data_type: TYPE_INT64" in text
+    assert "preferred_batch_size: [ 4, 8, 16 ]" in text and "versions: [ 2, 3 ]" in text
+    with pytest.raises(Exception, match="needs the gpu kind"):
+        triton.logits_model_config("llm", "tensorrt_plan", serve)
+
+
+def test_split_routes_by_weight() -> None:
+    assert '10% "3";' in split_conf(Route(2, 3, 10.0, 1)) and '* "2";' in split_conf(Route(2, 3, 10.0, 1))
+    assert split_conf(Route(2, 3, 100.0, 2)).count('"3"') == 1 and '"2"' not in split_conf(Route(2, 3, 100.0, 2))
+    assert '* "";' in split_conf(Route(None))
+    with pytest.raises(ValueError):
+        Route(2, None, 5.0)
+
+
+def test_tensorrt_is_skipped_visibly_without_a_gpu(tmp_path: Path) -> None:
+    from tasks.export import build_tensorrt, tensorrt_profile
+
+    trt = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["export"]["tensorrt"]
+    assert tensorrt_profile(128, trt) == {"input_ids_min": (1, 1), "input_ids_opt": (8, 128), "input_ids_max": (16, 128)}
+    assert build_tensorrt(tmp_path / "m.onnx", tmp_path / "m.plan", 128, trt) == "skipped: no GPU"
+    assert not (tmp_path / "m.plan").exists()
+
+
+def test_mann_whitney_flags_a_slower_canary_only() -> None:
+    from tasks.lib.canary import latency_test
+
+    rng = np.random.default_rng(0)
+    base = list(rng.lognormal(0, 0.2, 200))
+    assert latency_test(list(rng.lognormal(0, 0.2, 40)), base)["p_value"] > 0.01
+    slow = latency_test(list(5 * rng.lognormal(0, 0.2, 40)), base)
+    assert slow["p_value"] < 1e-6 and slow["median_ratio"] > 4
+
+
+# -- integration: the real servers -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def serving_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A model name of this module's own; the stack's Triton and router are shared."""
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["pipeline"]["model_name"] = f"serve-test-{time.time_ns()}"
+    path = tmp_path_factory.mktemp("params") / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return {"PIPELINE_PARAMS": str(path), "MODEL_NAME": params["pipeline"]["model_name"]}
+
+
+@pytest.fixture(scope="module")
+def eval_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tasks import seed
+
+    docs = list(seed.documents(700))[600:]
+    path = tmp_path_factory.mktemp("eval") / "eval.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "text": d}) + "\n" for i, (_, d) in enumerate(docs)))
+    return path
+
+
+def register_gpt(name: str, tokenizer_uri: str, seed: int, **overrides: int) -> str:
+    """A GPT of a given seed and size, registered the way the register step does."""
+    import mlflow
+    import torch
+
+    from tasks.lib.model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    config = GPTConfig(**{**SMALL, **overrides})
+    model = GPT(config).eval()
+    with mlflow.start_run(run_name=f"serving test {name} seed {seed}"):
+        info = mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
+                                        code_paths=[str(REPO_ROOT / "tasks")], pip_requirements=["torch==2.13.0"])
+    token_hash = tokenizer_uri.rsplit("sha256-", 1)[1].split("/")[0]
+    description = {"config": config.to_dict(), "tokenizer_uri": tokenizer_uri, "tokenizer_hash": token_hash}
+    version = mlflow.register_model(info.model_uri, name, tags={"model_description": json.dumps(description)})
+    return str(version.version)
+
+
+def export(version: str, out: Path, env: dict[str, str], eval_text: Path) -> dict[str, Any]:
+    proc = run_module("tasks.export", "--model-version", version, "--output", str(out),
+                      "--eval-set", str(eval_text), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return step_result(proc)
+
+
+def deploy(version: str, export_uri: str, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return run_module("tasks.deploy", *CANARY, "canary", "--model-version", version, "--export", export_uri,
+                      "--output", str(out), env=env)
+
+
+class StableWatcher:
+    """Our own client: requests through the router for the whole test, counted by the version
+    that answered; the stable share must never fail."""
+
+    def __init__(self, router_url: str, ids: list[list[int]]) -> None:
+        self.url, self.ids = router_url, np.asarray(ids, dtype=np.int64)
+        self.answers: Counter[str] = Counter()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def loop(self) -> None:
+        from tasks.lib.canary import _one_request
+
+        while not self.stop.is_set():
+            sample = _one_request(self.url, "llm", self.ids, [-1], 10.0)
+            self.answers[f"{sample.version}:{'ok' if sample.ok else sample.status}"] += 1
+            time.sleep(0.02)
+
+    def __enter__(self) -> StableWatcher:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=15)
+
+    def failures(self, stable: str) -> int:
+        return sum(n for key, n in self.answers.items() if key.startswith(f"{stable}:") and not key.endswith(":ok")) + \
+            sum(n for key, n in self.answers.items() if key.startswith("None:"))
+
+
+def aliases(name: str) -> dict[str, str | None]:
+    from tasks.lib.model_store import alias_version
+
+    return {a: alias_version(name, a) for a in ("champion", "previous", "challenger")}
+
+
+def live_route(env: dict[str, str]) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{env['ROUTER_URL']}/router/state", timeout=5) as resp:
+        loaded: dict[str, Any] = json.loads(resp.read())
+        return loaded
+
+
+def generate_text(env: dict[str, str], prompt: str) -> tuple[str, str]:
+    body = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [prompt]}]}).encode()
+    request = urllib.request.Request(f"{env['ROUTER_URL']}/v2/models/llm_generate/infer", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.loads(resp.read())["outputs"][0]["data"][0], resp.headers["X-Model-Version"]
+
+
+@pytest.mark.integration
+def test_rollout_promotion_rollbacks_and_restart(
+    serving_env: dict[str, str], stack_env: dict[str, str], tokenizer_uri: str, eval_text: Path, tmp_path: Path
+) -> None:
+    """One scenario on one Triton, in the order a real registry lives through:
+    first model -> good canary promoted -> NaN canary rolled back -> 5x slower canary rolled
+    back -> a deploy killed mid-canary, then retried, converges -> manual rollback."""
+    env = {**stack_env, **serving_env}
+    name = serving_env["MODEL_NAME"]
+
+    # export: parity against PyTorch, configs, registry tags
+    v1 = register_gpt(name, tokenizer_uri, seed=1)
+    exported = export(v1, tmp_path / "export1", env, eval_text)
+    assert exported["parity"]["max_abs_logit_diff"] < 1e-3 and exported["tensorrt"] == "skipped: no GPU"
+    assert (tmp_path / "export1" / "triton" / "llm" / v1 / "model.onnx").exists()
+    from mlflow import MlflowClient
+
+    tags = MlflowClient().get_model_version(name, v1).tags
+    assert tags["export.uri"] == str(tmp_path / "export1") and tags["export.opset"] == "18"
+
+    # the first model: checked alone at 100%, promoted, serving text through the router
+    proc = deploy(v1, str(tmp_path / "export1"), tmp_path / "deploy1", env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert step_result(proc)["verdict"] == "promoted" and aliases(name)["champion"] == v1
+    assert live_route(env)["stable"] == int(v1)
+    text, answered_by = generate_text(env, "Return the number of")
+    assert isinstance(text, str) and answered_by == v1
+
+    reference = json.loads((tmp_path / "export1" / "parity.json").read_text())["reference"]["inputs"][0]
+    with StableWatcher(env["ROUTER_URL"], reference) as watch:
+        # a good canary walks 10 -> 50 -> 100 and is promoted; v1 becomes previous
+        v2 = register_gpt(name, tokenizer_uri, seed=2)
+        export(v2, tmp_path / "export2", env, eval_text)
+        proc = deploy(v2, str(tmp_path / "export2"), tmp_path / "deploy2", env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads((tmp_path / "deploy2" / "report.json").read_text())
+        assert [s["weight"] for s in report["steps"]] == [10.0, 50.0, 100.0] and all(s["passed"] for s in report["steps"])
+        assert report["steps"][0]["canary"]["requests"] > 0 and report["steps"][0]["stable"]["requests"] > 0
+        assert (tmp_path / "deploy2" / "canary.png").exists()
+        assert aliases(name)["champion"] == v2 and aliases(name)["previous"] == v1
+    assert watch.failures(v1) == 0 and watch.failures(v2) == 0, watch.answers
+
+    with StableWatcher(env["ROUTER_URL"], reference) as watch:
+        # a model whose logits are NaN (its ONNX file replaced after export) is rolled back
+        v3 = register_gpt(name, tokenizer_uri, seed=3)
+        export(v3, tmp_path / "export3", env, eval_text)
+        nan_model(tmp_path / "export3" / "triton" / "llm" / v3 / "model.onnx")
+        proc = deploy(v3, str(tmp_path / "export3"), tmp_path / "deploy3", env)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "non-finite" in error_lines(proc)[0] or "finite_logits" in error_lines(proc)[0], error_lines(proc)
+        assert aliases(name)["champion"] == v2 and live_route(env) | {"generation": 0} == \
+            {"stable": int(v2), "canary": None, "canary_weight": 0.0, "generation": 0}
+
+        # a model ~5x slower (a bigger network, same outputs checks) is rolled back on latency
+        v4 = register_gpt(name, tokenizer_uri, seed=4, d_model=256, n_layers=8)
+        export(v4, tmp_path / "export4", env, eval_text)
+        proc = deploy(v4, str(tmp_path / "export4"), tmp_path / "deploy4", env)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "latency" in error_lines(proc)[0], error_lines(proc)
+        report = json.loads((tmp_path / "deploy4" / "report.json").read_text())
+        assert report["verdict"] == "rolled back" and report["steps"][-1]["latency_test"]["p_value"] < 0.01
+        assert aliases(name)["champion"] == v2 and live_route(env)["stable"] == int(v2)
+    assert watch.failures(v2) == 0, watch.answers
+
+    # a deploy killed mid-canary leaves a canary behind; the retry rolls it back and converges
+    v5 = register_gpt(name, tokenizer_uri, seed=5)
+    export(v5, tmp_path / "export5", env, eval_text)
+    killed = subprocess.Popen([str(RUNTIME_PY), "-m", "tasks.deploy", *CANARY, "--set", "step_duration_s=30",
+                               "canary", "--model-version", v5, "--export", str(tmp_path / "export5"),
+                               "--output", str(tmp_path / "deploy5")],
+                              cwd=REPO_ROOT, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while live_route(env)["canary"] != int(v5):
+        assert time.monotonic() < deadline and killed.poll() is None
+        time.sleep(0.2)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    left = [live_route(env) for _ in range(3)]
+    assert all(route["canary"] == int(v5) for route in left), left  # left behind
+    proc = deploy(v5, str(tmp_path / "export5"), tmp_path / "deploy5", env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rolling it back first" in proc.stderr
+    assert aliases(name)["champion"] == v5 and live_route(env)["stable"] == int(v5)
+    again = deploy(v5, str(tmp_path / "export5"), tmp_path / "deploy5", env)  # nothing left to do
+    assert again.returncode == 0 and step_result(again).get("verdict") == "promoted"
+
+    # the manual rollback restores the previous champion and all its traffic
+    proc = run_module("tasks.deploy", "rollback", "--target", "previous", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert aliases(name)["champion"] == v2 and live_route(env)["stable"] == int(v2)
+    _, answered_by = generate_text(env, "This module provides")
+    assert answered_by == v2
+    bad = run_module("tasks.deploy", "rollback", "--target", "no-such-alias", env=env)
+    assert bad.returncode == 2 and "does not exist" in error_lines(bad)[0]
+
+
+def nan_model(path: Path) -> None:
+    """Rewrite an ONNX file so every logit is NaN (its graph kept, one weight poisoned)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    for init in model.graph.initializer:
+        array = numpy_helper.to_array(init)
+        if array.dtype == np.float32 and array.ndim == 1 and "norm" in init.name:
+            init.CopyFrom(numpy_helper.from_array(np.full_like(array, np.nan), init.name))
+            break
+    else:
+        raise AssertionError("no norm weight to poison")
+    onnx.save(model, str(path))
