@@ -237,7 +237,7 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     if report["verdict"] != "promoted":
         raise StepError(f"canary of version {args.model_version} rolled back at {report['failed_at']:g}%: "
                         f"{report['reason']}; stable version {report['stable']} keeps all traffic")
-    summary = {k: report[k] for k in ("verdict", "stable", "canary", "aliases") if k in report}
+    summary: dict[str, Any] = {k: report[k] for k in ("verdict", "stable", "canary", "aliases") if k in report}
     return {**summary, "report_uri": storage.join(args.output, "report.json"),
             "steps": [{"weight": s["weight"], "passed": s["passed"]} for s in report["steps"]]}
 

@@ -105,7 +105,7 @@ def latency_test(canary_ms: list[float], baseline_ms: list[float]) -> dict[str, 
 
     test = mannwhitneyu(canary_ms, baseline_ms, alternative="greater")
     return {"u": float(test.statistic), "p_value": float(test.pvalue),
-            "median_ratio": float(np.median(canary_ms) / max(np.median(baseline_ms), 1e-9))}
+            "median_ratio": float(np.median(canary_ms)) / max(float(np.median(baseline_ms)), 1e-9)}
 
 
 def judge_step(samples: list[Sample], stable: int | None, canary: int, weight: float,

@@ -29,7 +29,10 @@ class TritonPythonModel:
         self.logits_model = params["logits_model"]
         self.max_tokens = int(params["max_tokens"])
         self.top_k = int(params["top_k"])
-        self.eos_id = self.tokenizer.token_to_id(EOS)
+        eos_id = self.tokenizer.token_to_id(EOS)
+        if eos_id is None:
+            raise pb_utils.TritonModelException(f"tokenizer.json has no {EOS} token")
+        self.eos_id: int = eos_id
         self.rng = np.random.default_rng(0)
 
     def next_token(self, ids: list[int]) -> int:
