@@ -25,8 +25,8 @@ pytestmark = pytest.mark.integration
 
 AIRFLOW = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
 DAG_ID = "llm_retrain"
-# a short run: enough to reach register, whose arguments read the run's date
-CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_max_steps": 10}
+# a short run: enough to reach register (whose arguments read the run's date), export and deploy
+CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_max_steps": 12}  # 12: apart from other tests' runs
 
 
 class AirflowApi:
