@@ -19,12 +19,12 @@ def pids(stack_dir: str) -> dict[str, str]:
 
 def test_up_is_idempotent_and_reuses_healthy_servers(stack_env: dict[str, str]) -> None:
     before = pids(stack_env["STACK_DIR"])
-    assert set(before) == {"seaweedfs", "mlflow"}
+    assert set(before) == {"seaweedfs", "mlflow", "triton", "router"}
     proc = run_module("stack", "up")
     assert proc.returncode == 0, proc.stderr
     assert pids(stack_env["STACK_DIR"]) == before
     status = run_module("stack", "status")
-    assert status.returncode == 0 and status.stdout.count("healthy") == 2
+    assert status.returncode == 0 and status.stdout.count("healthy") == 4
 
 
 def test_generated_credentials_are_required(stack_env: dict[str, str]) -> None:
