@@ -221,8 +221,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise StepError(f"--model-version {version!r}: expected a registry version number")
     with storage.scratch() as scratch, storage.staged_output(args.output) as out:
         loaded = load_version(name, version)
-        tokenizer = tokens.load_tokenizer(loaded.tokenizer_uri, scratch)
         tokenizer_path = storage.download(loaded.tokenizer_uri, scratch / "tokenizer.json")
+        tokenizer = tokens.load_tokenizer(str(tokenizer_path), scratch)  # a local path: not copied again
         eval_text = storage.download(args.eval_set or settings["evaluate"]["eval_set_uri"], scratch / "eval.jsonl")
         onnx_path = scratch / "model.onnx"
         export_onnx(loaded.model, onnx_path, int(params["opset"]), int(serve["max_batch_size"]))

@@ -91,3 +91,17 @@ def write_dataset(root: Path, tokens: Any, vocab: int, claimed: int | None = Non
     (root / "index.json").write_text(json.dumps(index))
     (root / "_SUCCESS").write_text("{}")  # as if committed by the tokenize step
     return root
+
+
+def params_with_model_name(prefix: str, folder: Path) -> dict[str, str]:
+    """params.yaml with a registered-model name of the caller's own, so test modules' aliases
+    stay apart: ``{"PIPELINE_PARAMS": path, "MODEL_NAME": name}``."""
+    import time
+
+    import yaml
+
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["pipeline"]["model_name"] = f"{prefix}-{time.time_ns()}"
+    path = folder / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return {"PIPELINE_PARAMS": str(path), "MODEL_NAME": params["pipeline"]["model_name"]}

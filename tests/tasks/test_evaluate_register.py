@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
-from helpers import REPO_ROOT, error_lines, run_module, step_result
+from helpers import error_lines, params_with_model_name, run_module, step_result
 
 pytestmark = pytest.mark.integration
 
@@ -21,11 +20,7 @@ LINEAGE = {"data_version": "data-2026-11-22", "data_content_hash": "c0ffee", "da
 @pytest.fixture(scope="module")
 def registry_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """params.yaml with a model name of this module's own, so other tests' aliases stay apart."""
-    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
-    params["pipeline"]["model_name"] = f"gate-test-{time.time_ns()}"
-    path = tmp_path_factory.mktemp("params") / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return {"PIPELINE_PARAMS": str(path), "MODEL_NAME": params["pipeline"]["model_name"]}
+    return params_with_model_name("gate-test", tmp_path_factory.mktemp("params"))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result
+from helpers import REPO_ROOT, RUNTIME_PY, error_lines, params_with_model_name, run_module, step_result
 
 from tasks.lib import triton
 from tasks.lib.router import Route, split_conf
@@ -88,11 +88,7 @@ def test_mann_whitney_flags_a_slower_canary_only() -> None:
 @pytest.fixture(scope="module")
 def serving_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A model name of this module's own; the stack's Triton and router are shared."""
-    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
-    params["pipeline"]["model_name"] = f"serve-test-{time.time_ns()}"
-    path = tmp_path_factory.mktemp("params") / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return {"PIPELINE_PARAMS": str(path), "MODEL_NAME": params["pipeline"]["model_name"]}
+    return params_with_model_name("serve-test", tmp_path_factory.mktemp("params"))
 
 
 @pytest.fixture(scope="module")
