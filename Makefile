@@ -63,7 +63,15 @@ $(ORCH)/.installed: requirements/orchestrator.txt .venvs/.system-deps
 	$(ORCH_PY) -m pip check
 	touch $@
 
-env: $(RUNTIME)/.installed $(ORCH)/.installed
+# The Gateway API schemas the tests validate HTTPRoutes with (npm: generated from the CRDs,
+# which no Python package ships); Node.js and npm come from Debian where missing.
+GATEWAY_CHECK := tests/plugins/gateway_api
+$(GATEWAY_CHECK)/node_modules/.installed: $(GATEWAY_CHECK)/package-lock.json
+	@command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+	npm ci --prefix $(GATEWAY_CHECK) --no-audit --no-fund --loglevel=error
+	touch $@
+
+env: $(RUNTIME)/.installed $(ORCH)/.installed $(GATEWAY_CHECK)/node_modules/.installed
 
 .airflow/airflow.db: $(ORCH)/.installed
 	mkdir -p .airflow
@@ -113,6 +121,7 @@ benchmark: env
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) benchmarks/tokenize.py
 	$(RT_PY) benchmarks/train.py
+	$(RT_PY) benchmarks/serve.py
 
 clean: down
 	rm -rf .stack .airflow

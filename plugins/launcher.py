@@ -273,6 +273,7 @@ def _operator(task_id: str, module: str, kind: str, env_vars: dict[str, str] | N
     if launcher_mode() == "kubernetes":
         from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 
+        env_vars = {**env_vars, "SERVING_PLATFORM": "kubernetes"}  # deploy drives the cluster's Triton tracks
         return KubernetesPodOperator, {**_pod_kwargs(task_id, module, kind), "env_vars": env_vars, "task_id": task_id, **extra}
     return LocalStepOperator, {"module": module, "env_vars": env_vars, "task_id": task_id, **extra}
 

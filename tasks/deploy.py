@@ -2,6 +2,7 @@
 
     python -m tasks.deploy canary --model-version N --export URI --output URI
     python -m tasks.deploy rollback --target previous|VERSION
+    python -m tasks.deploy stage --model-version N --export URI --repository DIR   (cluster init container)
 
 canary: version N is loaded beside the stable one (both READY, a smoke inference through
 Triton and through the router), then the traffic steps of params.yaml ``canary.steps`` are
@@ -16,7 +17,10 @@ report is saved and the step exits 2 with one line naming the failed check (no r
 The first model ever has no stable to compare with: it is checked on its own at 100%.
 Idempotent: a retried or restarted deploy finds a leftover canary and rolls it back before
 starting again from weight 0, or finds N already serving and only makes sure it is promoted.
-Two deploys never run at once (a lock beside the router's configuration).
+Two deploys never run at once (a lock beside the router's configuration, or on the HTTPRoute).
+Where versions are served and how traffic is split is :mod:`tasks.lib.serving`'s concern: one
+local Triton behind nginx, or in a cluster a Triton Deployment per track behind a Gateway API
+HTTPRoute; this module only walks the rollout.
 
 rollback (the ``llm_rollback`` DAG): loads the target version (an alias or a number) from its
 export, moves all traffic to it, unloads the rest and makes it ``champion``.
@@ -25,14 +29,10 @@ export, moves all traffic to it, unloads the rest and makes it ``champion``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
-import shutil
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,94 +42,25 @@ from tasks.lib import canary, storage, triton
 from tasks.lib.errors import StepError
 from tasks.lib.model_store import PREVIOUS, alias_version, promote_version
 from tasks.lib.params import load_params, step_params
-from tasks.lib.router import NginxRouter
+from tasks.lib.serving import Serving, serving_platform, stage_version
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
 
-def triton_client() -> triton.TritonClient:
-    if not os.environ.get("TRITON_URL"):
-        raise StepError("TRITON_URL is not set: Triton is started by `python -m stack up`")
-    return triton.TritonClient(os.environ["TRITON_URL"])
-
-
-def repository() -> Path:
-    if not os.environ.get("TRITON_REPOSITORY"):
-        raise StepError("TRITON_REPOSITORY is not set: the model repository of the local Triton")
-    return Path(os.environ["TRITON_REPOSITORY"])
-
-
-@contextlib.contextmanager
-def deploy_lock(router: NginxRouter) -> Iterator[None]:
-    """One deploy at a time: two canaries would fight over the router."""
-    router.prefix.mkdir(parents=True, exist_ok=True)
-    with (router.prefix / "deploy.lock").open("w") as fh:
-        log.info("waiting for the deploy lock")
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def install_version(export_uri: str, version: int, serve: dict[str, Any], scratch: Path) -> dict[str, Any]:
-    """Copy the export's repository fragment of ``version`` into Triton's model repository
-    (replacing an earlier copy of the same version) and return the export's parity reference."""
-    exported = storage.download_tree(export_uri, scratch / "export")
-    for model in (serve["triton_model"], serve["generate_model"]):
-        source = exported / "triton" / model / str(version)
-        if not source.is_dir():
-            raise StepError(f"{export_uri}: holds no {model} version {version}")
-        target = repository() / model / str(version)
-        staged = target.with_name(f".{version}.staging")
-        shutil.rmtree(staged, ignore_errors=True)
-        shutil.copytree(source, staged)
-        if target.exists():
-            shutil.rmtree(target)
-        staged.rename(target)
-        shutil.copy(exported / "triton" / model / "config.pbtxt", repository() / model / "config.pbtxt")
-        shutil.copy(exported / "configs" / f"{model}.json", repository() / model / "config.json")
-    reference: dict[str, Any] = json.loads((exported / "parity.json").read_text())["reference"]
-    return reference
-
-
-def serve_versions(client: triton.TritonClient, serve: dict[str, Any], versions: list[int]) -> None:
-    """Make Triton serve exactly ``versions`` of both models (none: unload them)."""
-    models = (serve["triton_model"], serve["generate_model"])  # generate calls llm: load llm first
-    if not versions:
-        for model in reversed(models):
-            client.unload(model)
-        return
-    for model in models:
-        config = json.loads((repository() / model / "config.json").read_text())
-        client.load(model, triton.with_versions(config, versions))
-        client.wait_ready(model, versions, float(serve["load_timeout_s"]))
-
-
-def smoke_test(client: triton.TritonClient, router: NginxRouter, serve: dict[str, Any], version: int,
-               reference: dict[str, Any]) -> None:
+def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> None:
     """One inference of the new version straight through Triton and one through the router."""
     ids = np.asarray(reference["inputs"][0], dtype=np.int64)
-    for base in (client.url, router.url):
-        request = urllib.request.Request(f"{base}/v2/models/{serve['triton_model']}/versions/{version}/infer",
-                                         data=triton.infer_request(ids), method="POST",
-                                         headers={"Content-Type": "application/json"})
+    for url, headers in serving.smoke_targets(version):
+        request = urllib.request.Request(url, data=triton.infer_request(ids), method="POST",
+                                         headers={"Content-Type": "application/json", **headers})
         try:
             with urllib.request.urlopen(request, timeout=30) as resp:
                 length = resp.headers.get("Inference-Header-Content-Length")
                 logits, _ = triton.parse_infer_response(resp.read(), int(length) if length else None)
         except OSError as exc:
-            raise StepError(f"version {version}: smoke inference through {base} failed ({exc})") from None
+            raise StepError(f"version {version}: smoke inference through {url} failed ({exc})") from None
         if not np.isfinite(logits).all():
-            raise StepError(f"version {version}: smoke inference through {base} returned non-finite logits")
-
-
-def version_metrics(serve: dict[str, Any]) -> dict[int, dict[str, float]]:
-    url = os.environ.get("TRITON_METRICS_URL")
-    if not url:
-        return {}
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return triton.version_counters(resp.read().decode(), serve["triton_model"])
+            raise StepError(f"version {version}: smoke inference through {url} returned non-finite logits")
 
 
 def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]]) -> dict[str, Any]:
@@ -143,46 +74,38 @@ def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str
     return delta
 
 
-def roll_back(router: NginxRouter, client: triton.TritonClient, serve: dict[str, Any], stable: int | None) -> None:
-    """Traffic first (and confirmed live), models second: no request is routed to a version
-    that is being unloaded."""
-    router.apply(stable)
-    serve_versions(client, serve, [stable] if stable is not None else [])
-
-
-def run_canary(args: argparse.Namespace, params: dict[str, Any], serve: dict[str, Any],
+def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Serving, serve: dict[str, Any],
                scratch: Path) -> dict[str, Any]:
     version = int(args.model_version)
-    client, router = triton_client(), NginxRouter.from_env()
-    reference = install_version(args.export, version, serve, scratch)
-    live = router.live()
+    reference = serving.stage(args.export, version, scratch)
+    live = serving.live()
     if live.stable == version and live.canary is None:
         log.info("version %d already serves all traffic: nothing to roll out", version)
-        serve_versions(client, serve, [version])
+        serving.promote(version)
         return {"verdict": "promoted", "stable": version, "canary": version, "steps": [], "already_serving": True}
     if live.canary is not None:
         log.info("a canary of version %s was left at %g%% (an interrupted deploy): rolling it back first",
                  live.canary, live.canary_weight)
-        roll_back(router, client, serve, live.stable)
+        serving.roll_back(live.stable)
     stable = live.stable
     report: dict[str, Any] = {"stable": stable, "canary": version, "steps": [], "verdict": "promoted"}
-    serve_versions(client, serve, [v for v in (stable, version) if v is not None])
+    serving.prepare(stable, version)
     try:
-        smoke_test(client, router, serve, version, reference)
-    except StepError as exc:  # before any traffic moved: unload it again
-        roll_back(router, client, serve, stable)
+        smoke_test(serving, version, reference)
+    except StepError as exc:  # before any traffic moved: remove it again
+        serving.roll_back(stable)
         report.update(verdict="rolled back", failed_at=0.0, reason=f"smoke test: {exc}")
         return report
     inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
     steps = [float(w) for w in params["steps"]] if stable is not None else [100.0]
     pooled_baseline: list[float] = []
     for weight in steps:
-        router.apply(stable, version, weight)
-        before = version_metrics(serve)
+        serving.route(stable, version, weight)
+        before = serving.metrics()
         started = time.monotonic()
         samples: list[canary.Sample] = []
         for _ in range(int(params["max_windows"])):  # a small share may need more than one window
-            samples += canary.send_traffic(router.url, serve["triton_model"], inputs, reference["next_tokens"],
+            samples += canary.send_traffic(serving.url, serve["triton_model"], inputs, reference["next_tokens"],
                                            float(params["rate_rps"]), float(params["step_duration_s"]),
                                            int(params["concurrency"]), float(params["request_timeout_s"]))
             if sum(s.version == version for s in samples) >= params["min_samples"]:
@@ -192,7 +115,7 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serve: dict[str
         baseline = stable_ms if len(stable_ms) >= params["min_samples"] else pooled_baseline
         result = canary.judge_step(samples, stable, version, weight, baseline, params)
         result["seconds"] = round(time.monotonic() - started, 2)
-        result["triton"] = metrics_delta(before, version_metrics(serve))
+        result["triton"] = metrics_delta(before, serving.metrics())
         report["steps"].append(result)
         pooled_baseline += stable_ms
         log.info("canary %g%%: %d requests (stable %d, canary %d), canary p50 %.1f ms vs stable %.1f ms: %s",
@@ -200,11 +123,10 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serve: dict[str
                  result["canary"]["p50_ms"], result["stable"]["p50_ms"],
                  "pass" if result["passed"] else "; ".join(result["failed"]))
         if not result["passed"]:
-            roll_back(router, client, serve, stable)
+            serving.roll_back(stable)
             report.update(verdict="rolled back", failed_at=weight, reason=result["failed"][0])
             return report
-    router.apply(version)
-    serve_versions(client, serve, [version])
+    serving.promote(version)
     return report
 
 
@@ -229,8 +151,9 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     serve, name = settings["serve"], settings["pipeline"]["model_name"]
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number")
-    with deploy_lock(NginxRouter.from_env()), storage.scratch() as scratch:
-        report = run_canary(args, params, serve, scratch)
+    serving = serving_platform(settings)
+    with serving.lock(), storage.scratch() as scratch:
+        report = run_canary(args, params, serving, serve, scratch)
         if report["verdict"] == "promoted":
             report["aliases"] = promote_version(name, str(args.model_version)) if args.promote else {}
         save_report(report, args.output, args.mlflow_run_tag)
@@ -247,7 +170,7 @@ def rollback_main(args: argparse.Namespace) -> dict[str, Any]:
     from mlflow.exceptions import MlflowException
 
     settings = load_params()
-    serve, name = settings["serve"], settings["pipeline"]["model_name"]
+    name = settings["pipeline"]["model_name"]
     target = args.target if args.target.isdigit() else alias_version(name, args.target)
     if target is None:
         raise StepError(f"--target {args.target!r}: models:/{name}@{args.target} does not exist")
@@ -257,18 +180,32 @@ def rollback_main(args: argparse.Namespace) -> dict[str, Any]:
         raise StepError(f"--target {args.target!r}: models:/{name}/{target} does not exist") from None
     if not export_uri:
         raise StepError(f"models:/{name}/{target} was never exported (no export.uri tag): nothing to serve")
-    client, router = triton_client(), NginxRouter.from_env()
+    serving = serving_platform(settings)
     version = int(target)
-    with deploy_lock(router), storage.scratch() as scratch:
-        install_version(export_uri, version, serve, scratch)
-        live = router.live()
-        current = [v for v in live.versions() if v != version]
-        serve_versions(client, serve, [*current, version])  # the target ready before any traffic moves
-        router.apply(version)
-        serve_versions(client, serve, [version])
+    with serving.lock(), storage.scratch() as scratch:
+        serving.stage(export_uri, version, scratch)
+        live = serving.live()
+        if live.versions() != [version]:
+            if live.canary is not None and live.canary != version:
+                serving.roll_back(live.stable)  # an interrupted canary: its traffic goes first
+            serving.prepare(live.stable, version)  # the target ready before any traffic moves
+            serving.route(live.stable, version, 100.0)
+        serving.promote(version)
         aliases = promote_version(name, str(version))
     log.info("rolled back: version %d serves all traffic and is %s", version, "champion")
     return {"serving": version, "replaced": live.versions(), "aliases": aliases, "export_uri": export_uri}
+
+
+def stage_main(args: argparse.Namespace) -> dict[str, Any]:
+    """The init container of a cluster track: one exported version into the pod's repository."""
+    if not str(args.model_version).isdigit():
+        raise StepError(f"--model-version {args.model_version!r}: expected a registry version number "
+                        "(an empty one: the track's Deployment was never given a version)")
+    serve = load_params()["serve"]
+    with storage.scratch() as scratch:
+        stage_version(args.export, int(args.model_version), Path(args.repository), serve, scratch,
+                      args.config_variant)
+    return {"staged": int(args.model_version), "repository": args.repository, "config_variant": args.config_variant}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -283,11 +220,17 @@ def parser() -> argparse.ArgumentParser:
     roll.add_argument("--no-promote", dest="promote", action="store_false", help="leave the registry aliases alone")
     back = sub.add_parser("rollback", help="serve an earlier version again and make it champion")
     back.add_argument("--target", default=PREVIOUS, help="an alias (default: previous) or a version number")
+    stage = sub.add_parser("stage", help="copy one exported version into a Triton model repository (cluster init container)")
+    stage.add_argument("--model-version", required=True, help="registry version number")
+    stage.add_argument("--export", required=True, help="the export step's output URI for that version")
+    stage.add_argument("--repository", required=True, help="the model repository folder")
+    stage.add_argument("--config-variant", default="", help="one of the export's configs/llm.<variant>.pbtxt")
     return p
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    return canary_main(args) if args.command == "canary" else rollback_main(args)
+    commands = {"canary": canary_main, "rollback": rollback_main, "stage": stage_main}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -105,3 +105,29 @@ def params_with_model_name(prefix: str, folder: Path) -> dict[str, str]:
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return {"PIPELINE_PARAMS": str(path), "MODEL_NAME": params["pipeline"]["model_name"]}
+
+
+# -- Kubernetes objects, validated offline --------------------------------------------------
+
+KUBERNETES_VALIDATE = [str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "kubernetes-validate"),
+                       "--strict", "-k", "1.32.0"]
+GATEWAY_VALIDATE = ["node", str(REPO_ROOT / "tests" / "plugins" / "gateway_api" / "validate.mjs")]
+
+
+def validate_objects(objects: list[dict[str, Any]], folder: Path) -> subprocess.CompletedProcess[str]:
+    """Core objects against Kubernetes 1.32's schema (strict: no unknown fields), Gateway API
+    objects against the schemas generated from its CRDs. Returns the failing run, or the last."""
+    import yaml
+
+    gateway = [o for o in objects if o["apiVersion"].startswith("gateway.networking.k8s.io/")]
+    core = [o for o in objects if o not in gateway]
+    proc = subprocess.CompletedProcess[str]([], 0, "", "")
+    if core:
+        (folder / "core.yaml").write_text(yaml.safe_dump_all(core))
+        proc = subprocess.run([*KUBERNETES_VALIDATE, str(folder / "core.yaml")], capture_output=True, text=True)
+        if proc.returncode != 0:
+            return proc
+    if gateway:
+        (folder / "gateway.json").write_text(json.dumps(gateway))
+        proc = subprocess.run([*GATEWAY_VALIDATE, str(folder / "gateway.json")], capture_output=True, text=True)
+    return proc

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.integration
 AIRFLOW = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
 DAG_ID = "llm_retrain"
 # a short run: enough to reach register (whose arguments read the run's date), export and deploy
+BACKFILL_DATE = "2026-11-01"  # the DAG's start date: test_llm_retrain's runs are 11-08, 11-15, 11-22
 CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_max_steps": 12}  # 12: apart from other tests' runs
 
 
@@ -113,14 +114,19 @@ def test_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> N
     rest = airflow_api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                             {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-21"}})
     assert rest["logical_date"] is None
-    airflow_cli("backfill", "create", "--dag-id", DAG_ID, "--from-date", "2026-11-15", "--to-date", "2026-11-15",
+    # a date no other test runs: a backfill skips dates that already have a run (reprocess "none")
+    airflow_cli("backfill", "create", "--dag-id", DAG_ID, "--from-date", BACKFILL_DATE, "--to-date", BACKFILL_DATE,
                 "--dag-run-conf", json.dumps({**CONF, "end_date": "2026-11-20"}))
 
-    def finished() -> list[dict[str, Any]] | None:
+    def ours() -> list[dict[str, Any]]:
         runs = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")["dag_runs"]
-        ours = [r for r in runs if r["conf"].get("train_max_steps") == CONF["train_max_steps"]]
-        done = len(ours) == 3 and all(r["state"] in ("success", "failed") for r in ours)
-        return ours if done else None
+        return [r for r in runs if r["conf"].get("train_max_steps") == CONF["train_max_steps"]]
+
+    wait_for("the backfill to create its run", lambda: len(ours()) == 3, timeout_s=60)
+
+    def finished() -> list[dict[str, Any]] | None:
+        runs = ours()
+        return runs if all(r["state"] in ("success", "failed") for r in runs) else None
 
     runs = wait_for("three runs to finish", finished, timeout_s=900, every_s=5)
     by_type = {r["run_type"]: r for r in runs}

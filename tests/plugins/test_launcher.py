@@ -4,10 +4,7 @@ Kubernetes 1.32 schema (built offline with the provider's own dry-run, validated
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,11 +12,9 @@ from typing import Any
 import pytest
 import yaml
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, validate_objects
 
 import launcher
-
-VALIDATE = [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "-k", "1.32.0"]
 
 
 def test_mode_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,16 +89,14 @@ def pod_of(task: Any) -> dict[str, Any]:
 
 
 def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:
-    path = tmp_path / "objects.yaml"
-    path.write_text(yaml.safe_dump_all(objects))
-    proc = subprocess.run([*VALIDATE, str(path)], capture_output=True, text=True)
+    proc = validate_objects(objects, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Path) -> None:
     steps = [t for t in cluster_dag.tasks if t.task_id not in ("shard_plan", "train")]
     pods = [pod_of(t) for t in steps]
-    assert len(pods) == 7  # every step but the shard plan (an Airflow task) and train (an Indexed Job)
+    assert len(pods) == 9  # every step but the shard plan (an Airflow task) and train (an Indexed Job)
     validate_strict(pods, tmp_path)
     for pod in pods:
         spec, container = pod["spec"], pod["spec"]["containers"][0]
@@ -132,10 +125,9 @@ def test_gpu_step_pod_requests_gpus_and_tolerates_gpu_nodes(monkeypatch: pytest.
 
 def test_validator_rejects_an_unknown_field(tmp_path: Path) -> None:
     """The schema check is real: a misspelt field fails it."""
-    path = tmp_path / "bad.yaml"
-    path.write_text(json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
-                                "spec": {"containers": [{"name": "c", "image": "i", "imagePullPolicyy": "x"}]}}))
-    assert subprocess.run([*VALIDATE, str(path)], capture_output=True).returncode != 0
+    bad = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
+           "spec": {"containers": [{"name": "c", "image": "i", "imagePullPolicyy": "x"}]}}
+    assert validate_objects([bad], tmp_path).returncode != 0
 
 
 def test_repo_root_is_the_launch_directory() -> None:

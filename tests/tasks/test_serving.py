@@ -18,12 +18,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import helpers
 import numpy as np
 import pytest
 import yaml
 from helpers import REPO_ROOT, RUNTIME_PY, error_lines, params_with_model_name, run_module, step_result
 
-from tasks.lib import triton
+from tasks.lib import serving, triton
 from tasks.lib.router import Route, split_conf
 
 # short canary steps: the analysis needs samples, not minutes
@@ -84,6 +85,87 @@ def test_mann_whitney_flags_a_slower_canary_only() -> None:
 
 
 # -- integration: the real servers -----------------------------------------------------------
+
+# -- unit: the cluster path's patches on the objects plugins/serving.py renders ----------------
+
+
+def apply_json_patch(obj: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """RFC 6902 ``test``/``replace``/``add`` on a copy, as the API server applies them."""
+    out = json.loads(json.dumps(obj))
+    for op in ops:
+        *parents, leaf = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        node: Any = out
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key: Any = int(leaf) if isinstance(node, list) else leaf
+        if op["op"] == "test":
+            assert node[key] == op["value"], f"test failed at {op['path']}: {node[key]!r}"
+        elif op["op"] == "replace":
+            assert (key < len(node)) if isinstance(node, list) else (key in node), f"nothing to replace at {op['path']}"
+            node[key] = op["value"]
+        else:
+            node[key] = op["value"]
+    return out
+
+
+def merge_patch(obj: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(obj) if isinstance(obj, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def rendered_serving_objects() -> list[dict[str, Any]]:
+    proc = subprocess.run([str(RUNTIME_PY), "plugins/serving.py"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "plugins")})
+    assert proc.returncode == 0, proc.stderr
+    return list(yaml.safe_load_all(proc.stdout))
+
+
+def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
+    objects = {o["metadata"]["name"]: o for o in rendered_serving_objects() if o["kind"] != "Service"}
+    names = {track: f"triton-{track}" for track in serving.TRACKS}
+    route = apply_json_patch(objects["llm-serving"], serving.route_patch(names, Route(4, 5, 12.5, 7)))
+    backends = route["spec"]["rules"][1]["backendRefs"]
+    assert [(b["name"], b["weight"]) for b in backends] == [("triton-stable", 875), ("triton-canary", 125)]
+    assert [b["filters"][0]["responseHeaderModifier"]["set"][0]["value"] for b in backends] == ["4", "5"]
+    assert json.loads(route["metadata"]["annotations"]["llm-pipeline/route"])["generation"] == 7
+    first = apply_json_patch(objects["llm-serving"], serving.route_patch(names, Route(4)))
+    assert [b["weight"] for b in first["spec"]["rules"][1]["backendRefs"]] == [1000, 0]
+    canary = merge_patch(objects["triton-canary"], serving.deployment_patch(5, "s3://pipeline/runs/x/export", 1))
+    assert canary["spec"]["replicas"] == 1
+    assert canary["spec"]["template"]["metadata"]["annotations"]["llm-pipeline/model-version"] == "5"
+    assert canary["spec"]["template"]["spec"] == objects["triton-canary"]["spec"]["template"]["spec"]
+    proc = helpers.validate_objects([route, first, canary], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # a hand-edited route (backends swapped) is refused, not mis-weighted
+    swapped = json.loads(json.dumps(objects["llm-serving"]))
+    swapped["spec"]["rules"][1]["backendRefs"].reverse()
+    with pytest.raises(AssertionError, match="test failed"):
+        apply_json_patch(swapped, serving.route_patch(names, Route(4, 5, 50.0, 1)))
+
+
+def test_rollout_and_route_readiness_read_the_status_fields() -> None:
+    deployment = {"metadata": {"generation": 3}, "spec": {"replicas": 2},
+                  "status": {"observedGeneration": 3, "replicas": 3, "updatedReplicas": 2, "availableReplicas": 2}}
+    assert not serving.deployment_rolled_out(deployment)  # an old pod still runs
+    deployment["status"]["replicas"] = 2
+    assert serving.deployment_rolled_out(deployment)
+    deployment["metadata"]["generation"] = 4  # patched, not yet seen by the controller
+    assert not serving.deployment_rolled_out(deployment)
+    accepted = {"type": "Accepted", "status": "True", "observedGeneration": 6}
+    route = {"metadata": {"generation": 6}, "status": {"parents": [{"conditions": [accepted]}]}}
+    assert serving.route_accepted(route)
+    route["metadata"]["generation"] = 7
+    assert not serving.route_accepted(route)
+    assert not serving.route_accepted({"metadata": {"generation": 1}, "status": {"parents": []}})
+
 
 @pytest.fixture(scope="module")
 def serving_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
@@ -202,6 +284,17 @@ def test_rollout_promotion_rollbacks_and_restart(
 
     tags = MlflowClient().get_model_version(name, v1).tags
     assert tags["export.uri"] == str(tmp_path / "export1") and tags["export.opset"] == "18"
+
+    # a cluster track's init container: one version and the chosen backend's config
+    proc = run_module("tasks.deploy", "stage", "--model-version", v1, "--export", str(tmp_path / "export1"),
+                      "--repository", str(tmp_path / "models"), "--config-variant", "onnxruntime_onnx.cpu", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "models" / "llm" / v1 / "model.onnx").exists()
+    assert 'platform: "onnxruntime_onnx"' in (tmp_path / "models" / "llm" / "config.pbtxt").read_text()
+    assert (tmp_path / "models" / "llm_generate" / v1 / "tokenizer.json").exists()
+    proc = run_module("tasks.deploy", "stage", "--model-version", "", "--export", str(tmp_path / "export1"),
+                      "--repository", str(tmp_path / "models"), env=env)
+    assert proc.returncode == 2 and "was never given a version" in error_lines(proc)[0], proc.stderr[-2000:]
 
     # the first model: checked alone at 100%, promoted, serving text through the router
     proc = deploy(v1, str(tmp_path / "export1"), tmp_path / "deploy1", env)

@@ -1,0 +1,199 @@
+"""Serving in a cluster: the objects the deploy step drives (``tasks/lib/serving.py``).
+
+    python plugins/serving.py > serving.yaml && kubectl apply -f serving.yaml
+
+- A Triton Deployment per track (``stable``, ``canary``) on NVIDIA's tritonserver image. Its init
+  container (the runtime image: ``python -m tasks.deploy stage``) copies one exported version
+  into the pod's model repository; which one it reads from the pod template's annotations
+  through the downward API, so deploy moves a track to a version with one merge patch, and the
+  Deployment rolls surge-first (``maxUnavailable: 0``): a track never has fewer ready pods.
+  Ready = ``/v2/health/ready`` (the models loaded; a model that fails to load stops the pod).
+  Both tracks start at 0 replicas: the first deploy gives them a version.
+- A Service per track (HTTP, gRPC, metrics).
+- A Gateway API ``HTTPRoute``: rule 0 sends requests carrying ``X-Serving-Track: canary`` to
+  the canary track alone (the smoke test before any traffic moves); rule 1 splits everything
+  else between the tracks by ``weight`` (per mille) and each backend stamps ``X-Model-Version``
+  on its responses. Its annotations hold the rollout state and the deploy lock.
+- A Role + RoleBinding letting the pipeline's service account get and patch exactly these.
+
+Plain dicts, no Airflow import: tests render them and validate the core objects against the
+Kubernetes schema and the HTTPRoute against the Gateway API's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import yaml
+
+from pipeline_params import pipeline_params
+
+TRACKS = ("stable", "canary")
+ANNOTATION = "llm-pipeline/"
+CANARY_HEADER = "X-Serving-Track"
+VERSION_HEADER = "X-Model-Version"
+NO_VERSION = "none"  # a header value may not be empty
+
+
+def _labels(settings: dict[str, Any], track: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": settings["name"], "app.kubernetes.io/part-of": "llm-pipeline",
+            "llm-pipeline/track": track}
+
+
+def _http_get(path: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s, "failureThreshold": failures}
+
+
+def _hardened() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def track_deployment(params: dict[str, Any], track: str) -> dict[str, Any]:
+    cluster, serve = params["launcher"]["kubernetes"], params["serve"]
+    settings = serve["kubernetes"]
+    kind = cluster["kinds"][settings["kind"]]
+    labels = _labels(settings, track)
+    ports = settings["ports"]
+
+    def from_annotation(name: str) -> dict[str, Any]:
+        return {"name": name.upper().replace("-", "_"),
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION}{name}']"}}}
+
+    stage = {
+        "name": "stage",
+        "image": cluster["images"]["cpu"],
+        "imagePullPolicy": cluster["image_pull_policy"],
+        "command": ["python", "-m", "tasks.deploy", "stage", "--model-version", "$(MODEL_VERSION)",
+                    "--export", "$(EXPORT_URI)", "--repository", "/models",
+                    "--config-variant", settings["config_variant"]],
+        "env": [from_annotation("model-version"), from_annotation("export-uri"),
+                {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "envFrom": [{"secretRef": {"name": name}} for name in cluster["env_from_secrets"]],
+        "resources": cluster["kinds"]["cpu"]["resources"],
+        "securityContext": _hardened(),
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "scratch", "mountPath": "/tmp"}],
+    }
+    load_failures = max(3, int(serve["load_timeout_s"]) // 5)
+    server = {
+        "name": "triton",
+        "image": settings["image"],
+        "imagePullPolicy": cluster["image_pull_policy"],
+        "command": ["tritonserver"],
+        "args": ["--model-repository=/models", "--model-control-mode=explicit",
+                 *(f"--load-model={m}" for m in (serve["triton_model"], serve["generate_model"])),
+                 "--exit-on-error=true", "--strict-readiness=true", f"--http-port={ports['http']}",
+                 f"--grpc-port={ports['grpc']}", f"--metrics-port={ports['metrics']}"],
+        "ports": [{"name": name, "containerPort": port} for name, port in ports.items()],
+        "startupProbe": _http_get("/v2/health/ready", 5, load_failures),
+        "readinessProbe": _http_get("/v2/health/ready", 5, 3),
+        "livenessProbe": _http_get("/v2/health/live", 10, 3),
+        "resources": kind["resources"],
+        "securityContext": _hardened(),
+        "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
+                         {"name": "shm", "mountPath": "/dev/shm"}, {"name": "scratch", "mountPath": "/tmp"}],
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the servers never call the Kubernetes API
+        "securityContext": {"runAsNonRoot": True, "runAsUser": cluster["run_as_user"],
+                            "runAsGroup": cluster["run_as_user"], "fsGroup": cluster["run_as_user"],
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "initContainers": [stage],
+        "containers": [server],
+        "volumes": [{"name": "models", "emptyDir": {}}, {"name": "scratch", "emptyDir": {}},
+                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings["shm_size"]}}],
+    }
+    if kind["node_selector"]:
+        pod_spec["nodeSelector"] = kind["node_selector"]
+    if kind["tolerations"]:
+        pod_spec["tolerations"] = kind["tolerations"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"{settings['name']}-{track}", "namespace": cluster["namespace"], "labels": labels},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": labels},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels,
+                             "annotations": {f"{ANNOTATION}model-version": "", f"{ANNOTATION}export-uri": ""}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def track_service(params: dict[str, Any], track: str) -> dict[str, Any]:
+    settings = params["serve"]["kubernetes"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": f"{settings['name']}-{track}", "namespace": params["launcher"]["kubernetes"]["namespace"],
+                     "labels": _labels(settings, track)},
+        "spec": {"selector": _labels(settings, track),
+                 "ports": [{"name": name, "port": port, "targetPort": name} for name, port in settings["ports"].items()]},
+    }
+
+
+def http_route(params: dict[str, Any]) -> dict[str, Any]:
+    settings = params["serve"]["kubernetes"]
+    names = {track: f"{settings['name']}-{track}" for track in TRACKS}
+    port = settings["ports"]["http"]
+    models = {"path": {"type": "PathPrefix", "value": "/v2"}}
+
+    def backend(track: str, weight: int) -> dict[str, Any]:
+        stamp = {"set": [{"name": VERSION_HEADER, "value": NO_VERSION}]}
+        return {"name": names[track], "port": port, "weight": weight,
+                "filters": [{"type": "ResponseHeaderModifier", "responseHeaderModifier": stamp}]}
+
+    gateway = settings["gateway"]
+    state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": settings["route"], "namespace": params["launcher"]["kubernetes"]["namespace"],
+                     "labels": {"app.kubernetes.io/part-of": "llm-pipeline"},
+                     "annotations": {f"{ANNOTATION}route": json.dumps(state), f"{ANNOTATION}deploy-lock": ""}},
+        "spec": {
+            "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                            "name": gateway["name"], "namespace": gateway["namespace"]}],
+            "hostnames": [settings["hostname"]],
+            "rules": [
+                {"matches": [{**models, "headers": [{"type": "Exact", "name": CANARY_HEADER, "value": "canary"}]}],
+                 "backendRefs": [{"name": names["canary"], "port": port}]},
+                {"matches": [models], "backendRefs": [backend("stable", 1000), backend("canary", 0)]},
+            ],
+        },
+    }
+
+
+def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the deploy step's service account may do: get and patch these objects, nothing else."""
+    cluster, settings = params["launcher"]["kubernetes"], params["serve"]["kubernetes"]
+    name, namespace = "llm-pipeline-deployer", cluster["namespace"]
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": name, "namespace": namespace},
+         "rules": [
+             {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"],
+              "resourceNames": [f"{settings['name']}-{track}" for track in TRACKS]},
+             {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["httproutes"], "verbs": ["get", "patch"],
+              "resourceNames": [settings["route"]]},
+         ]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": name, "namespace": namespace},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": cluster["service_account"], "namespace": namespace}]},
+    ]
+
+
+def serving_manifests(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    params = params or pipeline_params()
+    tracks = [obj for track in TRACKS for obj in (track_deployment(params, track), track_service(params, track))]
+    return [*tracks, http_route(params), *deployer_rbac(params)]
+
+
+if __name__ == "__main__":
+    yaml.safe_dump_all(serving_manifests(), sys.stdout, sort_keys=False)

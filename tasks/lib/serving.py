@@ -1,0 +1,391 @@
+"""Where versions are served and how traffic is split between them: one interface, two platforms.
+
+The deploy step (``tasks/deploy.py``) walks a canary through :class:`Serving` only:
+
+- :class:`LocalServing` (embedded default): one Triton process with explicit model control
+  serves both versions from its model repository; the nginx router of ``tasks/lib/router.py``
+  splits the traffic by rewriting the path to ``/versions/<v>/``.
+- :class:`KubernetesServing` (cluster mode): a Triton Deployment per *track* (``stable``,
+  ``canary``; rendered by ``plugins/serving.py``), each serving one version that its init
+  container stages (``python -m tasks.deploy stage``) from the export named in the pod
+  template's annotations; a Gateway API HTTPRoute with weighted ``backendRefs`` splits the
+  traffic. Deploy patches the canary Deployment (version, replicas), waits for its rollout,
+  patches the HTTPRoute's weights and waits until the gateway accepted that generation. The
+  route's annotations hold the rollout state (versions, weight, generation) and the deploy lock.
+
+Both keep the same order of operations: a version is ready before traffic moves to it, and
+traffic has moved away (confirmed) before a version is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tasks.lib import storage, triton
+from tasks.lib.errors import StepError
+from tasks.lib.router import NginxRouter, Route
+from tasks.lib.step import log
+
+TRACKS = ("stable", "canary")
+WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% steps expressible
+ANNOTATION = "llm-pipeline/"
+NO_VERSION = "none"  # the version header of a backend serving none (a header may not be empty)
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def stage_version(export_uri: str, version: int, repository: Path, serve: dict[str, Any], scratch: Path,
+                  config_variant: str = "") -> dict[str, Any]:
+    """Copy the export's repository fragment of ``version`` into a Triton model repository
+    (replacing an earlier copy of the same version); ``config_variant`` picks one of the
+    export's configs (e.g. ``onnxruntime_onnx.gpu``) instead of the served one. Returns the
+    export's parity reference (inputs and next tokens of the PyTorch model)."""
+    exported = storage.download_tree(export_uri, scratch / "export")
+    for model in (serve["triton_model"], serve["generate_model"]):
+        source = exported / "triton" / model / str(version)
+        if not source.is_dir():
+            raise StepError(f"{export_uri}: holds no {model} version {version}")
+        target = repository / model / str(version)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.with_name(f".{version}.staging")
+        shutil.rmtree(staged, ignore_errors=True)
+        shutil.copytree(source, staged)
+        if target.exists():
+            shutil.rmtree(target)
+        staged.rename(target)
+        config = exported / "triton" / model / "config.pbtxt"
+        if config_variant and model == serve["triton_model"]:
+            config = exported / "configs" / f"{model}.{config_variant}.pbtxt"
+            if not config.exists():
+                raise StepError(f"{export_uri}: no {config.name} (config variant {config_variant!r})")
+        shutil.copy(config, repository / model / "config.pbtxt")
+        shutil.copy(exported / "configs" / f"{model}.json", repository / model / "config.json")
+    reference: dict[str, Any] = json.loads((exported / "parity.json").read_text())["reference"]
+    return reference
+
+
+class Serving:
+    """What deploy needs from a serving platform (see the module docstring)."""
+
+    url: str  # where clients send requests: the router / gateway
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def live(self) -> Route:
+        raise NotImplementedError
+
+    def stage(self, export_uri: str, version: int, scratch: Path) -> dict[str, Any]:
+        """Make ``version`` loadable; return the export's parity reference."""
+        raise NotImplementedError
+
+    def prepare(self, stable: int | None, canary: int) -> None:
+        """Serve ``canary`` beside ``stable`` (both ready, no traffic moved)."""
+        raise NotImplementedError
+
+    def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
+        """Split traffic so, and return once the router applies it."""
+        raise NotImplementedError
+
+    def promote(self, version: int) -> None:
+        """``version`` (the canary, at 100%) becomes the only version served."""
+        raise NotImplementedError
+
+    def roll_back(self, stable: int | None) -> None:
+        """Traffic back to ``stable`` first (confirmed), then the canary removed."""
+        raise NotImplementedError
+
+    def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
+        """Infer URLs (and headers) reaching ``version`` straight and through the router."""
+        raise NotImplementedError
+
+    def metrics(self) -> dict[int, dict[str, float]]:
+        """Triton's per-version request counters of the logits model."""
+        raise NotImplementedError
+
+
+class LocalServing(Serving):
+    """One local Triton (explicit model control) behind the local nginx router."""
+
+    def __init__(self, serve: dict[str, Any]) -> None:
+        missing = [k for k in ("TRITON_URL", "TRITON_REPOSITORY") if not os.environ.get(k)]
+        if missing:
+            raise StepError(f"{', '.join(missing)} not set: Triton is started by `python -m stack up`")
+        self.serve = serve
+        self.client = triton.TritonClient(os.environ["TRITON_URL"])
+        self.repository = Path(os.environ["TRITON_REPOSITORY"])
+        self.router = NginxRouter.from_env()
+        self.url = self.router.url
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """One deploy at a time: two canaries would fight over the router."""
+        self.router.prefix.mkdir(parents=True, exist_ok=True)
+        with (self.router.prefix / "deploy.lock").open("w") as fh:
+            log.info("waiting for the deploy lock")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def live(self) -> Route:
+        return self.router.live()
+
+    def stage(self, export_uri: str, version: int, scratch: Path) -> dict[str, Any]:
+        return stage_version(export_uri, version, self.repository, self.serve, scratch)
+
+    def serve_versions(self, versions: list[int]) -> None:
+        """Make Triton serve exactly ``versions`` of both models (none: unload them)."""
+        models = (self.serve["triton_model"], self.serve["generate_model"])  # generate calls llm: llm first
+        if not versions:
+            for model in reversed(models):
+                self.client.unload(model)
+            return
+        for model in models:
+            config = json.loads((self.repository / model / "config.json").read_text())
+            self.client.load(model, triton.with_versions(config, versions))
+            self.client.wait_ready(model, versions, float(self.serve["load_timeout_s"]))
+
+    def prepare(self, stable: int | None, canary: int) -> None:
+        self.serve_versions(sorted({v for v in (stable, canary) if v is not None}))
+
+    def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
+        self.router.apply(stable, canary, weight)
+
+    def promote(self, version: int) -> None:
+        self.router.apply(version)
+        self.serve_versions([version])
+
+    def roll_back(self, stable: int | None) -> None:
+        self.router.apply(stable)
+        self.serve_versions([stable] if stable is not None else [])
+
+    def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
+        path = f"/v2/models/{self.serve['triton_model']}/versions/{version}/infer"
+        return [(self.client.url + path, {}), (self.router.url + path, {})]
+
+    def metrics(self) -> dict[int, dict[str, float]]:
+        url = os.environ.get("TRITON_METRICS_URL")
+        if not url:
+            return {}
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return triton.version_counters(resp.read().decode(), self.serve["triton_model"])
+
+
+# -- cluster ----------------------------------------------------------------------------------
+
+
+class KubeApi:
+    """The Kubernetes API from inside a pod: the service account's token and CA, plain HTTPS."""
+
+    def __init__(self, server: str, token: str, ca_file: str | None, timeout_s: float = 30.0) -> None:
+        self.server, self.token, self.timeout_s = server.rstrip("/"), token, timeout_s
+        self.context = ssl.create_default_context(cafile=ca_file) if server.startswith("https") else None
+
+    @classmethod
+    def in_cluster(cls) -> KubeApi:
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host or not (SERVICE_ACCOUNT / "token").exists():
+            raise StepError("SERVING_PLATFORM=kubernetes but this is not a pod (no service account token)")
+        return cls(f"https://{host}:{port}", (SERVICE_ACCOUNT / "token").read_text().strip(),
+                   str(SERVICE_ACCOUNT / "ca.crt"))
+
+    def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        request = urllib.request.Request(
+            self.server + path, method=method, data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": content_type,
+                     "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s, context=self.context) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            message = json.loads(exc.read() or b"{}").get("message", exc.reason)
+            raise KubeError(exc.code, f"{method} {path}: {exc.code} {message}") from None
+
+
+class KubeError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def deployment_patch(version: int | None, export_uri: str, replicas: int) -> dict[str, Any]:
+    """JSON merge patch of a track's Deployment: the version its init container stages (read
+    through the downward API from these annotations) and its replicas. A new version changes
+    the pod template, so the Deployment rolls (surge first: the track never has fewer ready pods)."""
+    annotations = {f"{ANNOTATION}model-version": str(version or ""), f"{ANNOTATION}export-uri": export_uri}
+    return {"spec": {"replicas": replicas, "template": {"metadata": {"annotations": annotations}}}}
+
+
+def route_patch(names: dict[str, str], route: Route) -> list[dict[str, Any]]:
+    """JSON patch of the HTTPRoute: the weighted rule's two backends (tested by name first, so a
+    hand-edited route is refused rather than mis-weighted), the version header each backend
+    adds to its responses, and the rollout state in annotations."""
+    canary = 0 if route.canary is None else round(route.canary_weight / 100 * WEIGHT_SCALE)
+    versions = {"stable": route.stable, "canary": route.canary}
+    weights = {"stable": WEIGHT_SCALE - canary, "canary": canary}
+    ops: list[dict[str, Any]] = []
+    for index, track in enumerate(TRACKS):
+        backend = f"/spec/rules/1/backendRefs/{index}"
+        ops += [
+            {"op": "test", "path": f"{backend}/name", "value": names[track]},
+            {"op": "replace", "path": f"{backend}/weight", "value": weights[track]},
+            {"op": "replace", "path": f"{backend}/filters/0/responseHeaderModifier/set/0/value",
+             "value": NO_VERSION if versions[track] is None else str(versions[track])},
+        ]
+    state = {"stable": route.stable, "canary": route.canary, "canary_weight": route.canary_weight,
+             "generation": route.generation}
+    ops.append({"op": "add", "path": f"/metadata/annotations/{ANNOTATION.rstrip('/')}~1route",
+                "value": json.dumps(state)})
+    return ops
+
+
+def route_accepted(route_object: dict[str, Any]) -> bool:
+    """Every parent gateway accepted the route's current generation."""
+    generation = route_object["metadata"].get("generation", 0)
+    parents = route_object.get("status", {}).get("parents", [])
+    return bool(parents) and all(
+        any(c["type"] == "Accepted" and c["status"] == "True" and c.get("observedGeneration", 0) >= generation
+            for c in parent.get("conditions", []))
+        for parent in parents)
+
+
+def deployment_rolled_out(deployment: dict[str, Any]) -> bool:
+    """Its newest pod template is the only one running, on as many ready pods as wanted."""
+    spec, status = deployment["spec"], deployment.get("status", {})
+    wanted = spec.get("replicas", 1)
+    return (status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
+            and status.get("updatedReplicas", 0) == wanted and status.get("replicas", 0) == wanted
+            and status.get("availableReplicas", 0) == wanted)
+
+
+class KubernetesServing(Serving):
+    """A Triton Deployment per track behind a Gateway API HTTPRoute (``plugins/serving.py``)."""
+
+    def __init__(self, serve: dict[str, Any], namespace: str, api: KubeApi | None = None) -> None:
+        if not os.environ.get("ROUTER_URL"):
+            raise StepError("ROUTER_URL is not set: the gateway's address (in the pods' Secret)")
+        self.serve, self.cluster = serve, serve["kubernetes"]
+        self.namespace, self.api = namespace, api or KubeApi.in_cluster()
+        self.url = os.environ["ROUTER_URL"].rstrip("/")
+        self.names = {track: f"{self.cluster['name']}-{track}" for track in TRACKS}
+        self.exports: dict[int, str] = {}
+
+    def _path(self, kind: str, name: str) -> str:
+        group = "/apis/apps/v1" if kind == "deployments" else "/apis/gateway.networking.k8s.io/v1"
+        return f"{group}/namespaces/{self.namespace}/{kind}/{name}"
+
+    def _route_object(self) -> dict[str, Any]:
+        found: dict[str, Any] = self.api.call("GET", self._path("httproutes", self.cluster["route"]))
+        return found
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """An annotation on the HTTPRoute taken with a JSON-patch ``test`` of what was read (the
+        API server applies test-and-set atomically); a holder older than ``lock_ttl_s`` is
+        presumed dead and replaced."""
+        key = f"/metadata/annotations/{ANNOTATION.rstrip('/')}~1deploy-lock"
+        holder = f"{socket.gethostname()} {time.time() + float(self.cluster['lock_ttl_s']):.0f}"
+        while True:
+            current = self._route_object()["metadata"].get("annotations", {}).get(f"{ANNOTATION}deploy-lock", "")
+            expired = not current or float(current.split()[-1]) < time.time()
+            if expired:
+                test = [{"op": "test", "path": key, "value": current}] if current else []
+                try:
+                    self.api.call("PATCH", self._path("httproutes", self.cluster["route"]),
+                                  [*test, {"op": "add", "path": key, "value": holder}], "application/json-patch+json")
+                    break
+                except KubeError as exc:
+                    if exc.status not in (409, 422):
+                        raise
+            log.info("waiting for the deploy lock (held by %s)", current)
+            time.sleep(5)
+        try:
+            yield
+        finally:
+            self.api.call("PATCH", self._path("httproutes", self.cluster["route"]),
+                          [{"op": "test", "path": key, "value": holder}, {"op": "add", "path": key, "value": ""}],
+                          "application/json-patch+json")
+
+    def live(self) -> Route:
+        state = self._route_object()["metadata"].get("annotations", {}).get(f"{ANNOTATION}route")
+        return Route(**json.loads(state)) if state else Route(stable=None)
+
+    def stage(self, export_uri: str, version: int, scratch: Path) -> dict[str, Any]:
+        """The pods stage the files themselves (init container): only the reference comes here."""
+        self.exports[version] = export_uri
+        reference: dict[str, Any] = storage.read_json(storage.join(export_uri, "parity.json"))["reference"]
+        return reference
+
+    def _set_track(self, track: str, version: int | None, replicas: int) -> None:
+        export_uri = self.exports.get(version, "") if version is not None else ""
+        if version is not None and not export_uri:
+            raise StepError(f"version {version} was not staged by this deploy")
+        self.api.call("PATCH", self._path("deployments", self.names[track]),
+                      deployment_patch(version, export_uri, replicas), "application/merge-patch+json")
+        deadline = time.monotonic() + float(self.cluster["rollout_timeout_s"])
+        while not deployment_rolled_out(self.api.call("GET", self._path("deployments", self.names[track]))):
+            if time.monotonic() > deadline:
+                raise StepError(f"deployment {self.names[track]} (version {version}) not ready after "
+                                f"{self.cluster['rollout_timeout_s']}s: see its pods' events")
+            time.sleep(5)
+
+    def prepare(self, stable: int | None, canary: int) -> None:
+        self._set_track("canary", canary, 1)
+
+    def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
+        route = Route(stable, canary, float(weight), self.live().generation + 1)
+        self.api.call("PATCH", self._path("httproutes", self.cluster["route"]),
+                      route_patch(self.names, route), "application/json-patch+json")
+        deadline = time.monotonic() + float(self.cluster["route_timeout_s"])
+        while not route_accepted(self._route_object()):
+            if time.monotonic() > deadline:
+                raise StepError(f"httproute {self.cluster['route']}: generation not accepted by its gateway "
+                                f"in {self.cluster['route_timeout_s']}s")
+            time.sleep(1)
+
+    def promote(self, version: int) -> None:
+        # the canary track carries all traffic while the stable track rolls to the new version
+        self._set_track("stable", version, int(self.cluster["replicas"]))
+        self.route(version)
+        self._set_track("canary", None, 0)
+
+    def roll_back(self, stable: int | None) -> None:
+        self.route(stable)
+        self._set_track("canary", None, 0)
+
+    def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
+        path = f"/v2/models/{self.serve['triton_model']}/versions/{version}/infer"
+        direct = f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster['ports']['http']}"
+        # the route's first rule sends requests carrying this header to the canary track alone
+        return [(direct + path, {}), (self.url + path, {"X-Serving-Track": "canary"})]
+
+    def metrics(self) -> dict[int, dict[str, float]]:
+        merged: dict[int, dict[str, float]] = {}
+        for name in self.names.values():
+            url = f"http://{name}.{self.namespace}.svc:{self.cluster['ports']['metrics']}/metrics"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=10) as resp:
+                merged.update(triton.version_counters(resp.read().decode(), self.serve["triton_model"]))
+        return merged
+
+
+def serving_platform(settings: dict[str, Any]) -> Serving:
+    """``SERVING_PLATFORM``: ``local`` (default) or ``kubernetes`` (set on the cluster's pods)."""
+    platform = os.environ.get("SERVING_PLATFORM", "local")
+    if platform == "local":
+        return LocalServing(settings["serve"])
+    if platform == "kubernetes":
+        return KubernetesServing(settings["serve"], settings["launcher"]["kubernetes"]["namespace"])
+    raise StepError(f"SERVING_PLATFORM={platform!r}: expected 'local' or 'kubernetes'")
