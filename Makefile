@@ -119,7 +119,7 @@ lint: env
 
 benchmark: env
 	$(RT_PY) -m stack up
-	$(STACK_ENV) && $(RT_PY) benchmarks/tokenize.py
+	$(STACK_ENV) && $(RT_PY) benchmarks/tokenization.py
 	$(RT_PY) benchmarks/train.py
 	$(RT_PY) benchmarks/serve.py
 

@@ -8,8 +8,8 @@ its own (a developer's stack is not touched), registers two GPTs of the cpu-tiny
 weights: speed does not depend on them), exports them with the export step, then:
 
 1. throughput at ``--concurrency`` clients (batch-1 requests of a full window, back to back, one
-   keep-alive connection each) against the same exported model loaded twice in Triton: with the
-   params.yaml dynamic batching, and without;
+   keep-alive connection each) against the same exported model loaded in Triton with the
+   params.yaml dynamic batching and without, with one ONNX Runtime thread and with every core;
 2. latency of sequential batch-1 requests: eager PyTorch (the NextToken module that is
    exported), ONNX Runtime in-process and Triton over HTTP, all on the same inputs, one thread
    each (Triton's python backend runs ONNX Runtime with one intra-op thread);
@@ -101,12 +101,12 @@ def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, int], v
 
 
 def load_copy(client: triton.TritonClient, repository: Path, export: Path, version: str, name: str,
-              batching: bool, serve: dict[str, Any]) -> None:
+              batching: bool, threads: int, serve: dict[str, Any]) -> None:
     """The exported logits model under another name, with or without dynamic batching."""
     target = repository / name / "1"
     shutil.rmtree(target.parent, ignore_errors=True)
     shutil.copytree(export / "triton" / serve["triton_model"] / version, target)
-    config = triton.with_versions(triton.logits_model_config(name, "python", serve), [1])
+    config = triton.with_versions(triton.logits_model_config(name, "python", {**serve, "intra_op_threads": threads}), [1])
     if not batching:
         config.pop("dynamic_batching")
     client.load(name, config)
@@ -221,15 +221,18 @@ def main() -> None:
         repository = Path(env["TRITON_REPOSITORY"])
         rng = np.random.default_rng(0)
         window = rng.integers(0, vocab, size=(1, preset["seq_len"]), dtype=np.int64)
-        rates = {}
-        for model, batching in (("bench_batched", True), ("bench_unbatched", False)):
-            load_copy(client, repository, exports[0], versions[0], model, batching, serve)
-            throughput(env["TRITON_URL"], model, window, args.concurrency, 2.0)  # warm-up
-            rates[model] = throughput(env["TRITON_URL"], model, window, args.concurrency, args.seconds)
+        rates: dict[tuple[int, bool], float] = {}
+        for threads in (1, 0):
+            for batching in (False, True):
+                model = f"bench_t{threads}_{'batched' if batching else 'unbatched'}"
+                load_copy(client, repository, exports[0], versions[0], model, batching, threads, serve)
+                throughput(env["TRITON_URL"], model, window, args.concurrency, 2.0)  # warm-up
+                rates[threads, batching] = throughput(env["TRITON_URL"], model, window, args.concurrency, args.seconds)
+                if (threads, batching) != (1, False):  # kept for the latency comparison (one thread)
+                    client.unload(model)
         inputs = [rng.integers(0, vocab, size=(1, preset["seq_len"]), dtype=np.int64) for _ in range(args.requests)]
-        latency = latencies(env["TRITON_URL"], "bench_unbatched", name, versions[0], exports[0], inputs)
-        for model in rates:
-            client.unload(model)
+        latency = latencies(env["TRITON_URL"], "bench_t1_unbatched", name, versions[0], exports[0], inputs)
+        client.unload("bench_t1_unbatched")
 
         decisions = []
         for version, out in zip(versions, exports, strict=True):
@@ -245,20 +248,23 @@ def main() -> None:
 
     print(f"\ncpu-tiny GPT ({preset['n_layers']} layers, d_model {preset['d_model']}, vocab {vocab}), "
           f"batch-1 requests of {preset['seq_len']} tokens, {os.cpu_count()} CPUs")
-    unbatched = rates["bench_unbatched"]
-    print(f"\n{'throughput at concurrency ' + str(args.concurrency):<44}{'req/s':>10}{'ratio':>8}")
-    print(f"{'Triton, no batching':<44}{unbatched:>10.1f}{1.0:>8.2f}")
-    print(f"{'Triton, dynamic batching ' + str(serve['preferred_batch_sizes']):<44}"
-          f"{rates['bench_batched']:>10.1f}{rates['bench_batched'] / unbatched:>8.2f}")
+    print(f"\n{'throughput at concurrency ' + str(args.concurrency) + ' (1 instance)':<54}{'req/s':>10}"
+          f"{'vs no batching':>16}")
+    for threads in (1, 0):
+        unbatched = rates[threads, False]
+        label = "1 ORT thread" if threads == 1 else f"every core ({os.cpu_count()} ORT threads)"
+        print(f"{'Triton, no batching, ' + label:<54}{unbatched:>10.1f}{1.0:>16.2f}")
+        print(f"{'Triton, dynamic batching, ' + label:<54}{rates[threads, True]:>10.1f}"
+              f"{rates[threads, True] / unbatched:>16.2f}")
     eager = latency["eager PyTorch (in-process)"]
-    print(f"\n{'latency, ' + str(args.requests) + ' sequential requests':<44}{'p50 ms':>10}{'ratio':>8}")
+    print(f"\n{'latency, ' + str(args.requests) + ' sequential requests':<54}{'p50 ms':>10}{'ratio':>8}")
     for label, ms in latency.items():
-        print(f"{label:<44}{ms:>10.2f}{ms / eager:>8.2f}")
-    print(f"\n{'deploy (canary steps ' + str(settings['canary']['steps']) + ')':<44}{'seconds':>10}  verdict, traffic windows")
+        print(f"{label:<54}{ms:>10.2f}{ms / eager:>8.2f}")
+    print(f"\n{'deploy (canary steps ' + str(settings['canary']['steps']) + ')':<54}{'seconds':>10}  verdict, traffic windows")
     for version, verdict, seconds, steps in decisions:
         label = "first model (alone at 100%)" if version == versions[0] else "canary of a second model"
         windows = ", ".join(f"{w:g}%: {s:.1f}s" for w, s in steps)
-        print(f"{label:<44}{seconds:>10.1f}  {verdict}, {windows}")
+        print(f"{label:<54}{seconds:>10.1f}  {verdict}, {windows}")
 
 
 if __name__ == "__main__":

@@ -13,20 +13,15 @@ checkpoints, logging. Their data-loading and checkpoint time are reported as % o
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# this folder holds tokenize.py, which would shadow the standard library's tokenize module
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
-
 import argparse
 import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

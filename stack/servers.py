@@ -330,7 +330,6 @@ def _triton_env() -> dict[str, str]:
         "LD_LIBRARY_PATH": ":".join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(":"),
         "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
         "PYTHONPATH": str(Path(sysconfig.get_paths()["purelib"])),
-        "TRITON_ORT_THREADS": "1",
     }
 
 

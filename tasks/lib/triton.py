@@ -57,6 +57,8 @@ def logits_model_config(name: str, backend: str, serve: Mapping[str, Any], gpu: 
         },
         "instance_group": [{"count": int(serve["instances"]), "kind": "KIND_GPU" if gpu else "KIND_CPU"}],
     }
+    if not gpu:  # the ONNX Runtime backend's own parameter; the python backend's model reads it too
+        config["parameters"] = {"intra_op_thread_count": {"string_value": str(int(serve["intra_op_threads"]))}}
     if backend == "python":
         config["backend"] = "python"
     else:

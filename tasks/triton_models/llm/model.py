@@ -18,12 +18,14 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
         folder = os.path.join(args["model_repository"], args["model_version"])
+        config = json.loads(args["model_config"])
         options = ort.SessionOptions()
-        # one instance per core is the scaling unit; ORT's own pool would fight the others
-        options.intra_op_num_threads = int(os.environ.get("TRITON_ORT_THREADS", "1"))
+        # serve.intra_op_threads (0: ONNX Runtime's default, every core): a batch of requests is
+        # one bigger call, which is what lets more threads pay off
+        threads = config.get("parameters", {}).get("intra_op_thread_count", {}).get("string_value", "0")
+        options.intra_op_num_threads = int(threads)
         self.session = ort.InferenceSession(os.path.join(folder, "model.onnx"), options,
                                             providers=["CPUExecutionProvider"])
-        config = json.loads(args["model_config"])
         self.max_batch = max(int(config.get("max_batch_size", 1)), 1)
 
     def execute(self, requests: list[Any]) -> list[Any]:

@@ -1,7 +1,7 @@
 """Tokenization throughput: the distributed step with 1 and 2 workers beside a plain
 single-process ``tokenizers`` ``encode_batch`` baseline on the same text, measured in one run.
 
-    .venvs/runtime/bin/python benchmarks/tokenize.py [--documents 12000] [--repeats 3]
+    .venvs/runtime/bin/python benchmarks/tokenization.py [--documents 12000] [--repeats 3]
 
 Works on local files (no servers), so it measures tokenization, not S3. Reported per variant:
 tokens/s of the encode work itself (what the step logs) and of the whole step wall clock
@@ -11,15 +11,9 @@ baseline. Best of ``--repeats``.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
-
-# Run as a script, this folder comes first on sys.path and this file would shadow the
-# standard library's `tokenize` module (imported by inspect, linecache...): drop it.
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
-
-import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
