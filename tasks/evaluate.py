@@ -101,13 +101,21 @@ def measure(loaded: LoadedModel, val: np.ndarray[Any, Any] | None, eval_set: Pat
 
 
 def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: dict[str, Any]) -> list[str]:
-    """Reasons to reject the challenger (empty: it passes)."""
+    """Reasons to reject the challenger (empty: it passes). A non-finite figure is a reason by
+    itself: every comparison with NaN is false, so it would pass every bound."""
+    broken = [f"eval {key.removeprefix('eval_')} is {challenger[key]}: not a finite number"
+              for key in ("eval_perplexity", "eval_accuracy") if not math.isfinite(challenger[key])]
+    if broken:
+        return broken
     reasons = []
     if challenger["eval_perplexity"] > params["max_eval_perplexity"]:
         reasons.append(f"eval perplexity {challenger['eval_perplexity']:.1f} > max {params['max_eval_perplexity']}")
     if challenger["eval_accuracy"] < params["min_eval_accuracy"]:
         reasons.append(f"eval next-token accuracy {challenger['eval_accuracy']:.3f} < min {params['min_eval_accuracy']}")
-    if champion is not None:
+    if champion is not None and not math.isfinite(champion["eval_perplexity"]):
+        reasons.append(f"the champion's recorded eval perplexity is {champion['eval_perplexity']}: "
+                       "no baseline to compare with (fix or re-evaluate the champion)")
+    elif champion is not None:
         limit = champion["eval_perplexity"] * (1 + params["max_regression"])
         if challenger["eval_perplexity"] > limit:
             reasons.append(

@@ -217,7 +217,11 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
                 loss = loss_fn(engine.model, x, y)
             engine.backward(loss, accum)
             step_loss += loss.detach() / accum
-        grad_norm = engine.step(float(params["grad_clip"]))
+        try:
+            grad_norm = engine.step(float(params["grad_clip"]))
+        except FloatingPointError as exc:  # retrying from the last checkpoint would diverge again
+            raise StepError(f"training diverged at step {step + 1}: {exc} (loss {float(step_loss):.4g} on rank "
+                            f"{env.rank}); not applied, nothing saved from it: lower train.lr or check the data") from None
         state["step"] = step + 1
         state["samples_seen"] += global_batch
         window_tokens += tokens_per_step

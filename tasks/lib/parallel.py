@@ -16,6 +16,7 @@ NCCL on GPUs, gloo on CPUs.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -77,11 +78,17 @@ class Engine:
             (loss / grad_accum).backward()
 
     def step(self, grad_clip: float) -> float:
-        """Finish an optimizer step (after ``grad_accum`` backward calls); the gradient norm."""
+        """Finish an optimizer step (after ``grad_accum`` backward calls); the gradient norm.
+        A non-finite norm raises FloatingPointError before the update (DeepSpeed: after it; no
+        checkpoint follows either way). The norm is global, so every rank raises together."""
         if self.deepspeed is not None:
             norm = self.deepspeed.get_global_grad_norm()  # clipped by DeepSpeed's config
+            if norm is not None and not math.isfinite(float(norm)):
+                raise FloatingPointError(f"gradient norm {float(norm)}")
             return float(norm) if norm is not None else float("nan")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        if not math.isfinite(float(norm)):
+            raise FloatingPointError(f"gradient norm {float(norm)}")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)

@@ -11,7 +11,19 @@ import pytest
 import torch
 from helpers import error_lines, params_with_model_name, run_module, step_result
 
-pytestmark = pytest.mark.integration
+
+def test_gate_rejects_non_finite_figures() -> None:
+    """NaN compares false with every bound: the gate must name it instead of passing it."""
+    from tasks.evaluate import judge
+
+    bounds = {"max_eval_perplexity": 2000, "min_eval_accuracy": 0.05, "max_regression": 0.05}
+    good = {"eval_perplexity": 300.0, "eval_accuracy": 0.2}
+    assert judge(good, None, bounds) == [] and judge(good, {"eval_perplexity": 310.0}, bounds) == []
+    for broken in ({"eval_perplexity": float("nan")}, {"eval_perplexity": float("inf")}, {"eval_accuracy": float("nan")}):
+        reasons = judge({**good, **broken}, {"eval_perplexity": 310.0}, bounds)
+        assert reasons and "not a finite number" in reasons[0], reasons
+    assert "no baseline" in judge(good, {"eval_perplexity": float("nan")}, bounds)[0]
+
 
 LINEAGE = {"data_version": "data-2026-11-22", "data_content_hash": "c0ffee", "dag_id": "llm_retrain",
            "dag_run_id": "manual__2026-11-22T00:00:00+00:00", "logical_date": "2026-11-22"}
@@ -64,6 +76,7 @@ def register(model: Path, report: Path, tag: str, env: dict[str, str]) -> Any:
                       "--mlflow-run-tag", tag, *lineage, env=env)
 
 
+@pytest.mark.integration
 def test_first_model_passes_on_absolute_bounds_registers_once_and_loads_by_alias(
     registry_env: dict[str, str], good_model: Path, dataset: Path, eval_set: Path, tmp_path: Path
 ) -> None:
@@ -111,6 +124,7 @@ def test_first_model_passes_on_absolute_bounds_registers_once_and_loads_by_alias
     assert info.signature.inputs.to_dict()[0]["tensor-spec"]["dtype"] == "int64"
 
 
+@pytest.mark.integration
 def test_worse_challenger_is_rejected_and_champion_untouched(
     registry_env: dict[str, str], good_model: Path, poor_model: Path, dataset: Path, eval_set: Path, tmp_path: Path
 ) -> None:
@@ -138,6 +152,7 @@ def test_worse_challenger_is_rejected_and_champion_untouched(
     assert client.get_model_version_by_alias(name, "champion").version == champion_version
 
 
+@pytest.mark.integration
 def test_absolute_bound_rejects_even_without_champion(
     registry_env: dict[str, str], poor_model: Path, dataset: Path, eval_set: Path, tmp_path: Path
 ) -> None:
@@ -147,6 +162,7 @@ def test_absolute_bound_rejects_even_without_champion(
     assert "> max 50" in next(x for x in proc.stderr.splitlines() if x.startswith("REJECTED "))
 
 
+@pytest.mark.integration
 def test_promotion_keeps_the_previous_champion_for_rollback(registry_env: dict[str, str]) -> None:
     from mlflow import MlflowClient
 

@@ -156,8 +156,11 @@ def test_retention_keeps_last_two_and_best(reference: tuple[Path, dict[str, Any]
         ("ok", ["--set", "grad_accum=100000"], "sequences exceeds the"),
         ("ok", ["--set", "preset=gpu-1b", "--set", "micro_batch=64"], "needs ~"),
         ("ok", ["--set", "preset=nope"], "train.preset 'nope': unknown"),
+        # a learning rate that blows the weights up: stopped at the first non-finite gradient
+        ("ok", ["--set", "lr=1e30", "--set", "warmup_steps=0", "--set", "max_steps=50"], "training diverged at step"),
     ],
-    ids=["missing-dataset", "vocab-mismatch", "batch-bigger-than-data", "preset-does-not-fit", "unknown-preset"],
+    ids=["missing-dataset", "vocab-mismatch", "batch-bigger-than-data", "preset-does-not-fit", "unknown-preset",
+         "diverging-loss"],
 )
 def test_bad_input_fails_before_any_step(
     dataset: Path, tmp_path: Path, setup: str, extra: list[str], message: str
