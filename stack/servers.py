@@ -34,13 +34,22 @@ def ports() -> dict[str, int]:
     return {name: int(os.environ.get(f"STACK_PORT_{name.upper()}", port)) for name, port in configured.items()}
 
 
+def write_private(path: Path, text: str) -> None:
+    """A file only its owner can read, from its first byte (created 0600, not chmod'ed after),
+    replaced atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(f".{path.name}.{os.getpid()}")
+    with os.fdopen(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+        fh.write(text)
+    os.replace(staged, path)
+
+
 def credentials() -> dict[str, str]:
     """S3 keys generated once per stack folder, never committed."""
     path = state_dir() / "credentials.json"
     if not path.exists():
         keys = {"access_key": "pipeline" + secrets.token_hex(6), "secret_key": secrets.token_urlsafe(30)}
-        path.write_text(json.dumps(keys))
-        path.chmod(0o600)
+        write_private(path, json.dumps(keys))
     loaded: dict[str, str] = json.loads(path.read_text())
     return loaded
 
@@ -51,8 +60,7 @@ def _secret(name: str) -> str:
     stored: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
     if name not in stored:
         stored[name] = secrets.token_urlsafe(32)
-        path.write_text(json.dumps(stored))
-        path.chmod(0o600)
+        write_private(path, json.dumps(stored))
     return stored[name]
 
 
@@ -86,8 +94,7 @@ def router_dir() -> Path:
 def write_env_file() -> dict[str, str]:
     env = client_env()
     path = state_dir() / "stack.env"
-    path.write_text("".join(f"{key}={value}\n" for key, value in env.items()))
-    path.chmod(0o600)
+    write_private(path, "".join(f"{key}={value}\n" for key, value in env.items()))
     return env
 
 
@@ -182,8 +189,7 @@ def _s3_json() -> Path:
     }
     path = state_dir() / "seaweedfs" / "s3.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"identities": [identity]}))
-    path.chmod(0o600)
+    write_private(path, json.dumps({"identities": [identity]}))
     return path
 
 
@@ -346,6 +352,7 @@ def _airflow_env() -> dict[str, str]:
     return {
         **client_env(),  # the steps Airflow launches reach the stack with these
         "AIRFLOW_HOME": str(REPO_ROOT),
+        "AIRFLOW__API__HOST": "127.0.0.1",  # loopback only, like every server of the stack
         "AIRFLOW__API__PORT": str(port),
         "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
@@ -377,7 +384,11 @@ def _airflow_component(component: str) -> Server:
         state = report.get(key)
         return isinstance(state, dict) and state.get("status") == "healthy"
 
-    return Server(f"airflow-{component}", lambda: [airflow, component], _airflow_env, healthy, start_timeout_s=120)
+    # the scheduler's and triggerer's log servers bind every interface (no host setting): the
+    # api-server reads the task logs from the shared local folder instead
+    extra = ["--skip-serve-logs"] if component in ("scheduler", "triggerer") else []
+    return Server(f"airflow-{component}", lambda: [airflow, component, *extra], _airflow_env, healthy,
+                  start_timeout_s=120)
 
 
 AIRFLOW_SERVERS = tuple(_airflow_component(c) for c in ("api-server", "scheduler", "dag-processor", "triggerer"))

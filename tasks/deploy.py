@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from tasks.lib import canary, storage, triton
-from tasks.lib.errors import StepError
+from tasks.lib.errors import StepError, absent, registry_error
 from tasks.lib.model_store import PREVIOUS, alias_version, promote_version
 from tasks.lib.params import load_params, step_params
 from tasks.lib.serving import Serving, serving_platform, stage_version
@@ -176,7 +176,9 @@ def rollback_main(args: argparse.Namespace) -> dict[str, Any]:
         raise StepError(f"--target {args.target!r}: models:/{name}@{args.target} does not exist")
     try:
         export_uri = MlflowClient().get_model_version(name, target).tags.get("export.uri")
-    except MlflowException:
+    except MlflowException as exc:
+        if not absent(exc):
+            raise registry_error(f"reading models:/{name}/{target}", exc) from None
         raise StepError(f"--target {args.target!r}: models:/{name}/{target} does not exist") from None
     if not export_uri:
         raise StepError(f"models:/{name}/{target} was never exported (no export.uri tag): nothing to serve")

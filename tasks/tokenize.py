@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from tasks.lib import storage, tokens
-from tasks.lib.errors import StepError
+from tasks.lib.errors import StepError, absent, registry_error
 from tasks.lib.params import load_params, step_params
 from tasks.lib.step import Progress, log, run_step, step_parser
 
@@ -42,8 +42,10 @@ def champion_tokenizer(model_name: str) -> str | None:
 
     try:
         version = MlflowClient().get_model_version_by_alias(model_name, "champion")
-    except MlflowException:
-        return None  # no registered model or no champion yet
+    except MlflowException as exc:
+        if absent(exc):
+            return None  # no registered model or no champion yet
+        raise registry_error(f"reading models:/{model_name}@champion", exc) from None
     uri = version.tags.get("tokenizer_uri")
     if not uri:
         raise StepError(f"models:/{model_name}@champion (version {version.version}) has no tokenizer_uri tag")

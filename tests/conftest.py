@@ -64,12 +64,14 @@ def stack_env() -> Iterator[dict[str, str]]:
         **{f"STACK_PORT_{name.upper()}": str(port) for name, port in TEST_PORTS.items()},
     }
     os.environ.update(env)
-    proc = run_module("stack", "up")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    client = dict(line.split("=", 1) for line in (stack_dir / "stack.env").read_text().splitlines() if line)
-    os.environ.update(client)
-    yield {**env, **client}
-    run_module("stack", "down")
+    try:  # a server that did start is stopped even when another failed to
+        proc = run_module("stack", "up")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        client = dict(line.split("=", 1) for line in (stack_dir / "stack.env").read_text().splitlines() if line)
+        os.environ.update(client)
+        yield {**env, **client}
+    finally:
+        run_module("stack", "down")
 
 
 @pytest.fixture(scope="session")

@@ -16,3 +16,23 @@ class GateRejected(Exception):
     def __init__(self, message: str, result: dict[str, Any]) -> None:
         super().__init__(message)
         self.result = result
+
+
+# -- the MLflow registry: absent is an answer, an outage is not --------------------------------
+
+
+class RegistryError(RuntimeError):
+    """The registry failed to answer (an outage, a 5xx): the task fails and is retried. Never
+    read as "no such model": that would judge a challenger as the first model ever."""
+
+
+def absent(exc: Any) -> bool:
+    """Whether an MlflowException says the model, version or alias does not exist (and
+    nothing else)."""
+    code, message = getattr(exc, "error_code", ""), getattr(exc, "message", str(exc))
+    return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and "not found" in message)
+
+
+def registry_error(what: str, exc: Any) -> RegistryError:
+    return RegistryError(f"MLflow registry: {what} failed ({getattr(exc, 'error_code', '')}): "
+                         f"{str(getattr(exc, 'message', exc))[:300]}")

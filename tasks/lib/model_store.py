@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tasks.lib import storage
-from tasks.lib.errors import StepError
+from tasks.lib.errors import StepError, absent, registry_error
 from tasks.lib.model import GPT, GPTConfig
 
 CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous"
@@ -51,8 +51,10 @@ def load_registered(name: str, alias: str) -> LoadedModel | None:
 
     try:
         version = MlflowClient().get_model_version_by_alias(name, alias)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if absent(exc):
+            return None
+        raise registry_error(f"reading models:/{name}@{alias}", exc) from None
     return load_version(name, str(version.version))
 
 
@@ -65,7 +67,9 @@ def load_version(name: str, version: str) -> LoadedModel:
     try:
         found = MlflowClient().get_model_version(name, version)
     except MlflowException as exc:
-        raise StepError(f"models:/{name}/{version}: not in the registry ({exc.error_code})") from None
+        if absent(exc):
+            raise StepError(f"models:/{name}/{version}: not in the registry ({exc.error_code})") from None
+        raise registry_error(f"reading models:/{name}/{version}", exc) from None
     model = mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")
     if not isinstance(model, GPT):
         raise StepError(f"models:/{name}/{version} is a {type(model).__name__}, not this project's GPT")
@@ -83,8 +87,10 @@ def alias_version(name: str, alias: str) -> str | None:
 
     try:
         return str(MlflowClient().get_model_version_by_alias(name, alias).version)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if absent(exc):
+            return None
+        raise registry_error(f"reading models:/{name}@{alias}", exc) from None
 
 
 def promote_version(name: str, version: str) -> dict[str, str | None]:

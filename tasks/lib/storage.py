@@ -27,6 +27,35 @@ from typing import Any
 from tasks.lib.errors import StepError
 
 SUCCESS_MARKER = "_SUCCESS"
+MISSING_CODES = ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
+DENIED_CODES = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")
+
+
+class StorageUnavailable(RuntimeError):
+    """S3 failed to answer (5xx, throttling, a dropped connection): exit 1, the task retries."""
+
+
+def s3_error(uri: str, action: str, exc: Exception) -> Exception:
+    """What an S3 failure means for the step: a missing object or a refused credential is bad
+    input (exit 2: a retry reads the same nothing); anything else is transient (retried)."""
+    response = getattr(exc, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", "")) or type(exc).__name__
+    if code in MISSING_CODES:
+        return StepError(f"{uri}: no such {'bucket' if code == 'NoSuchBucket' else 'object'} ({action})")
+    if code in DENIED_CODES:
+        return StepError(f"{uri}: access denied ({code}) on {action}: check the step's S3 credentials")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+    return StorageUnavailable(f"{uri}: S3 {action} failed ({code} {status}): transient, the task retries".strip())
+
+
+@contextlib.contextmanager
+def s3_call(uri: str, action: str) -> Iterator[None]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except (ClientError, BotoCoreError) as exc:
+        raise s3_error(uri, action, exc) from None
 
 
 def is_s3(uri: str) -> bool:
@@ -74,9 +103,9 @@ def exists(uri: str) -> bool:
         s3_client().head_object(Bucket=bucket, Key=key)
         return True
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+        if exc.response.get("Error", {}).get("Code") in MISSING_CODES:
             return False
-        raise
+        raise s3_error(uri, "head", exc) from None
 
 
 def list_files(uri: str) -> list[str]:
@@ -89,8 +118,9 @@ def list_files(uri: str) -> list[str]:
     bucket, key = split_s3(uri)
     prefix = key.rstrip("/") + "/" if key else ""
     found: list[str] = []
-    for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        found.extend(f"s3://{bucket}/{obj['Key']}" for obj in page.get("Contents", []))
+    with s3_call(uri, "list"):
+        for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            found.extend(f"s3://{bucket}/{obj['Key']}" for obj in page.get("Contents", []))
     return sorted(found)
 
 
@@ -101,13 +131,9 @@ def read_bytes(uri: str) -> bytes:
         except FileNotFoundError:
             raise StepError(f"{uri}: no such file") from None
     bucket, key = split_s3(uri)
-    from botocore.exceptions import ClientError
-
-    try:
+    with s3_call(uri, "read"):
         body: bytes = s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
-        return body
-    except ClientError as exc:
-        raise StepError(f"{uri}: cannot read ({exc.response.get('Error', {}).get('Code')})") from None
+    return body
 
 
 def read_json(uri: str) -> Any:
@@ -121,7 +147,8 @@ def write_bytes(uri: str, data: bytes) -> None:
     """Write one small object in place (markers, metadata; results go through staged_output)."""
     if is_s3(uri):
         bucket, key = split_s3(uri)
-        s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+        with s3_call(uri, "write"):
+            s3_client().put_object(Bucket=bucket, Key=key, Body=data)
         return
     Path(uri).parent.mkdir(parents=True, exist_ok=True)
     Path(uri).write_bytes(data)
@@ -129,7 +156,8 @@ def write_bytes(uri: str, data: bytes) -> None:
 
 def upload(local_path: Path, uri: str) -> None:
     bucket, key = split_s3(uri)
-    s3_client().upload_file(str(local_path), bucket, key)
+    with s3_call(uri, "upload"):
+        s3_client().upload_file(str(local_path), bucket, key)
 
 
 def download(uri: str, local_path: Path) -> Path:
@@ -140,7 +168,8 @@ def download(uri: str, local_path: Path) -> Path:
         return Path(uri)
     bucket, key = split_s3(uri)
     local_path.parent.mkdir(parents=True, exist_ok=True)
-    s3_client().download_file(bucket, key, str(local_path))
+    with s3_call(uri, "download"):
+        s3_client().download_file(bucket, key, str(local_path))
     return local_path
 
 

@@ -7,6 +7,7 @@ fail only here, after the whole training.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -141,3 +142,24 @@ def test_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> N
         assert tags["logical_date"] == when[:10], (run["dag_run_id"], tags)
         assert tags["data_version"] == f"data-{run['conf']['end_date']}"
     assert sum(r["logical_date"] is None for r in runs) == 2
+
+
+def test_airflow_listens_on_loopback_only(airflow_api: AirflowApi) -> None:
+    """No component (nor a child of one, such as a log server) accepts connections from
+    outside the machine."""
+    import psutil
+
+    from stack import servers
+
+    listening = []
+    for server in servers.AIRFLOW_SERVERS:
+        pid = server.pid()
+        assert pid is not None, f"{server.name} is not running"
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                listening += [(server.name, c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet")
+                              if c.status == psutil.CONN_LISTEN]
+    assert listening, "no listening socket found: the check would prove nothing"
+    exposed = [entry for entry in listening if entry[1] not in ("127.0.0.1", "::1")]
+    assert not exposed, exposed

@@ -69,3 +69,18 @@ def test_mlflow_logs_a_run_with_its_artifact_on_s3(stack_env: dict[str, str], tm
     local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="report.txt",
                                                 dst_path=str(tmp_path / "dl"))
     assert Path(local).read_text() == "loss went down"
+
+
+def test_secret_files_are_private_from_creation(stack_env: dict[str, str], tmp_path: Path) -> None:
+    from stack import servers
+
+    old = os.umask(0)  # the most permissive umask: the mode must come from the create call itself
+    try:
+        servers.write_private(tmp_path / "secret.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "secret.json").stat().st_mode & 0o777 == 0o600
+    stack_dir = Path(stack_env["STACK_DIR"])
+    for name in ("credentials.json", "secrets.json", "stack.env", "seaweedfs/s3.json"):
+        if (stack_dir / name).exists():
+            assert (stack_dir / name).stat().st_mode & 0o777 == 0o600, name

@@ -76,6 +76,33 @@ def register(model: Path, report: Path, tag: str, env: dict[str, str]) -> Any:
                       "--mlflow-run-tag", tag, *lineage, env=env)
 
 
+def test_registry_outage_is_an_error_not_a_missing_champion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read as "no champion", an outage would judge a challenger as the first model ever and
+    train a new vocabulary: it must fail the task (exit 1, retried) instead."""
+    from tasks.lib.errors import RegistryError
+    from tasks.lib.model_store import alias_version, load_registered
+    from tasks.tokenize import champion_tokenizer
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # discard port: nothing listens
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    for read in (lambda: alias_version("llm-retrain", "champion"), lambda: load_registered("llm-retrain", "champion"),
+                 lambda: champion_tokenizer("llm-retrain")):
+        with pytest.raises(RegistryError, match="MLflow registry: reading models:/llm-retrain@champion failed"):
+            read()
+
+
+@pytest.mark.integration
+def test_absent_model_and_alias_read_as_absent(registry_env: dict[str, str]) -> None:
+    from mlflow import MlflowClient
+
+    from tasks.lib.model_store import alias_version
+
+    name = f"absent-test-{time.time_ns()}"
+    assert alias_version(name, "champion") is None  # no such registered model (RESOURCE_DOES_NOT_EXIST)
+    MlflowClient().create_registered_model(name)
+    assert alias_version(name, "champion") is None  # a model without that alias (INVALID_PARAMETER_VALUE)
+
+
 @pytest.mark.integration
 def test_first_model_passes_on_absolute_bounds_registers_once_and_loads_by_alias(
     registry_env: dict[str, str], good_model: Path, dataset: Path, eval_set: Path, tmp_path: Path

@@ -69,5 +69,32 @@ def test_s3_round_trip_and_commit(stack_env: dict[str, str], tmp_path: Path) -> 
     with storage.staged_output(out) as scratch:
         (scratch / "c.txt").write_text("c")
     assert [u.rsplit("/", 1)[1] for u in storage.list_files(out)] == ["_SUCCESS", "c.txt"]
-    with pytest.raises(StepError, match="cannot read"):
+    with pytest.raises(StepError, match="no such object"):
         storage.read_bytes(storage.join(out, "missing.txt"))
+
+
+def test_s3_failures_are_classified_by_what_a_retry_can_change() -> None:
+    """Missing or forbidden: bad input (exit 2, no retry). 5xx, throttling, a dropped
+    connection: transient (exit 1, retried). botocore's own exception types, as boto3 raises them."""
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    def client_error(code: str, status: int) -> ClientError:
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+
+    for code, status in (("NoSuchKey", 404), ("404", 404), ("NoSuchBucket", 404), ("AccessDenied", 403)):
+        assert isinstance(storage.s3_error("s3://b/k", "read", client_error(code, status)), StepError), code
+    for code, status in (("SlowDown", 503), ("InternalError", 500), ("ServiceUnavailable", 503)):
+        error = storage.s3_error("s3://b/k", "read", client_error(code, status))
+        assert isinstance(error, storage.StorageUnavailable) and str(status) in str(error), code
+    dropped = EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+    assert isinstance(storage.s3_error("s3://b/k", "read", dropped), storage.StorageUnavailable)
+
+
+@pytest.mark.integration
+def test_missing_s3_object_is_bad_input_on_every_read(stack_env: dict[str, str], tmp_path: Path) -> None:
+    missing = f"s3://pipeline/tests/{uuid.uuid4().hex}/nothing.json"
+    for read in (lambda: storage.read_bytes(missing), lambda: storage.download(missing, tmp_path / "x")):
+        with pytest.raises(StepError, match="no such object"):
+            read()
+    with pytest.raises(StepError, match="no such bucket"):
+        storage.list_files(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x")
