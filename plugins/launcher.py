@@ -107,8 +107,9 @@ class LocalStepOperator(BaseOperator):
                 if result is not None and context and "ti" in context:
                     context["ti"].xcom_push(key="return_value", value=result)
                 raise AirflowSkipException(error_line or f"{self.module}: rejected by its gate")
-            if returncode == BAD_INPUT_EXIT_CODE:
-                # bad input does not get better by retrying
+            if returncode == BAD_INPUT_EXIT_CODE or (returncode != 0 and error_line.startswith("ERROR ")):
+                # bad input does not get better by retrying (the ERROR line is the step contract's
+                # sign of it, also where torchrun replaced the worker's exit code with its own)
                 raise AirflowFailException(error_line or f"{self.module}: bad input (exit {returncode})")
             if returncode != 0:
                 raise AirflowException(f"{self.module} exited with {returncode}: {error_line}")

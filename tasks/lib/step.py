@@ -8,9 +8,11 @@ naming the bad input (exit 1 with a traceback for bugs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -66,6 +68,16 @@ def write_result(result: dict[str, Any]) -> None:
         tmp.replace(path)
 
 
+def stop_torchrun_agent() -> None:
+    """Under torchrun, a worker's exit code is lost (the agent restarts the group
+    ``--max-restarts`` times, then exits 1): on bad input, which no restart can fix, the worker
+    stops its agent instead (SIGTERM: it ends its workers and exits without restarting). The
+    launcher reads the ``ERROR`` line, not the exit code, and fails the task without retries."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(os.getppid(), signal.SIGTERM)
+
+
 def run_step(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], dict[str, Any]]) -> NoReturn:
     configure_logging()
     args = parser.parse_args()
@@ -75,6 +87,7 @@ def run_step(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
         # one line, so the orchestrator can show it as the reason the task failed
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"ERROR {parser.prog}: {first_line}", file=sys.stderr, flush=True)
+        stop_torchrun_agent()
         sys.exit(BAD_INPUT_EXIT_CODE)
     except GateRejected as exc:
         write_result(exc.result)

@@ -198,3 +198,19 @@ def test_local_training_runs_one_torchrun_agent_per_node() -> None:
     assert any(a.startswith("--rdzv-endpoint=127.0.0.1:") for a in command)
     assert command[-3:] == ["tasks.train", "--dataset", "d"]
     assert op.process_env()["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+
+
+def test_bad_input_under_torchrun_fails_once_without_retries(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """torchrun would restart a worker that exits 2 (``--max-restarts``) and then exit 1, which
+    Airflow retries: the worker stops its agent, the launcher reads the ERROR line."""
+    op = launcher.LocalTorchrunOperator(
+        task_id="t", module="tasks.train", nodes=2, procs_per_node=1, max_restarts=2,
+        arguments=["--dataset", str(tmp_path / "nothing"), "--checkpoints", str(tmp_path / "ckpt"),
+                   "--output", str(tmp_path / "model")],
+        env_vars={"MLFLOW_TRACKING_URI": ""})
+    with pytest.raises(AirflowFailException, match=r"^ERROR python -m tasks.train: .*not a complete"):
+        op.execute(context={})
+    logged = capfd.readouterr()
+    errors = [line for line in (logged.out + logged.err).splitlines() if "] ERROR python -m tasks.train" in line]
+    assert len(errors) == 2, errors  # once per node: no worker group was restarted
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "model").exists()
