@@ -162,6 +162,7 @@ with DAG(
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
             "--lineage", "data_version=" + result("snapshot", "data_version", "tag"),
             "--lineage", "data_content_hash=" + result("snapshot", "data_version", "content_hash"),
+            "--lineage", "data_end=" + END_DATE,
             "--lineage", "dag_id={{ dag.dag_id }}",
             "--lineage", "dag_run_id={{ run_id }}",
             "--lineage", "logical_date=" + LOGICAL_DATE,

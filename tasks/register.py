@@ -4,8 +4,10 @@ Logs the model with the pytorch flavor (signature, input example, explicit pip r
 this project's ``tasks`` package as code) into the DAG run's MLflow run, registers a version
 whose tags carry the lineage (data version and content hash, tokenizer hash, git commit, DAG id,
 run id, logical date, its evaluation metrics and the champion's it was compared with), and sets
-the ``challenger`` alias. A retry of the same DAG run finds its version by the ``dag_run`` tag
-instead of registering a second one. Promotion to ``champion`` belongs to the canary.
+the ``challenger`` alias to the version trained on the newest data window (``data_end``; see
+:func:`move_challenger`). A retry of the same DAG run finds its version by the ``dag_run`` tag
+instead of registering a second one. Promotion to ``champion`` belongs to the canary, which
+names its version.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from tasks.lib.params import REPO_ROOT, load_params, step_params
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
-LINEAGE_KEYS = ("data_version", "data_content_hash", "dag_id", "dag_run_id", "logical_date")
+LINEAGE_KEYS = ("data_version", "data_content_hash", "data_end", "dag_id", "dag_run_id", "logical_date")
+MAX_ALIAS_ATTEMPTS = 5
 
 
 def git_commit() -> str:
@@ -56,6 +59,29 @@ def parse_tags(items: list[str]) -> dict[str, str]:
 def find_version(client: Any, name: str, dag_run: str) -> Any | None:
     versions = client.search_model_versions(f"name = '{name}' and tags.dag_run = '{dag_run}'")
     return max(versions, key=lambda v: int(v.version)) if versions else None
+
+
+def newest_candidate(client: Any, name: str) -> str | None:
+    """The registered version trained on the newest data window (``data_end``); on a tie the
+    later version."""
+    dated = [(v.tags.get("data_end", ""), int(v.version)) for v in client.search_model_versions(f"name = '{name}'")]
+    dated = [entry for entry in dated if entry[0]]
+    return str(max(dated)[1]) if dated else None
+
+
+def move_challenger(client: Any, name: str) -> str:
+    """The rule: ``challenger`` is the registered version trained on the newest data, not the
+    one registered last (a late backfill on old data must not replace a newer challenger). Two
+    runs registering at once converge: each re-reads after writing and corrects a stale write,
+    so the last writer's check always sees every version registered before it."""
+    for _ in range(MAX_ALIAS_ATTEMPTS):
+        target = newest_candidate(client, name)
+        if target is None:
+            raise StepError(f"models:/{name}: no version carries a data_end tag")
+        client.set_registered_model_alias(name, CHALLENGER, target)
+        if newest_candidate(client, name) == target and str(client.get_model_version_by_alias(name, CHALLENGER).version) == target:
+            return target
+    raise RuntimeError(f"models:/{name}@{CHALLENGER} kept moving under concurrent registrations: retry")
 
 
 def training_run(dag_run: str, experiment: str) -> str:
@@ -102,9 +128,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     existing = find_version(client, name, args.mlflow_run_tag)
     if existing is not None:
         log.info("models:/%s version %s is already registered for %s: reusing it", name, existing.version, args.mlflow_run_tag)
-        client.set_registered_model_alias(name, CHALLENGER, existing.version)
-        return {"model_name": name, "version": str(existing.version), "alias": CHALLENGER, "new": False,
-                "model_uri": f"models:/{name}@{CHALLENGER}"}
+        return {"model_name": name, "version": str(existing.version), "challenger": move_challenger(client, name),
+                "new": False, "model_uri": f"models:/{name}/{existing.version}"}
 
     report = storage.read_json(args.evaluation)
     if not report.get("passed"):
@@ -130,10 +155,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 serialization_format="pickle",
             )
         version = mlflow.register_model(info.model_uri, name, tags=version_tags(lineage, args.mlflow_run_tag, loaded.description, report))
-    client.set_registered_model_alias(name, CHALLENGER, version.version)
-    log.info("registered models:/%s version %s as %s (run %s)", name, version.version, CHALLENGER, run_id)
-    return {"model_name": name, "version": str(version.version), "alias": CHALLENGER, "new": True,
-            "model_uri": f"models:/{name}@{CHALLENGER}", "run_id": run_id}
+    challenger = move_challenger(client, name)
+    log.info("registered models:/%s version %s (run %s); %s: version %s", name, version.version, run_id,
+             CHALLENGER, challenger)
+    return {"model_name": name, "version": str(version.version), "challenger": challenger, "new": True,
+            "model_uri": f"models:/{name}/{version.version}", "run_id": run_id}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -90,7 +90,7 @@ def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -
     assert trained["model_uri"] == f"s3://pipeline/runs/llm_retrain/{run_key}/train/model"
     assert trained["final_loss"] < 8.0 and trained["mlflow_run_id"]
     registered = xcom(run, "register")
-    assert registered["alias"] == "challenger" and registered["new"] is True
+    assert registered["challenger"] == registered["version"] and registered["new"] is True
     # the registry as the MLflow REST API reports it (no mlflow client in this environment)
     url = f"{os.environ['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/registered-models/alias?name=llm-retrain&alias=challenger"
     with urllib.request.urlopen(url, timeout=10) as resp:

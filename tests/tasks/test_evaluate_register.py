@@ -25,7 +25,7 @@ def test_gate_rejects_non_finite_figures() -> None:
     assert "no baseline" in judge(good, {"eval_perplexity": float("nan")}, bounds)[0]
 
 
-LINEAGE = {"data_version": "data-2026-11-22", "data_content_hash": "c0ffee", "dag_id": "llm_retrain",
+LINEAGE = {"data_version": "data-2026-11-22", "data_content_hash": "c0ffee", "data_end": "2026-11-22", "dag_id": "llm_retrain",
            "dag_run_id": "manual__2026-11-22T00:00:00+00:00", "logical_date": "2026-11-22"}
 
 
@@ -70,8 +70,8 @@ def evaluate(model: Path, dataset: Path, eval_set: Path, out: Path, env: dict[st
                       str(eval_set), "--output", str(out), "--set", "max_eval_tokens=8192", *extra, env=env)
 
 
-def register(model: Path, report: Path, tag: str, env: dict[str, str]) -> Any:
-    lineage = [a for k, v in LINEAGE.items() for a in ("--lineage", f"{k}={v}")]
+def register(model: Path, report: Path, tag: str, env: dict[str, str], **overrides: str) -> Any:
+    lineage = [a for k, v in {**LINEAGE, **overrides}.items() for a in ("--lineage", f"{k}={v}")]
     return run_module("tasks.register", "--model", str(model), "--evaluation", str(report),
                       "--mlflow-run-tag", tag, *lineage, env=env)
 
@@ -149,6 +149,29 @@ def test_first_model_passes_on_absolute_bounds_registers_once_and_loads_by_alias
     assert mv.source.startswith("models:/")  # a logged model, with signature and requirements
     info = mlflow.models.get_model_info(f"models:/{name}@challenger")
     assert info.signature.inputs.to_dict()[0]["tensor-spec"]["dtype"] == "int64"
+
+
+@pytest.mark.integration
+def test_challenger_is_the_newest_data_not_the_last_registered(
+    stack_env: dict[str, str], good_model: Path, dataset: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    """A backfill on old data that registers after a newer run must not take ``challenger``."""
+    from mlflow import MlflowClient
+
+    env = params_with_model_name("challenger-test", tmp_path)
+    evaluate(good_model, dataset, eval_set, tmp_path / "eval", env)
+    report = tmp_path / "eval" / "report.json"
+    backfill_tag = f"backfill-{time.time_ns()}"
+    newer = step_result(register(good_model, report, f"newer-{time.time_ns()}", env, data_end="2026-11-22"))
+    late_backfill = step_result(register(good_model, report, backfill_tag, env, data_end="2026-11-15"))
+    assert int(late_backfill["version"]) > int(newer["version"])
+    assert late_backfill["challenger"] == newer["version"]
+    assert MlflowClient().get_model_version_by_alias(env["MODEL_NAME"], "challenger").version == newer["version"]
+    # a newer window does take it, and a retry of the older run does not take it back
+    newest = step_result(register(good_model, report, f"newest-{time.time_ns()}", env, data_end="2026-11-29"))
+    assert newest["challenger"] == newest["version"]
+    retried = step_result(register(good_model, report, backfill_tag, env, data_end="2026-11-15"))
+    assert retried["new"] is False and retried["challenger"] == newest["version"]
 
 
 @pytest.mark.integration
