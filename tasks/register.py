@@ -19,7 +19,6 @@ import subprocess
 from typing import Any
 
 import numpy as np
-import torch
 
 from tasks.lib import storage
 from tasks.lib.errors import StepError
@@ -59,6 +58,16 @@ def parse_tags(items: list[str]) -> dict[str, str]:
 def find_version(client: Any, name: str, dag_run: str) -> Any | None:
     versions = client.search_model_versions(f"name = '{name}' and tags.dag_run = '{dag_run}'")
     return max(versions, key=lambda v: int(v.version)) if versions else None
+
+
+def model_signature(vocab_size: int) -> Any:
+    """Token ids (batch, time) -> logits (batch, time, vocab), batch and time dynamic (-1): a
+    signature inferred from the (1, 16) example would refuse any other shape at predict()."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    return ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.int64), (-1, -1))]),
+                          outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, -1, vocab_size))]))
 
 
 def newest_candidate(client: Any, name: str) -> str | None:
@@ -122,7 +131,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise StepError("MLFLOW_TRACKING_URI is not set: the registry is an MLflow server")
     import mlflow
     from mlflow import MlflowClient
-    from mlflow.models import infer_signature
 
     client = MlflowClient()
     existing = find_version(client, name, args.mlflow_run_tag)
@@ -138,9 +146,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         loaded = load_model_dir(args.model, scratch)
         seq = min(16, loaded.model.config.seq_len)
         example = np.arange(seq, dtype=np.int64).reshape(1, seq) % loaded.model.config.vocab_size
-        with torch.no_grad():
-            logits = loaded.model(torch.from_numpy(example)).numpy()
-        signature = infer_signature(example, logits)
+        signature = model_signature(loaded.model.config.vocab_size)
         run_id = training_run(args.mlflow_run_tag, settings["train"]["experiment"])
         with mlflow.start_run(run_id=run_id):
             info = mlflow.pytorch.log_model(

@@ -149,6 +149,11 @@ def test_first_model_passes_on_absolute_bounds_registers_once_and_loads_by_alias
     assert mv.source.startswith("models:/")  # a logged model, with signature and requirements
     info = mlflow.models.get_model_info(f"models:/{name}@challenger")
     assert info.signature.inputs.to_dict()[0]["tensor-spec"]["dtype"] == "int64"
+    # as a new user loads it: any batch and sequence length, not the (1, 16) example's
+    import numpy as np
+
+    predicted = mlflow.pyfunc.load_model(f"models:/{name}@challenger").predict(np.zeros((2, 32), dtype=np.int64))
+    assert predicted.shape[:2] == (2, 32)
 
 
 @pytest.mark.integration
