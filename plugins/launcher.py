@@ -17,6 +17,7 @@ Job) from the training issue's builder beside this one.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
@@ -24,6 +25,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -39,6 +41,8 @@ from pipeline_params import REPO_ROOT, pipeline_params
 # Exit codes of the step contract (tasks/lib/step.py)
 BAD_INPUT_EXIT_CODE = 2
 GATE_REJECTED_EXIT_CODE = 99
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 # Run-scoped storage key of the DAG run: run ids hold ':' and '+', which S3 clients mangle.
 RUN_KEY = "{{ run_id | replace(':', '-') | replace('+', '_') }}"
@@ -123,7 +127,7 @@ class LocalStepOperator(BaseOperator):
         for index, command in enumerate(commands):
             proc = subprocess.Popen(
                 command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True, bufsize=1, start_new_session=True,
+                text=True, bufsize=1, start_new_session=True, preexec_fn=_die_with_parent,
             )
             self._procs.append(proc)
             threading.Thread(target=_pump, args=(proc, index, lines), daemon=True).start()
@@ -161,6 +165,14 @@ class LocalStepOperator(BaseOperator):
         for proc in self._procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the task process dies, however it dies (SIGKILL
+    included). A torchrun agent stops its workers on SIGTERM, so a killed task leaves no
+    orphan writing the checkpoints and MLflow run its retry is about to use (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _pump(proc: subprocess.Popen[str], index: int, lines: queue.Queue[tuple[int, str | None]]) -> None:

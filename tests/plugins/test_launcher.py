@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -214,3 +217,25 @@ def test_bad_input_under_torchrun_fails_once_without_retries(tmp_path: Path, cap
     errors = [line for line in (logged.out + logged.err).splitlines() if "] ERROR python -m tasks.train" in line]
     assert len(errors) == 2, errors  # once per node: no worker group was restarted
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "model").exists()
+
+
+def test_a_killed_task_takes_its_step_processes_with_it(tmp_path: Path) -> None:
+    """SIGKILL of the task process (no on_kill, no finally) must not leave the step running:
+    an orphaned torchrun agent would keep writing what the retry writes."""
+    import psutil
+
+    script = (f"import sys; sys.path[:0] = [{str(REPO_ROOT / 'plugins')!r}]\n"
+              "import launcher\n"
+              "launcher.LocalStepOperator(task_id='t', module='http.server', "
+              "arguments=['0', '--bind', '127.0.0.1']).execute(context={})\n")
+    task = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT)
+    deadline = time.monotonic() + 60
+    children: list[psutil.Process] = []
+    while not children and time.monotonic() < deadline:
+        children = [c for c in psutil.Process(task.pid).children() if "http.server" in " ".join(c.cmdline())]
+        time.sleep(0.2)
+    assert children, "the step process never started"
+    task.kill()
+    task.wait()
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, [p.pid for p in alive]
