@@ -58,7 +58,8 @@ def store_tokenizer(tokenizer: Any, store: str) -> tuple[str, str]:
     folder = storage.join(store, f"sha256-{digest}")
     uri = storage.join(folder, "tokenizer.json")
     if not storage.exists(storage.join(folder, storage.SUCCESS_MARKER)):
-        with storage.staged_output(folder) as out:
+        # content-addressed: written once, never deleted (other runs may be reading it)
+        with storage.staged_output(folder, write_once=True) as out:
             (out / "tokenizer.json").write_text(serialized, encoding="utf-8")
     return uri, digest
 

@@ -174,14 +174,27 @@ def download(uri: str, local_path: Path) -> Path:
 
 
 def download_tree(uri: str, local_dir: Path) -> Path:
-    """Copy a committed output folder to ``local_dir`` (a local folder is used in place)."""
-    require_complete(uri)
-    if not is_s3(uri):
-        return Path(uri)
-    prefix = uri.rstrip("/") + "/"
-    for file_uri in list_files(uri):
-        download(file_uri, local_dir / file_uri[len(prefix) :])
-    return local_dir
+    """Copy a committed output folder to ``local_dir`` (a local folder is used in place), and
+    check every file against its ``_SUCCESS`` manifest: what is read is what was committed."""
+    manifest = read_json(join(uri, SUCCESS_MARKER)) if exists(join(uri, SUCCESS_MARKER)) else None
+    if manifest is None:
+        raise StepError(f"{uri}: not a complete step output (no {SUCCESS_MARKER} marker)")
+    root = Path(uri) if not is_s3(uri) else local_dir
+    if is_s3(uri):
+        for name in manifest.get("files", {}):
+            download(join(uri, name), local_dir / name)
+    verify_manifest(uri, root, manifest)
+    return root
+
+
+def verify_manifest(uri: str, root: Path, manifest: dict[str, Any]) -> None:
+    """Every file of the manifest present under ``root`` with its size and sha256. A mismatch is
+    transient (a writer replacing the output meanwhile): the task retries."""
+    for name, expected in manifest.get("files", {}).items():
+        path = root / name
+        if not path.is_file() or path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
+            raise StorageUnavailable(f"{join(uri, name)}: differs from its {SUCCESS_MARKER} manifest "
+                                     "(replaced while being read?)")
 
 
 def delete_tree(uri: str) -> None:
@@ -213,11 +226,18 @@ def _manifest(local_dir: Path) -> dict[str, Any]:
     }
 
 
-def commit_dir(local_dir: Path, uri: str) -> None:
-    """Publish ``local_dir`` at ``uri``, replacing what was there, manifest last."""
+def commit_dir(local_dir: Path, uri: str, write_once: bool = False) -> None:
+    """Publish ``local_dir`` at ``uri``, replacing what was there, manifest last.
+
+    ``write_once``: a content-addressed output (the same name always holds the same bytes) is
+    never deleted or replaced, since other runs may be reading it: a complete one is kept as
+    is, an incomplete one is completed by uploading the same files again."""
     manifest = json.dumps(_manifest(local_dir), indent=1, sort_keys=True).encode()
+    if write_once and exists(join(uri, SUCCESS_MARKER)):
+        return
     if is_s3(uri):
-        delete_tree(uri)  # leftovers of an earlier, failed attempt
+        if not write_once:
+            delete_tree(uri)  # leftovers of an earlier, failed attempt
         for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
             upload(path, join(uri, path.relative_to(local_dir).as_posix()))
         write_bytes(join(uri, SUCCESS_MARKER), manifest)
@@ -225,6 +245,13 @@ def commit_dir(local_dir: Path, uri: str) -> None:
     (local_dir / SUCCESS_MARKER).write_bytes(manifest)
     final = Path(uri)
     final.parent.mkdir(parents=True, exist_ok=True)
+    if write_once:
+        try:
+            local_dir.rename(final)  # atomic; fails if another writer got there first
+        except OSError:
+            if not (final / SUCCESS_MARKER).exists():
+                raise
+        return
     if final.exists():
         # rename the old result aside first: os.replace cannot replace a non-empty folder
         old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
@@ -242,8 +269,9 @@ def require_complete(uri: str) -> None:
 
 
 @contextlib.contextmanager
-def staged_output(uri: str) -> Iterator[Path]:
-    """A local scratch folder that becomes ``uri`` only if the ``with`` body succeeds."""
+def staged_output(uri: str, write_once: bool = False) -> Iterator[Path]:
+    """A local scratch folder that becomes ``uri`` only if the ``with`` body succeeds
+    (``write_once``: see :func:`commit_dir`)."""
     # For local outputs stage beside the target, so the final move is a rename on one filesystem.
     parent = None if is_s3(uri) else Path(uri).resolve().parent
     if parent is not None:
@@ -252,7 +280,7 @@ def staged_output(uri: str) -> Iterator[Path]:
     scratch.chmod(0o755)  # mkdtemp's 0700 would become the published folder's mode
     try:
         yield scratch
-        commit_dir(scratch, uri)
+        commit_dir(scratch, uri, write_once)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

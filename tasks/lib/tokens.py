@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,9 @@ def load_tokenizer(uri: str, scratch: Path) -> Any:
     from tokenizers import Tokenizer
 
     path = storage.download(uri, scratch / "tokenizer.json")
+    named = re.search(r"sha256-([0-9a-f]{64})/tokenizer\.json$", uri)
+    if named and tokenizer_hash(path.read_text(encoding="utf-8")) != named.group(1):
+        raise storage.StorageUnavailable(f"{uri}: its content does not hash to its name (a partial or replaced write)")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad files

@@ -98,3 +98,50 @@ def test_missing_s3_object_is_bad_input_on_every_read(stack_env: dict[str, str],
             read()
     with pytest.raises(StepError, match="no such bucket"):
         storage.list_files(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x")
+
+
+def test_readers_verify_what_they_read_against_the_manifest(tmp_path: Path) -> None:
+    out = tmp_path / "dataset"
+    with storage.staged_output(str(out)) as scratch:
+        (scratch / "tokens.bin").write_bytes(b"\x01" * 64)
+    assert storage.download_tree(str(out), tmp_path / "copy") == out
+    (out / "tokens.bin").write_bytes(b"\x02" * 64)  # same size, other bytes: replaced under the reader
+    with pytest.raises(storage.StorageUnavailable, match="differs from its _SUCCESS manifest"):
+        storage.download_tree(str(out), tmp_path / "copy")
+
+
+def test_content_addressed_output_is_written_once_and_never_replaced(tmp_path: Path) -> None:
+    """Another run may be reading it: a second writer keeps the first one's files."""
+    folder = tmp_path / "store" / "sha256-abc"
+    with storage.staged_output(str(folder), write_once=True) as scratch:
+        (scratch / "tokenizer.json").write_text("{}")
+    first = (folder / "tokenizer.json").stat().st_ino
+    with storage.staged_output(str(folder), write_once=True) as scratch:
+        (scratch / "tokenizer.json").write_text("{}")
+    assert (folder / "tokenizer.json").stat().st_ino == first
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_a_tokenizer_whose_content_does_not_match_its_name_is_refused(tmp_path: Path) -> None:
+    from tasks.lib import tokens
+
+    tokenizer = tokens.train_tokenizer(["some text to learn from"] * 50, 300, 50)
+    good = tmp_path / f"sha256-{tokens.tokenizer_hash(tokenizer.to_str())}" / "tokenizer.json"
+    good.parent.mkdir()
+    good.write_text(tokenizer.to_str())
+    assert tokens.load_tokenizer(str(good), tmp_path).get_vocab_size() == tokenizer.get_vocab_size()
+    bad = tmp_path / f"sha256-{'0' * 64}" / "tokenizer.json"
+    bad.parent.mkdir()
+    bad.write_text(tokenizer.to_str())
+    with pytest.raises(storage.StorageUnavailable, match="does not hash to its name"):
+        tokens.load_tokenizer(str(bad), tmp_path)
+
+
+@pytest.mark.integration
+def test_write_once_on_s3_deletes_nothing(stack_env: dict[str, str]) -> None:
+    folder = f"s3://pipeline/tests/{uuid.uuid4().hex}/sha256-abc"
+    storage.write_bytes(storage.join(folder, "tokenizer.json"), b"{}")  # a first writer, mid-upload
+    storage.write_bytes(storage.join(folder, "reader-held.txt"), b"x")
+    with storage.staged_output(folder, write_once=True) as scratch:
+        (scratch / "tokenizer.json").write_text("{}")
+    assert [u.rsplit("/", 1)[1] for u in storage.list_files(folder)] == ["_SUCCESS", "reader-held.txt", "tokenizer.json"]
