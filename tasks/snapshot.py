@@ -3,8 +3,10 @@
 Reads the ``date=YYYY-MM-DD`` partitions of the look-back window ending before ``--end-date``,
 normalizes the texts (NFC, control characters stripped, ``\\n`` line ends), drops exact
 duplicates by content hash, writes ``snapshot.jsonl`` + ``stats.json`` to ``--output`` and tags
-the snapshot ``data-<logical date>`` in the DVC registry. Re-running a date gives the same
-content hash and reuses the tag.
+the snapshot in the DVC registry by what it holds: ``data-<end date>-<N>d-<content hash, 12>``
+(the window and the content), so two snapshots of one date with other look-backs or other raw
+data get two tags instead of a conflict. Re-running a window gives the same content hash and
+reuses the tag.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def write_snapshot(result: records.DedupResult, out_dir: Path) -> dict[str, Any]
     }
 
 
+def data_tag(prefix: str, end: dt.date, days: int, content_hash: str) -> str:
+    """What was snapshotted, as a git tag: the window (end date, days) and the content."""
+    return f"{prefix}{end.isoformat()}-{days}d-{content_hash[:12]}"
+
+
 def registry() -> Registry:
     params = step_params("snapshot")
     path = Path(os.environ.get("DVC_REGISTRY_DIR") or REPO_ROOT / params["registry_dir"])
@@ -73,9 +80,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     days = records.interval_days(end, args.lookback_days or int(params["lookback_days"]))
     log.info("snapshot of %s for %s..%s", args.source, days[0], days[-1])
     result = collect(args.source, days, int(params["max_record_bytes"]))
-    tag = f"{params['tag_prefix']}{logical.isoformat()}"
     with storage.staged_output(args.output) as out_dir:
         stats = write_snapshot(result, out_dir)
+        tag = data_tag(params["tag_prefix"], logical, len(days), stats["content_hash"])
         stats.update(source=args.source, days=[d.isoformat() for d in days], tag=tag)
         version = registry().commit_snapshot(tag, out_dir / "snapshot.jsonl", stats)
         stats["commit"] = version.commit

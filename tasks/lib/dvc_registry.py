@@ -102,6 +102,19 @@ class Registry:
         if self.git_remote:
             self.git("push", "-q", "origin", "main", tag)
 
+    def _republish(self, tag: str) -> None:
+        """Make sure both remotes hold an existing version: an earlier attempt may have died
+        between its pushes. The data pushed is the tag's own ``.dvc`` (not whatever HEAD holds
+        now), and the tag itself goes to the git remote."""
+        dvc_file = f"{SNAPSHOT_PATH}.dvc"
+        self.git("checkout", "-q", tag, "--", dvc_file)
+        try:
+            self.dvc("push", "-q", "-r", "store", dvc_file)
+        finally:
+            self.git("checkout", "-q", "HEAD", "--", dvc_file)
+        if self.git_remote:
+            self.git("push", "-q", "origin", f"refs/tags/{tag}")
+
     def tag_version(self, tag: str) -> dict[str, object] | None:
         if not self.git("tag", "--list", tag):
             return None
@@ -120,8 +133,7 @@ class Registry:
                         f", this snapshot is {str(version['content_hash'])[:12]}: raw data changed under an existing tag"
                     )
                 log.info("data version %s already exists with the same content: reusing it", tag)
-                # make sure the remote holds it (an earlier attempt may have died before the push)
-                self.dvc("push", "-q", "-r", "store", f"{SNAPSHOT_PATH}.dvc")
+                self._republish(tag)
                 return self._version(tag, existing, created=False)
             target = self.path / SNAPSHOT_PATH
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -98,7 +98,7 @@ def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -
     tags = {t["key"]: t["value"] for t in version["tags"]}
     assert version["version"] == registered["version"]
     assert tags["dag_run"] == f"llm_retrain/{run.run_id}"
-    assert tags["data_version"] == "data-2026-11-22" and tags["dag_id"] == "llm_retrain"
+    assert tags["data_version"].startswith("data-2026-11-22-7d-") and tags["dag_id"] == "llm_retrain"
     # exported (parity checked), canaried and promoted: the model serves through the router
     exported = xcom(run, "export")
     assert exported["version"] == registered["version"] and exported["parity"]["max_abs_logit_diff"] < 1e-3

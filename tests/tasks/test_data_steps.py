@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import RUNTIME_PY, error_lines, run_module, step_result
 
 from tasks.lib import storage
@@ -44,7 +45,8 @@ def test_snapshot_versions_with_dvc_and_is_idempotent(seeded_raw: str) -> None:
     assert first.returncode == 0, first.stderr[-2000:]
     version = step_result(first)["data_version"]
     assert isinstance(version, dict)
-    assert version["tag"] == "data-2026-11-22" and version["new"] is True and version["records"] > 1000
+    tag = f"data-2026-11-22-7d-{version['content_hash'][:12]}"  # the window and the content
+    assert version["tag"] == tag and version["new"] is True and version["records"] > 1000
     commits = registry_git("rev-list", "--count", "--all")
 
     again = snapshot(seeded_raw, "2026-11-22", out_uri("snapshot"))
@@ -52,13 +54,19 @@ def test_snapshot_versions_with_dvc_and_is_idempotent(seeded_raw: str) -> None:
     assert isinstance(repeated, dict)
     assert repeated["content_hash"] == version["content_hash"] and repeated["new"] is False
     assert registry_git("rev-list", "--count", "--all") == commits
-    assert registry_git("tag", "--list", "data-2026-11-22") == "data-2026-11-22"
+    assert registry_git("tag", "--list", "data-2026-11-22-*") == tag
+
+    # the same date with another look-back (a manual run): another tag, not a conflict
+    shorter = snapshot(seeded_raw, "2026-11-22", out_uri("snapshot"), "--lookback-days", "3")
+    assert shorter.returncode == 0, shorter.stderr[-2000:]
+    other = step_result(shorter)["data_version"]
+    assert isinstance(other, dict) and other["new"] is True and other["tag"].startswith("data-2026-11-22-3d-")
 
     # an audit or a backfill reads exactly that version back from the DVC remote
     read_back = subprocess.run(
         [str(RUNTIME_PY), "-c",
          "import dvc.api, sys; sys.stdout.buffer.write(dvc.api.read('data/snapshot.jsonl', "
-         f"repo='{os.environ['DVC_REGISTRY_DIR']}', rev='data-2026-11-22', mode='rb'))"],
+         f"repo='{os.environ['DVC_REGISTRY_DIR']}', rev='{tag}', mode='rb'))"],
         capture_output=True, check=True,
     ).stdout
     assert hashlib.sha256(read_back).hexdigest() == version["content_hash"]
@@ -77,7 +85,7 @@ def test_parallel_snapshots_queue_on_the_registry_lock(seeded_raw: str) -> None:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
     tags = registry_git("tag", "--list", "data-2026-11-*").split()
-    assert {"data-2026-11-19", "data-2026-11-20", "data-2026-11-21"} <= set(tags)
+    assert {"2026-11-19", "2026-11-20", "2026-11-21"} <= {t[len("data-"):][:10] for t in tags}
 
 
 @pytest.mark.parametrize(
@@ -188,4 +196,22 @@ def test_registry_shared_through_a_git_remote_between_pods(seeded_raw: str, tmp_
     again = pod("pod-c", "2026-11-18")  # a retry elsewhere finds the pushed tag
     assert again["new"] is False and again["content_hash"] == first["content_hash"]
     tags = subprocess.run(["git", "tag"], cwd=remote, capture_output=True, text=True, check=True).stdout.split()
-    assert tags == ["data-2026-11-17", "data-2026-11-18"]
+    assert [t[:len("data-2026-11-17")] for t in tags] == ["data-2026-11-17", "data-2026-11-18"]
+    assert tags[1] == first["tag"]
+
+    # pod-a's tag never reached the remote (its push failed): its retry pushes the tag itself
+    subprocess.run(["git", "tag", "-d", str(first["tag"])], cwd=remote, capture_output=True, check=True)
+    retried = pod("pod-a", "2026-11-18")
+    assert retried["new"] is False
+    assert str(first["tag"]) in subprocess.run(["git", "tag"], cwd=remote, capture_output=True, text=True).stdout.split()
+    # the data re-pushed is the tag's version, not whatever pod-a's HEAD holds by then
+    pod("pod-a", "2026-11-16")  # HEAD moves to another version
+    tagged = yaml.safe_load(subprocess.run(["git", "show", f"{first['tag']}:data/snapshot.jsonl.dvc"],
+                                           cwd=tmp_path / "pod-a", capture_output=True, text=True, check=True).stdout)
+    md5 = tagged["outs"][0]["md5"]
+    stored = f"s3://dvc/registry/files/md5/{md5[:2]}/{md5[2:]}"
+    assert storage.exists(stored)
+    bucket, key = storage.split_s3(stored)
+    storage.s3_client().delete_object(Bucket=bucket, Key=key)  # lost, as if that push had died
+    assert pod("pod-a", "2026-11-18")["new"] is False
+    assert storage.exists(stored)
