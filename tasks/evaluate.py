@@ -89,6 +89,7 @@ def measure(loaded: LoadedModel, val: np.ndarray[Any, Any] | None, eval_set: Pat
     # bits per byte over the measured windows' share of the text: comparable across tokenizers
     held_out["bits_per_byte"] = held_out.pop("nats") / math.log(2) / (n_bytes * held_out["tokens"] / len(stream))
     out: dict[str, Any] = {f"eval_{k}": v for k, v in held_out.items()}
+    out["tokenizer_hash"] = loaded.description["tokenizer_hash"]
     if val is not None:
         val_metrics = stream_metrics(loaded.model, val, int(params["max_eval_tokens"]), int(params["batch"]))
         val_metrics.pop("nats")
@@ -112,16 +113,22 @@ def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: d
         reasons.append(f"eval perplexity {challenger['eval_perplexity']:.1f} > max {params['max_eval_perplexity']}")
     if challenger["eval_accuracy"] < params["min_eval_accuracy"]:
         reasons.append(f"eval next-token accuracy {challenger['eval_accuracy']:.3f} < min {params['min_eval_accuracy']}")
-    if champion is not None and not math.isfinite(champion["eval_perplexity"]):
-        reasons.append(f"the champion's recorded eval perplexity is {champion['eval_perplexity']}: "
-                       "no baseline to compare with (fix or re-evaluate the champion)")
-    elif champion is not None:
-        limit = champion["eval_perplexity"] * (1 + params["max_regression"])
-        if challenger["eval_perplexity"] > limit:
-            reasons.append(
-                f"eval perplexity {challenger['eval_perplexity']:.1f} regresses more than "
-                f"{params['max_regression']:.0%} on the champion's {champion['eval_perplexity']:.1f}"
-            )
+    if champion is None:
+        return reasons
+    # per-token perplexity compares models of one vocabulary only; across tokenizers (the
+    # tokenizer_uri Param, a champion of another vocabulary) bits per byte of the same text does
+    metric, label = ("eval_perplexity", "eval perplexity")
+    if champion.get("tokenizer_hash") != challenger.get("tokenizer_hash"):
+        metric, label = ("eval_bits_per_byte", "eval bits per byte (tokenizers differ)")
+    baseline = champion.get(metric, float("nan"))
+    if not math.isfinite(baseline):
+        reasons.append(f"the champion's {label} is {baseline}: no baseline to compare with "
+                       "(fix or re-evaluate the champion)")
+    elif not math.isfinite(challenger.get(metric, float("nan"))):
+        reasons.append(f"{label} is {challenger.get(metric)}: not a finite number")
+    elif challenger[metric] > baseline * (1 + params["max_regression"]):
+        reasons.append(f"{label} {challenger[metric]:.4g} regresses more than {params['max_regression']:.0%} "
+                       f"on the champion's {baseline:.4g}")
     return reasons
 
 

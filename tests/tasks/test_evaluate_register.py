@@ -25,6 +25,21 @@ def test_gate_rejects_non_finite_figures() -> None:
     assert "no baseline" in judge(good, {"eval_perplexity": float("nan")}, bounds)[0]
 
 
+def test_gate_compares_bits_per_byte_when_the_tokenizers_differ() -> None:
+    """Perplexity per token of two vocabularies is not comparable: a bigger vocabulary has a
+    higher per-token perplexity and can still model the text better."""
+    from tasks.evaluate import judge
+
+    bounds = {"max_eval_perplexity": 2000, "min_eval_accuracy": 0.05, "max_regression": 0.05}
+    champion = {"eval_perplexity": 200.0, "eval_bits_per_byte": 2.0, "tokenizer_hash": "aaa"}
+    bigger_vocab = {"eval_perplexity": 600.0, "eval_accuracy": 0.2, "eval_bits_per_byte": 1.9, "tokenizer_hash": "bbb"}
+    assert judge(bigger_vocab, champion, bounds) == []
+    worse = {**bigger_vocab, "eval_bits_per_byte": 2.3}
+    assert "bits per byte (tokenizers differ) 2.3 regresses" in judge(worse, champion, bounds)[0]
+    same_vocab = {**bigger_vocab, "tokenizer_hash": "aaa"}  # one vocabulary: perplexity decides
+    assert "eval perplexity 600 regresses" in judge(same_vocab, champion, bounds)[0]
+
+
 LINEAGE = {"data_version": "data-2026-11-22", "data_content_hash": "c0ffee", "data_end": "2026-11-22", "dag_id": "llm_retrain",
            "dag_run_id": "manual__2026-11-22T00:00:00+00:00", "logical_date": "2026-11-22"}
 
