@@ -27,21 +27,32 @@ from tasks.lib.params import REPO_ROOT, step_params
 from tasks.lib.step import Progress, log, run_step, step_parser
 
 
-def collect(source: str, days: list[dt.date], max_record_bytes: int) -> records.DedupResult:
+def collect(source: str, days: list[dt.date], max_record_bytes: int) -> tuple[records.DedupResult, dict[str, Any]]:
+    """The window's records, de-duplicated, and per partition (day): its files, its records and
+    how many of them repeat a text seen before in the window (validation judges each day too)."""
     files = records.partition_files(source, days)
     if not files:
         raise StepError(f"{source}: no partitions with data for {days[0]}..{days[-1]} (empty interval)")
     progress = Progress("snapshot read", len(files), "files")
+    partitions = {day.isoformat(): {"files": 0, "records": 0, "repeated": 0} for day in days}
+    current: dict[str, int] = {}  # the counts of the partition being read
 
     def all_records() -> Iterator[dict[str, Any]]:
-        for _, uri in files:
+        nonlocal current
+        for day, uri in files:
+            current = partitions[day.isoformat()]
+            current["files"] += 1
             yield from records.parse_lines(uri, storage.read_bytes(uri), max_record_bytes)
             progress.update(1)
 
-    result = records.normalize_and_dedup(all_records())
+    def count(repeated: bool) -> None:  # called right after each record the generator yields
+        current["records"] += 1
+        current["repeated"] += repeated
+
+    result = records.normalize_and_dedup(all_records(), count)
     if not result.records:
         raise StepError(f"{source}: the interval {days[0]}..{days[-1]} holds no records (empty interval)")
-    return result
+    return result, partitions
 
 
 def write_snapshot(result: records.DedupResult, out_dir: Path) -> dict[str, Any]:
@@ -79,11 +90,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     logical = dt.date.fromisoformat(args.logical_date) if args.logical_date else end
     days = records.interval_days(end, args.lookback_days or int(params["lookback_days"]))
     log.info("snapshot of %s for %s..%s", args.source, days[0], days[-1])
-    result = collect(args.source, days, int(params["max_record_bytes"]))
+    result, partitions = collect(args.source, days, int(params["max_record_bytes"]))
     with storage.staged_output(args.output) as out_dir:
         stats = write_snapshot(result, out_dir)
         tag = data_tag(params["tag_prefix"], logical, len(days), stats["content_hash"])
-        stats.update(source=args.source, days=[d.isoformat() for d in days], tag=tag)
+        stats.update(source=args.source, days=[d.isoformat() for d in days], tag=tag, partitions=partitions)
         version = registry().commit_snapshot(tag, out_dir / "snapshot.jsonl", stats)
         stats["commit"] = version.commit
         (out_dir / "stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))

@@ -1,6 +1,8 @@
 """Validation gate: a Great Expectations 1.x suite over the snapshot, with an HTML report.
 
-The suite is defined in code (:func:`build_suite`) with thresholds from params.yaml ``validate``.
+The suite is defined in code (:func:`build_suite`) with thresholds from params.yaml ``validate``;
+each day of the window is also checked on its own (:func:`check_partitions`, from the
+snapshot's per-partition counts), so one bad day among good ones cannot hide in the totals.
 The Data Docs report and a JSON summary are written to ``--output`` whether the gate passes
 or not; on failure the step exits 2 with one line naming the failed expectations and their
 counts, so the DAG stops before tokenization.
@@ -75,7 +77,9 @@ def failure_line(failed: list[dict[str, Any]]) -> str:
     parts = []
     for f in failed:
         name = f["expectation"] + (f"({f['column']})" if f["column"] else "")
-        if f.get("error"):
+        if f.get("detail"):
+            parts.append(f"{name}: {f['detail']}")
+        elif f.get("error"):
             parts.append(f"{name}: could not be evaluated ({f['error']})")
         elif f["unexpected_count"] is not None:
             parts.append(f"{name}: {f['unexpected_count']} unexpected ({f['unexpected_percent']:.3g}%)")
@@ -119,6 +123,36 @@ def run_suite(df: Any, params: dict[str, Any], docs_dir: Path) -> tuple[bool, li
     return bool(outcome.success), results
 
 
+def check_partitions(partitions: dict[str, dict[str, int]], params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each day of the window on its own (a bad day among good ones passes the window's
+    totals): not empty, within ``partition_min_share``..``partition_max_share`` of an even share
+    of the window's records, at most ``partition_max_repeated_ratio`` of its records repeating a
+    text seen earlier in the window. One result per failed check, named by the partition."""
+    total = sum(p["records"] for p in partitions.values())
+    even = total / max(len(partitions), 1)
+    failed = []
+
+    def fail(day: str, check: str, observed: Any, detail: str) -> None:
+        failed.append({"expectation": f"partition_{check}", "column": f"date={day}", "success": False,
+                       "unexpected_count": None, "unexpected_percent": None, "observed_value": observed,
+                       "detail": detail, "examples": [], "error": None})
+
+    for day, counts in sorted(partitions.items()):
+        records = counts["records"]
+        if records == 0:
+            fail(day, "not_empty", 0, "no records")
+            continue
+        share = records / even if even else 0.0
+        if not params["partition_min_share"] <= share <= params["partition_max_share"]:
+            fail(day, "share", round(share, 3), f"{records} records, {share:.2f}x an even share of the window "
+                 f"(bounds {params['partition_min_share']}..{params['partition_max_share']})")
+        repeated = counts["repeated"] / records
+        if repeated > params["partition_max_repeated_ratio"]:
+            fail(day, "repeated_ratio", round(repeated, 3), f"{repeated:.0%} of its {records} records repeat "
+                 f"earlier texts (max {params['partition_max_repeated_ratio']:.0%})")
+    return failed
+
+
 def load_snapshot(uri: str, scratch: Path) -> Any:
     import pandas as pd
 
@@ -134,12 +168,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     with storage.staged_output(args.output) as out_dir, storage.scratch() as scratch:
         df = load_snapshot(args.snapshot, scratch)
         success, results = run_suite(df, params, out_dir / "report")
+        stats_uri = args.snapshot.rsplit("/", 1)[0] + "/stats.json"  # the snapshot step's, beside it
+        partitions = storage.read_json(stats_uri).get("partitions", {}) if storage.exists(stats_uri) else {}
+        partition_failures = check_partitions(partitions, params)
+        success = success and not partition_failures
+        results += partition_failures
         failed = [r for r in results if not r["success"]]
         summary = {
             "snapshot_uri": args.snapshot,
             "records": len(df),
             "success": success,
             "evaluated": len(results),
+            "partitions": partitions,
             "failed": failed,
             "results": results,
         }

@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,11 +88,13 @@ class DedupResult:
     records_in: int
 
 
-def normalize_and_dedup(records: Iterator[dict[str, Any]]) -> DedupResult:
+def normalize_and_dedup(records: Iterator[dict[str, Any]],
+                        on_record: Callable[[bool], None] | None = None) -> DedupResult:
     """Normalize texts and keep the first record of each distinct text.
 
     Each kept record gets ``content_hash`` and ``copies`` (how many raw records had that text),
-    so validation can still judge the raw duplicate ratio after de-duplication.
+    so validation can still judge the raw duplicate ratio after de-duplication. ``on_record`` is
+    told, record by record, whether its text was seen before.
     """
     kept: dict[str, dict[str, Any]] = {}
     count = 0
@@ -100,6 +102,8 @@ def normalize_and_dedup(records: Iterator[dict[str, Any]]) -> DedupResult:
         count += 1
         text = normalize_text(record["text"])
         digest = content_hash(text)
+        if on_record is not None:
+            on_record(digest in kept)
         if digest in kept:
             kept[digest]["copies"] += 1
             continue

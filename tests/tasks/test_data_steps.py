@@ -146,8 +146,33 @@ def test_mostly_duplicates_fail_validation_and_stop_the_data_half(stack_env: dic
     assert "expect_column_mean_to_be_between(copies): observed 9.9" in error
     # the report is kept for people to read; the summary names the failed expectation
     summary = storage.read_json(storage.join(output, "summary.json"))
-    assert [f["expectation"] for f in summary["failed"]] == ["expect_column_mean_to_be_between"]
+    assert [(f["expectation"], f["column"]) for f in summary["failed"]] == [
+        ("expect_column_mean_to_be_between", "copies"),
+        ("partition_not_empty", "date=2026-11-09"),  # the window's other day has nothing
+        ("partition_repeated_ratio", "date=2026-11-10"),
+    ]
     assert storage.exists(storage.join(output, "report", "index.html"))
+
+
+def test_one_bad_day_among_good_ones_fails_validation_naming_it(stack_env: dict[str, str]) -> None:
+    """Six good days and one that is 90% copies of earlier days' texts: the window's totals
+    pass (13% duplicates), the day itself does not."""
+    from tasks import seed
+
+    source = f"s3://raw/bad-day-{uuid.uuid4().hex[:8]}"
+    texts = [text for _, text in seed.documents(1300)]
+    for index, day in enumerate(f"2026-11-{d:02d}" for d in range(1, 7)):
+        batch = texts[index * 200:(index + 1) * 200]
+        write_partition(source, day, "".join(json.dumps({"id": f"{day}-{i}", "text": t, **GOOD}) + "\n"
+                                             for i, t in enumerate(batch)).encode())
+    injected = texts[:180] + texts[1200:1220]  # 180 of 200 repeat the first days' texts
+    write_partition(source, "2026-11-07", "".join(json.dumps({"id": f"x-{i}", "text": t, **GOOD}) + "\n"
+                                                  for i, t in enumerate(injected)).encode())
+    snap = step_result(snapshot(source, "2026-11-08", out_uri("snapshot")))
+    proc = run_module("tasks.validate", "--snapshot", str(snap["snapshot_uri"]), "--output", out_uri("validate"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = error_lines(proc)[0]
+    assert "failed 1/" in error and "partition_repeated_ratio(date=2026-11-07): 90% of its 200 records" in error
 
 
 def test_champion_tokenizer_is_reused(seeded_raw: str, tmp_path: Path) -> None:
