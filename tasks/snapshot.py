@@ -23,7 +23,7 @@ from typing import Any
 from tasks.lib import records, storage
 from tasks.lib.dvc_registry import Registry
 from tasks.lib.errors import StepError
-from tasks.lib.params import REPO_ROOT, step_params
+from tasks.lib.params import REPO_ROOT, load_params, step_params
 from tasks.lib.step import Progress, log, run_step, step_parser
 
 
@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     params = step_params("snapshot", args.overrides)
     end = dt.date.fromisoformat(args.end_date)
     logical = dt.date.fromisoformat(args.logical_date) if args.logical_date else end
-    days = records.interval_days(end, args.lookback_days or int(params["lookback_days"]))
+    days = records.interval_days(end, args.lookback_days or int(load_params()["pipeline"]["lookback_days"]))
     log.info("snapshot of %s for %s..%s", args.source, days[0], days[-1])
     result, partitions = collect(args.source, days, int(params["max_record_bytes"]))
     with storage.staged_output(args.output) as out_dir:

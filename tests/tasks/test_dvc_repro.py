@@ -12,9 +12,19 @@ import pytest
 import yaml
 from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI
 
-pytestmark = pytest.mark.integration
+
+def test_dvc_shard_stages_match_the_shard_count() -> None:
+    """DVC cannot compute a range: repro.shards is written out, and must name every shard of
+    tokenize.num_shards as the merge step reads them (past 10 shards too)."""
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    assert params["repro"]["shards"] == [f"{i:05d}" for i in range(params["tokenize"]["num_shards"])]
+    stages = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
+    assert stages["encode"]["do"]["outs"] == ["data/tokenize/shards/${item}"]
+    assert "--shard-index ${item}" in stages["encode"]["do"]["cmd"]
+    assert "${pipeline.lookback_days}" in stages["snapshot"]["cmd"]  # one look-back setting
 
 
+@pytest.mark.integration
 def test_dvc_repro_runs_the_data_half(seeded_raw: str, tmp_path: Path) -> None:
     # a copy of the checkout, so the run writes data/ and dvc.lock there, not into the repo
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO_ROOT,
@@ -35,4 +45,4 @@ def test_dvc_repro_runs_the_data_half(seeded_raw: str, tmp_path: Path) -> None:
     index = json.loads((tmp_path / "data/tokenize/dataset/index.json").read_text())
     assert index["splits"]["train"]["tokens"] > 100_000
     lock = yaml.safe_load((tmp_path / "dvc.lock").read_text())
-    assert {"snapshot", "validate", "tokenizer", "encode@0", "encode@1", "merge"} <= set(lock["stages"])
+    assert {"snapshot", "validate", "tokenizer", "encode@00000", "encode@00001", "merge"} <= set(lock["stages"])
