@@ -213,9 +213,10 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
             loading = time.perf_counter() - t0
             data_seconds += loading
             total_data_seconds += loading
-            with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device)):
-                loss = loss_fn(engine.model, x, y)
-            engine.backward(loss, accum)
+            with engine.gradient_sync(micro == accum - 1):
+                with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device)):
+                    loss = loss_fn(engine.model, x, y)
+                engine.backward(loss, accum)
             step_loss += loss.detach() / accum
         try:
             grad_norm = engine.step(float(params["grad_clip"]))

@@ -16,8 +16,10 @@ NCCL on GPUs, gloo on CPUs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +78,23 @@ class Engine:
             self.deepspeed.step()  # applies the update only at the accumulation boundary
         else:
             (loss / grad_accum).backward()
+
+    @contextlib.contextmanager
+    def gradient_sync(self, sync: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: gradients are reduced across ranks
+        only on the last micro-batch of a step (``sync``); the others accumulate locally.
+        DeepSpeed decides itself at its accumulation boundary."""
+        if sync or self.deepspeed is not None or self.name == "single":
+            yield
+        elif self.name == "ddp":
+            with self.model.no_sync():  # type: ignore[operator]
+                yield
+        else:  # fsdp2: the root's setting reaches every sharded block
+            self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def step(self, grad_clip: float) -> float:
         """Finish an optimizer step (after ``grad_accum`` backward calls); the gradient norm.
