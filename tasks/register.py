@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,15 +32,19 @@ LINEAGE_KEYS = ("data_version", "data_content_hash", "data_end", "dag_id", "dag_
 MAX_ALIAS_ATTEMPTS = 5
 
 
-def git_commit() -> str:
-    """The code version: set in images at build time, else read from the checkout."""
+def git_commit(repo: Path = REPO_ROOT) -> str:
+    """The code version: baked into images at build time (PIPELINE_GIT_COMMIT), else read from
+    the checkout, with ``-dirty`` when tracked files differ from that commit."""
     if os.environ.get("PIPELINE_GIT_COMMIT"):
         return os.environ["PIPELINE_GIT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                               check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                 capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head}-dirty" if changed else head
 
 
 def parse_tags(items: list[str]) -> dict[str, str]:

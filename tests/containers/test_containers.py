@@ -23,6 +23,8 @@ def test_dockerfiles_copy_existing_paths_and_use_the_locks() -> None:
         assert re.search(r"requirements/(runtime|orchestrator)\.txt", text), dockerfile.name
     runtime = (REPO_ROOT / "containers" / "Dockerfile.runtime").read_text()
     assert "USER 1000" in runtime  # the pods' securityContext runs as uid 1000, non-root
+    # an image has no .git: the commit its models are tagged with is baked in at build time
+    assert "ARG GIT_COMMIT" in runtime and "ENV PIPELINE_GIT_COMMIT=${GIT_COMMIT}" in runtime
 
 
 def test_image_kinds_in_params_have_a_dockerfile() -> None:

@@ -91,6 +91,25 @@ def register(model: Path, report: Path, tag: str, env: dict[str, str], **overrid
                       "--mlflow-run-tag", tag, *lineage, env=env)
 
 
+def test_git_commit_flags_a_dirty_tree_and_images_bake_theirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from tasks.register import git_commit
+
+    monkeypatch.delenv("PIPELINE_GIT_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], cwd=tmp_path, check=True)
+    clean = git_commit(tmp_path)
+    assert len(clean) == 40
+    (tmp_path / "a.py").write_text("x = 2\n")  # what runs is not what the commit says
+    assert git_commit(tmp_path) == f"{clean}-dirty"
+    monkeypatch.setenv("PIPELINE_GIT_COMMIT", "0123abc")  # an image's, set at build time
+    assert git_commit(tmp_path) == "0123abc"
+
+
 def test_registry_outage_is_an_error_not_a_missing_champion(monkeypatch: pytest.MonkeyPatch) -> None:
     """Read as "no champion", an outage would judge a challenger as the first model ever and
     train a new vocabulary: it must fail the task (exit 1, retried) instead."""
@@ -152,7 +171,7 @@ def test_first_model_passes_on_absolute_bounds_registers_once_and_loads_by_alias
     tags = version.tags
     for key, value in LINEAGE.items():
         assert tags[key] == value
-    assert tags["dag_run"] == tag and len(tags["git_commit"]) == 40
+    assert tags["dag_run"] == tag and len(tags["git_commit"].removesuffix("-dirty")) == 40
     assert tags["tokenizer_hash"] == json.loads((good_model / "config.json").read_text())["tokenizer_hash"]
     assert float(tags["metric.eval_perplexity"]) == pytest.approx(report["challenger"]["eval_perplexity"], rel=1e-5)
 
