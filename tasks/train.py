@@ -13,6 +13,7 @@ consolidated model: ``model.pt`` (state dict) + ``config.json`` (architecture, t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -69,7 +70,7 @@ def check_fits(config: GPTConfig, params: dict[str, Any], env: parallel.Dist, tr
     act_bytes = params["micro_batch"] * config.seq_len * (per_token + 8 * config.vocab_size)
     need = state_bytes + act_bytes
     if env.device.type == "cuda":
-        available = torch.cuda.mem_get_info(env.device)[1]
+        available = torch.cuda.mem_get_info(env.device)[0]  # free, not total: the GPU may be shared
     else:
         import psutil
 
@@ -133,24 +134,38 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+DATASET_CACHE = Path(tempfile.gettempdir()) / "llm-pipeline-datasets"
+
+
 def local_dataset(uri: str) -> Path:
-    """The dataset folder on local disk (memory-mapping needs files; S3 is downloaded once per node)."""
+    """The dataset folder on local disk (memory-mapping needs files; S3 is downloaded once per
+    node). The node's copy is named by its manifest's hash, so it is only ever reused for the
+    same content (a retry on this node skips the download); a failed download leaves nothing."""
     if not storage.is_s3(uri):
         storage.require_complete(uri)
         return Path(uri)
-    cache = Path(tempfile.gettempdir()) / "llm-pipeline-datasets" / uri.replace("s3://", "").replace("/", "_")
-    marker = cache / storage.SUCCESS_MARKER
-    if not marker.exists():
-        # one download per node: ranks of a node race to the same folder, so download then rename
+    manifest = storage.read_bytes(storage.join(uri, storage.SUCCESS_MARKER))
+    cache = DATASET_CACHE / hashlib.sha256(manifest).hexdigest()[:24]
+    if not (cache / storage.SUCCESS_MARKER).exists():
+        # ranks of a node race to the same folder: each downloads aside, the first rename wins
         cache.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=cache.name, dir=cache.parent))
-        storage.download_tree(uri, staging)
-        storage.download(storage.join(uri, storage.SUCCESS_MARKER), staging / storage.SUCCESS_MARKER)
+        staging = Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=cache.parent))
         try:
+            storage.download_tree(uri, staging)
+            (staging / storage.SUCCESS_MARKER).write_bytes(manifest)
             staging.rename(cache)
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)  # another rank won the race
+        except OSError as exc:
+            if not (cache / storage.SUCCESS_MARKER).exists():
+                raise RuntimeError(f"{uri}: node-local copy failed ({exc})") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # the loser's copy, or a failed download's
     return cache
+
+
+def drop_local_dataset(dataset_dir: Path, env: parallel.Dist) -> None:
+    """After a successful run: the node's copy goes (one process per node, once all are done)."""
+    if DATASET_CACHE in dataset_dir.parents and env.local_rank == 0:
+        shutil.rmtree(dataset_dir, ignore_errors=True)
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -282,7 +297,10 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     )
     tracker.finish(result)
     # every process reports rank 0's result (each pod of an Indexed Job hands one to Airflow)
-    return parallel.broadcast_object(result, env)
+    result = parallel.broadcast_object(result, env)
+    del train_split, val_split, train_sampler, val_sampler  # their memory maps, before the files go
+    drop_local_dataset(dataset_dir, env)
+    return result
 
 
 def export_model(

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -187,6 +188,40 @@ def test_bad_input_fails_before_any_step(
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in error_lines(proc)[0]
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "model").exists()
+
+
+@pytest.mark.integration
+def test_node_local_dataset_copy_is_content_keyed_and_leaves_nothing(stack_env: dict[str, str], dataset: Path,
+                                                                     tmp_path: Path) -> None:
+    """An S3 dataset is copied once per node under its manifest's hash; a failed copy leaves no
+    staging folder, a successful run removes its copy."""
+    from tasks.lib import storage
+    from tasks.train import DATASET_CACHE, local_dataset
+
+    uri = f"s3://pipeline/tests/{time.time_ns()}/dataset"
+    with storage.staged_output(uri) as out:
+        for path in dataset.iterdir():
+            if path.name != storage.SUCCESS_MARKER:
+                (out / path.name).write_bytes(path.read_bytes())
+    before = set(DATASET_CACHE.iterdir()) if DATASET_CACHE.exists() else set()
+    copy = local_dataset(uri)
+    assert copy.parent == DATASET_CACHE and (copy / "index.json").exists() and local_dataset(uri) == copy
+    shutil.rmtree(copy)
+    # a dataset whose file vanished: the copy fails, nothing is left behind
+    bucket, key = storage.split_s3(storage.join(uri, "index.json"))
+    storage.s3_client().delete_object(Bucket=bucket, Key=key)
+    with pytest.raises(Exception, match="no such object"):
+        local_dataset(uri)
+    assert set(DATASET_CACHE.iterdir()) == before
+    # a whole run from S3 removes its node-local copy at the end
+    with storage.staged_output(uri) as out:
+        for path in dataset.iterdir():
+            if path.name != storage.SUCCESS_MARKER:
+                (out / path.name).write_bytes(path.read_bytes())
+    proc = run_module("tasks.train", "--dataset", uri, "--checkpoints", str(tmp_path / "ckpt"), "--output",
+                      str(tmp_path / "model"), "--set", "max_steps=2", *FAST, env=NO_MLFLOW)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert set(DATASET_CACHE.iterdir()) == before
 
 
 @pytest.mark.integration
