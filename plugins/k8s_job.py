@@ -7,7 +7,9 @@ the pods are ready (``publishNotReadyAddresses``). The operator creates the Serv
 with the Job and deletes it when the task ends, whatever the outcome.
 
 All-or-nothing start: the Job is created suspended with a Kueue queue label, so Kueue admits all
-pods at once or none (a half-scheduled job would block in rendezvous). ``backoffLimit: 0``: a
+pods at once or none (a half-scheduled job would block in rendezvous); the operator waits for
+the admission at a steady pace. The index-0 pod is told it hosts the rendezvous store
+(``--rdzv-conf=is_host=...`` from ``JOB_COMPLETION_INDEX``); ``/dev/shm`` is memory-backed. ``backoffLimit: 0``: a
 pod that fails fails the Job; torchrun restarts workers inside pods first, and the Airflow
 retry resumes from the newest checkpoint.
 
@@ -16,12 +18,17 @@ Imported only in ``kubernetes`` mode (see :func:`launcher.distributed_step`).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
+from airflow.sdk.exceptions import AirflowException
 from kubernetes.client import models as k8s
 
 JOB_LABEL = "llm-pipeline/job"
+# the pod of completion index 0 hosts the rendezvous store (torchrun's is_host), told by its
+# index rather than by hostname matching; the script's "$@" are the torchrun arguments
+TORCHRUN_SCRIPT = 'exec torchrun --rdzv-conf=is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo true || echo false) "$@"'
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
@@ -41,6 +48,8 @@ class TorchrunJobOperator(KubernetesJobOperator):
         rdzv_port: int,
         queue_name: str,
         priority_class: str,
+        admission_timeout_s: float = 3600.0,
+        shm_size: str = "8Gi",
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -55,6 +64,7 @@ class TorchrunJobOperator(KubernetesJobOperator):
         self.module, self.nodes, self.procs_per_node = module, nodes, procs_per_node
         self.max_restarts, self.rdzv_port = max_restarts, rdzv_port
         self.queue_name, self.priority_class = queue_name, priority_class
+        self.admission_timeout_s, self.shm_size = admission_timeout_s, shm_size
 
     def torchrun_args(self, service: str) -> list[str]:
         return [
@@ -82,10 +92,36 @@ class TorchrunJobOperator(KubernetesJobOperator):
         spec.restart_policy = "Never"
         spec.priority_class_name = self.priority_class or None
         container = spec.containers[0]
-        container.command = ["torchrun"]
+        container.command = ["/bin/sh", "-c", TORCHRUN_SCRIPT, "torchrun"]
         container.args = self.torchrun_args(service)
         container.ports = [k8s.V1ContainerPort(name="rdzv", container_port=self.rdzv_port)]
+        # NCCL and the data loader's workers exchange tensors through /dev/shm: the runtime's
+        # default 64 MiB breaks multi-GPU pods
+        shm = k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=self.shm_size))
+        spec.volumes = [*(spec.volumes or []), shm]
+        container.volume_mounts = [*(container.volume_mounts or []), k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
         return job
+
+    def get_pods(self, pod_request_obj: k8s.V1Pod, context: Any, *, exclude_checked: bool = True) -> list[k8s.V1Pod]:
+        """All of the Job's pods. Kueue keeps the Job suspended, without pods, until the whole
+        gang fits: wait for them every ``job_poll_interval`` seconds up to
+        ``admission_timeout_s`` (the provider's own lookup retries in a tight loop, then fails)."""
+        selector = self._build_find_pod_label_selector(context, exclude_checked=exclude_checked)
+        deadline = time.monotonic() + self.admission_timeout_s
+        while True:
+            pods = list(self.client.list_namespaced_pod(namespace=pod_request_obj.metadata.namespace,
+                                                        label_selector=selector).items)
+            if len(pods) >= self.nodes:
+                break
+            if time.monotonic() > deadline:
+                raise AirflowException(f"job {selector}: {len(pods)} of {self.nodes} pods after "
+                                       f"{self.admission_timeout_s:.0f}s: not admitted (Kueue queue {self.queue_name!r})")
+            self.log.info("waiting for the job's %d pods (%d so far): suspended until Kueue admits the whole gang",
+                          self.nodes, len(pods))
+            time.sleep(self.job_poll_interval)
+        for pod in pods:
+            self.log_matching_pod(pod=pod, context=context)
+        return pods
 
     def build_rendezvous_service(self, job: k8s.V1Job) -> k8s.V1Service:
         name = job.metadata.name

@@ -4,6 +4,7 @@ Kubernetes 1.32 schema (built offline with the provider's own dry-run, validated
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import subprocess
 import sys
@@ -178,7 +179,10 @@ def test_training_job_and_rendezvous_service_are_valid_kubernetes_1_32(
     assert pod["subdomain"] == service_d["metadata"]["name"] and pod["priorityClassName"] == "llm-training"
     assert pod["restartPolicy"] == "Never"
     container = pod["containers"][0]
-    assert container["command"] == ["torchrun"]
+    assert container["command"][:2] == ["/bin/sh", "-c"] and container["command"][3] == "torchrun"
+    assert '--rdzv-conf=is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ]' in container["command"][2]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
     args = container["args"]
     assert f"--nnodes={nodes}" in args and "--rdzv-backend=c10d" in args
     assert f"--rdzv-endpoint={service_d['metadata']['name']}.llm-pipeline.svc:29400" in args
@@ -239,3 +243,47 @@ def test_a_killed_task_takes_its_step_processes_with_it(tmp_path: Path) -> None:
     task.wait()
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, [p.pid for p in alive]
+
+
+def test_torchrun_script_tells_only_index_0_it_hosts_the_rendezvous(tmp_path: Path) -> None:
+    """The pod command, run by a real shell with a stand-in torchrun that prints its arguments."""
+    from k8s_job import TORCHRUN_SCRIPT
+
+    (tmp_path / "torchrun").write_text('#!/bin/sh\necho "$@"\n')
+    (tmp_path / "torchrun").chmod(0o755)
+    for index, expected in (("0", "true"), ("1", "false"), ("7", "false")):
+        proc = subprocess.run(["/bin/sh", "-c", TORCHRUN_SCRIPT, "torchrun", "--nnodes=2", "-m", "tasks.train",
+                               "--set", "a b"], capture_output=True, text=True,
+                              env={"PATH": f"{tmp_path}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": index})
+        assert proc.stdout.split() == [f"--rdzv-conf=is_host={expected}", "--nnodes=2", "-m", "tasks.train",
+                                       "--set", "a", "b"]
+
+
+def test_training_job_waits_for_kueue_admission_at_a_steady_pace(cluster_dag: Any, dummy_kubeconfig: str) -> None:
+    """A suspended Job has no pods until Kueue admits it: the operator keeps checking every
+    poll interval instead of failing after the provider's tight retry loop. (No cluster here:
+    the API's pod list is played by a stand-in that admits the Job on the third look.)"""
+    from kubernetes.client import models as k8s
+
+    train = cluster_dag.get_task("train")
+    train.config_file, train.job_poll_interval, train.admission_timeout_s = dummy_kubeconfig, 0.05, 5
+    train.job = train.build_job_request_obj(None)
+    pods = [k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=f"p{i}", namespace="llm-pipeline")) for i in range(train.nodes)]
+    answers = iter([[], [], pods])
+    looks = []
+
+    class PodList:
+        def list_namespaced_pod(self, namespace: str, label_selector: str) -> Any:
+            looks.append(time.monotonic())
+            return k8s.V1PodList(items=next(answers))
+
+    train.__dict__["client"] = PodList()
+    train.log_matching_pod = lambda pod, context: None
+    train._build_find_pod_label_selector = lambda context, exclude_checked=True: "llm-pipeline/job=x"
+    found = train.get_pods(train.job.spec.template, {})
+    assert len(found) == train.nodes and len(looks) == 3
+    assert min(b - a for a, b in itertools.pairwise(looks)) >= 0.05
+    answers = iter([[]] * 1000)  # never admitted: a clear error once the admission timeout passes
+    train.admission_timeout_s = 0.2
+    with pytest.raises(AirflowException, match="not admitted"):
+        train.get_pods(train.job.spec.template, {})
