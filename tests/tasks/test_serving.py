@@ -322,7 +322,7 @@ def test_rollout_promotion_rollbacks_and_restart(
         # a model whose logits are NaN (its ONNX file replaced after export) is rolled back
         v3 = register_gpt(name, tokenizer_uri, seed=3)
         export(v3, tmp_path / "export3", env, eval_text)
-        nan_model(tmp_path / "export3" / "triton" / "llm" / v3 / "model.onnx")
+        nan_model(tmp_path / "export3" / "triton" / "llm" / v3 / "model.onnx", tmp_path / "export3")
         proc = deploy(v3, str(tmp_path / "export3"), tmp_path / "deploy3", env)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert "non-finite" in error_lines(proc)[0] or "finite_logits" in error_lines(proc)[0], error_lines(proc)
@@ -378,8 +378,10 @@ def test_rollout_promotion_rollbacks_and_restart(
     assert bad.returncode == 2 and "does not exist" in error_lines(bad)[0]
 
 
-def nan_model(path: Path) -> None:
-    """Rewrite an ONNX file so every logit is NaN (its graph kept, one weight poisoned)."""
+def nan_model(path: Path, export: Path) -> None:
+    """Rewrite an ONNX file so every logit is NaN (its graph kept, one weight poisoned), and
+    commit the export again: as if the export step had produced that model (readers check
+    files against the manifest)."""
     import onnx
     from onnx import numpy_helper
 
@@ -392,3 +394,9 @@ def nan_model(path: Path) -> None:
     else:
         raise AssertionError("no norm weight to poison")
     onnx.save(model, str(path))
+    from tasks.lib import storage
+
+    (export / storage.SUCCESS_MARKER).unlink()
+    manifest = {"files": {str(p.relative_to(export)): {"bytes": p.stat().st_size, "sha256": storage.sha256_file(p)}
+                          for p in sorted(export.rglob("*")) if p.is_file()}}
+    (export / storage.SUCCESS_MARKER).write_text(json.dumps(manifest))
