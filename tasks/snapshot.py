@@ -16,6 +16,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,9 +78,26 @@ def data_tag(prefix: str, end: dt.date, days: int, content_hash: str) -> str:
     return f"{prefix}{end.isoformat()}-{days}d-{content_hash[:12]}"
 
 
+def registry_dir(configured: str) -> Path:
+    """``DVC_REGISTRY_DIR``, else ``snapshot.registry_dir`` under the checkout where that is
+    writable, else under the temp folder: in a pod the image's root filesystem is read-only and
+    the registry is a clone of its git remote anyway."""
+    if os.environ.get("DVC_REGISTRY_DIR"):
+        return Path(os.environ["DVC_REGISTRY_DIR"])
+    local = REPO_ROOT / configured
+    probe = local if local.exists() else REPO_ROOT
+    if os.access(probe, os.W_OK) and not _read_only_mount(probe):
+        return local
+    return Path(tempfile.gettempdir()) / "dvc-registry"
+
+
+def _read_only_mount(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
 def registry() -> Registry:
     params = step_params("snapshot")
-    path = Path(os.environ.get("DVC_REGISTRY_DIR") or REPO_ROOT / params["registry_dir"])
+    path = registry_dir(params["registry_dir"])
     git_remote = os.environ.get("DVC_REGISTRY_GIT_REMOTE", params["registry_git_remote"])
     return Registry(path, params["registry_remote"], git_remote)
 

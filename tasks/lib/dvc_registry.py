@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,10 @@ class Registry:
         self.git_remote = git_remote
 
     def _run(self, *argv: str) -> str:
-        proc = subprocess.run(argv, cwd=self.path, capture_output=True, text=True)
+        # DVC's site cache defaults to /var/tmp/dvc, read-only in a pod: keep it beside our temp files
+        env = {**os.environ, "DVC_SITE_CACHE_DIR": os.environ.get("DVC_SITE_CACHE_DIR")
+               or str(Path(tempfile.gettempdir()) / "dvc-site-cache")}
+        proc = subprocess.run(argv, cwd=self.path, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             detail = (proc.stderr or proc.stdout).strip().splitlines()
             raise RuntimeError(f"{' '.join(argv[:3])} failed in {self.path}: {detail[-1] if detail else proc.returncode}")

@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import RUNTIME_PY, error_lines, run_module, step_result
+from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result
 
 from tasks.lib import storage
 
@@ -240,3 +241,26 @@ def test_registry_shared_through_a_git_remote_between_pods(seeded_raw: str, tmp_
     storage.s3_client().delete_object(Bucket=bucket, Key=key)  # lost, as if that push had died
     assert pod("pod-a", "2026-11-18")["new"] is False
     assert storage.exists(stored)
+
+
+def test_snapshot_runs_on_a_read_only_root_like_a_pod(seeded_raw: str, tmp_path: Path) -> None:
+    """The image's root filesystem is read-only in a pod (readOnlyRootFilesystem): the snapshot
+    step, with its registry and DVC's site cache, writes only under the temp folder. Run with the
+    code on a read-only bind mount and /var/tmp read-only too, in a mount namespace of its own."""
+    image = tmp_path / "image"
+    shutil.copytree(REPO_ROOT / "tasks", image / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "params.yaml", image / "params.yaml")
+    writable = tmp_path / "tmp"
+    writable.mkdir()
+    command = (f"mount --bind {image} {image} && mount -o remount,bind,ro {image} && "
+               "mount --bind /var/tmp /var/tmp && mount -o remount,bind,ro /var/tmp && "
+               f"touch {image}/probe 2>/dev/null && echo 'root is writable' && exit 3; "
+               f"exec {RUNTIME_PY} -m tasks.snapshot --source {seeded_raw} --end-date 2026-11-22 "
+               f"--output {out_uri('snapshot')}")
+    env = {k: v for k, v in os.environ.items() if k not in ("DVC_REGISTRY_DIR", "DVC_SITE_CACHE_DIR")}
+    env.update(TMPDIR=str(writable), HOME=str(writable), PYTHONPATH=str(image), PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", command], cwd=image, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-3000:]
+    assert step_result(proc)["data_version"]["new"] is True  # type: ignore[index]
+    assert (writable / "dvc-registry" / ".dvc").is_dir()
