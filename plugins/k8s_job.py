@@ -18,6 +18,8 @@ Imported only in ``kubernetes`` mode (see :func:`launcher.distributed_step`).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import time
 from typing import Any
 
@@ -26,11 +28,21 @@ from airflow.sdk.exceptions import AirflowException
 from kubernetes.client import models as k8s
 
 JOB_LABEL = "llm-pipeline/job"
+ATTEMPT_OF_LABEL = "llm-pipeline/attempt-of"  # the task instance a Job is an attempt of (hashed)
 # the pod of completion index 0 hosts the rendezvous store (torchrun's is_host), told by its
 # index rather than by hostname matching; the script's "$@" are the torchrun arguments
 TORCHRUN_SCRIPT = 'exec torchrun --rdzv-conf=is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo true || echo false) "$@"'
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def attempt_of(context: Any) -> str | None:
+    """A label value naming the task instance (DAG, task, run, map index) across its tries."""
+    if not context or "ti" not in context:
+        return None
+    ti = context["ti"]
+    key = f"{ti.dag_id}/{ti.task_id}/{context['run_id']}/{getattr(ti, 'map_index', -1)}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def rendezvous_service_name(job_name: str) -> str:
@@ -85,6 +97,9 @@ class TorchrunJobOperator(KubernetesJobOperator):
         service = rendezvous_service_name(name)
         if self.queue_name:
             job.metadata.labels = {**(job.metadata.labels or {}), KUEUE_QUEUE_LABEL: self.queue_name}
+        owner = attempt_of(context)
+        if owner:
+            job.metadata.labels = {**(job.metadata.labels or {}), ATTEMPT_OF_LABEL: owner}
         template = job.spec.template
         template.metadata.labels = {**(template.metadata.labels or {}), JOB_LABEL: name}
         spec = template.spec
@@ -147,7 +162,30 @@ class TorchrunJobOperator(KubernetesJobOperator):
         self._service = service
         return super().create_job(job_request_obj)
 
+    def delete_earlier_attempts(self, context: Any) -> list[str]:
+        """A retry starts only once the Jobs of earlier tries of this task instance are gone: an
+        attempt whose Airflow worker died may still be training, and both would write the same
+        checkpoints and MLflow run. Deleted in the foreground (pods first), then waited for."""
+        owner = attempt_of(context)
+        if not owner:
+            return []
+        batch = self.hook.batch_v1_client
+        selector = f"{ATTEMPT_OF_LABEL}={owner}"
+        earlier = [j.metadata.name for j in batch.list_namespaced_job(self.namespace, label_selector=selector).items]
+        for name in earlier:
+            self.log.warning("deleting job %s, an earlier attempt of this task, before starting again", name)
+            batch.delete_namespaced_job(name, self.namespace, propagation_policy="Foreground")
+            with contextlib.suppress(Exception):
+                self.hook.core_v1_client.delete_namespaced_service(rendezvous_service_name(name), self.namespace)
+        deadline = time.monotonic() + self.admission_timeout_s
+        while earlier and batch.list_namespaced_job(self.namespace, label_selector=selector).items:
+            if time.monotonic() > deadline:
+                raise AirflowException(f"earlier attempts {earlier} still exist after {self.admission_timeout_s:.0f}s")
+            time.sleep(self.job_poll_interval)
+        return earlier
+
     def execute(self, context: Any) -> Any:
+        self.delete_earlier_attempts(context)
         try:
             result = super().execute(context)
         finally:

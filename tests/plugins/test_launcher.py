@@ -287,3 +287,48 @@ def test_training_job_waits_for_kueue_admission_at_a_steady_pace(cluster_dag: An
     train.admission_timeout_s = 0.2
     with pytest.raises(AirflowException, match="not admitted"):
         train.get_pods(train.job.spec.template, {})
+
+
+def test_a_training_retry_deletes_the_earlier_attempts_job_first(cluster_dag: Any, dummy_kubeconfig: str,
+                                                                  tmp_path: Path) -> None:
+    """An attempt whose worker died may still train: the retry deletes its Job (and waits until
+    it is gone) before creating its own. (No cluster here: the Jobs API is a stand-in.)"""
+    from types import SimpleNamespace
+
+    from k8s_job import ATTEMPT_OF_LABEL
+    from kubernetes.client import ApiClient
+    from kubernetes.client import models as k8s
+
+    train = cluster_dag.get_task("train")
+    train.config_file, train.job_poll_interval = dummy_kubeconfig, 0.01
+    ti = SimpleNamespace(dag_id="llm_retrain", task_id="train", map_index=-1, try_number=2)
+    context = {"ti": ti, "run_id": "manual__2026-11-22T05:40:08+00:00", "dag": cluster_dag}
+    job = train.build_job_request_obj(context)
+    owner = job.metadata.labels[ATTEMPT_OF_LABEL]
+    job_d = ApiClient().sanitize_for_serialization(job)
+    job_d.update(apiVersion="batch/v1", kind="Job")
+    validate_strict([job_d], tmp_path)  # a valid label value, whatever the run id holds
+
+    jobs = {"train-old1": owner}
+    deleted = []
+
+    class Jobs:
+        def list_namespaced_job(self, namespace: str, label_selector: str) -> Any:
+            wanted = label_selector.split("=", 1)[1]
+            return k8s.V1JobList(items=[k8s.V1Job(metadata=k8s.V1ObjectMeta(name=n)) for n, o in jobs.items() if o == wanted])
+
+        def delete_namespaced_job(self, name: str, namespace: str, propagation_policy: str) -> None:
+            assert propagation_policy == "Foreground"
+            deleted.append(name)
+            jobs.pop(name)
+
+    class Services:
+        def delete_namespaced_service(self, name: str, namespace: str) -> None:
+            pass
+
+    train.__dict__["hook"] = SimpleNamespace(batch_v1_client=Jobs(), core_v1_client=Services())
+    assert train.delete_earlier_attempts(context) == ["train-old1"] and deleted == ["train-old1"]
+    other_run = {**context, "run_id": "scheduled__2026-11-15T00:00:00+00:00"}
+    jobs["train-first-run"] = owner  # the first run's Job, running again
+    assert train.delete_earlier_attempts(other_run) == []  # another run never touches it
+    assert "train-first-run" in jobs
