@@ -86,12 +86,13 @@ down:
 status:
 	$(RT_PY) -m stack status
 
-# Each `make pipeline` takes the next data window (PIPELINE_DATE + runs so far, over 7 days), so a
-# second run trains on new data and canaries its model against the first run's champion.
+# Each `make pipeline` takes another data window (PIPELINE_DATE - runs so far, over 7 days: the
+# demo data ends the day before PIPELINE_DATE, and validation refuses an empty day), so a second
+# run trains on other data and canaries its model against the first run's champion.
 pipeline: env .airflow/airflow.db
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) -m tasks.seed
-	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") + d.timedelta(days=n % 7))') && \
+	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=n % 7))') && \
 	  echo "pipeline run for $$date" && $(STACK_ENV) && $(ORCH)/bin/airflow dags test llm_retrain $$date && \
 	  echo $$date >> .stack/pipeline-runs
 	@$(STACK_ENV) && $(RT_PY) -c 'import os, urllib.request as u; print("serving:", u.urlopen(os.environ["ROUTER_URL"] + "/router/state").read().decode())'
