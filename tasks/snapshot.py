@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tasks.lib import records, storage
 from tasks.lib.dvc_registry import Registry
 from tasks.lib.errors import StepError
@@ -59,11 +61,15 @@ def collect(source: str, days: list[dt.date], max_record_bytes: int) -> tuple[re
 def write_snapshot(result: records.DedupResult, out_dir: Path) -> dict[str, Any]:
     path = out_dir / "snapshot.jsonl"
     digest = hashlib.sha256()
+    offsets = np.zeros(len(result.records) + 1, dtype=np.int64)  # record i: bytes offsets[i]:offsets[i+1]
     with path.open("wb") as fh:
-        for record in result.records:
+        for index, record in enumerate(result.records):
             line = (json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8")
             digest.update(line)
             fh.write(line)
+            offsets[index + 1] = offsets[index] + len(line)
+    # lets each tokenize shard read only its own byte range
+    np.save(out_dir / "snapshot.offsets.npy", offsets)
     return {
         "content_hash": digest.hexdigest(),
         "records": len(result.records),

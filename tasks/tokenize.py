@@ -23,6 +23,7 @@ import argparse
 import json
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,15 +98,26 @@ def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
+def shard_records(snapshot: str, index: int, num_shards: int, scratch: Path) -> tuple[list[dict[str, Any]], int, int]:
+    """This shard's records ``[start, end)`` of the snapshot. With the snapshot's byte offsets
+    (written beside it) only the shard's byte range is read, not the whole file."""
+    offsets_uri = snapshot.rsplit("/", 1)[0] + "/snapshot.offsets.npy"
+    if storage.exists(offsets_uri):
+        offsets = np.load(storage.download(offsets_uri, scratch / "snapshot.offsets.npy"))
+        start, end = tokens.shard_range(len(offsets) - 1, index, num_shards)
+        data = storage.read_range(snapshot, int(offsets[start]), int(offsets[end]))
+        return [json.loads(line) for line in data.splitlines() if line.strip()], start, end
+    records = list(tokens.read_jsonl(storage.download(snapshot, scratch / "snapshot.jsonl")))
+    start, end = tokens.shard_range(len(records), index, num_shards)
+    return records[start:end], start, end
+
+
 def encode(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         tokenizer = tokens.load_tokenizer(args.tokenizer, scratch)
         dtype = tokens.token_dtype(tokenizer.get_vocab_size())
         eos = tokenizer.token_to_id(tokens.EOS)
-        snapshot = storage.download(args.snapshot, scratch / "snapshot.jsonl")
-        records = list(tokens.read_jsonl(snapshot))
-        start, end = tokens.shard_range(len(records), args.shard_index, args.num_shards)
-        mine = records[start:end]
+        mine, start, end = shard_records(args.snapshot, args.shard_index, args.num_shards, scratch)
         files = {split: (out / f"{split}.bin").open("wb") for split in tokens.SPLITS}
         lengths: dict[str, list[int]] = {split: [] for split in tokens.SPLITS}
         progress = Progress(f"encode shard {args.shard_index}/{args.num_shards}", None, "tokens")

@@ -136,6 +136,26 @@ def read_bytes(uri: str) -> bytes:
     return body
 
 
+def read_range(uri: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a file (an S3 ranged GET): a reader of one part of a big file
+    holds only that part."""
+    if end <= start:
+        return b""
+    if not is_s3(uri):
+        try:
+            with Path(uri).open("rb") as fh:
+                fh.seek(start)
+                return fh.read(end - start)
+        except FileNotFoundError:
+            raise StepError(f"{uri}: no such file") from None
+    bucket, key = split_s3(uri)
+    with s3_call(uri, "ranged read"):
+        body: bytes = s3_client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"].read()
+    if len(body) != end - start:
+        raise StorageUnavailable(f"{uri}: asked bytes {start}-{end - 1}, got {len(body)} bytes")
+    return body
+
+
 def read_json(uri: str) -> Any:
     try:
         return json.loads(read_bytes(uri))

@@ -65,3 +65,34 @@ def test_merge_with_a_missing_shard_fails_and_writes_nothing(snapshot: Path, tok
     assert proc.returncode == 2
     assert error_lines(proc) and "not a complete step output" in error_lines(proc)[0]
     assert not (tmp_path / "dataset").exists()
+
+
+def test_each_shard_reads_only_its_byte_range(snapshot: Path, tokenizer_uri: str, tmp_path: Path) -> None:
+    """With the snapshot step's byte offsets beside it, a shard reads its own records' bytes
+    only (memory bounded by the shard, not the corpus), and the dataset is the same."""
+    from tasks.snapshot import write_snapshot
+
+    ranged = tmp_path / "ranged"
+    ranged.mkdir()
+    kept = [json.loads(line) for line in snapshot.read_text().splitlines()]
+    write_snapshot(records.DedupResult(records=kept, records_in=len(kept)), ranged)
+    offsets = np.load(ranged / "snapshot.offsets.npy")
+    assert len(offsets) == len(kept) + 1 and offsets[-1] == (ranged / "snapshot.jsonl").stat().st_size
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / "snapshot.jsonl").write_bytes((ranged / "snapshot.jsonl").read_bytes())  # no offsets: full reads
+    by_range = tokenize(ranged / "snapshot.jsonl", tokenizer_uri, tmp_path / "r", 3)
+    by_file = tokenize(whole / "snapshot.jsonl", tokenizer_uri, tmp_path / "w", 3)
+    assert by_range["tokens"] == by_file["tokens"]
+    for name in ("train.bin", "val.bin", "train.offsets.npy", "val.offsets.npy"):  # index.json names its snapshot
+        assert (tmp_path / "r/dataset" / name).read_bytes() == (tmp_path / "w/dataset" / name).read_bytes(), name
+    # the other shards' bytes overwritten with garbage (same length): shard 1 never sees them
+    start, end = tokens.shard_range(len(kept), 1, 3)
+    data = bytearray((ranged / "snapshot.jsonl").read_bytes())
+    data[: offsets[start]] = b"#" * int(offsets[start])
+    data[offsets[end]:] = b"#" * (len(data) - int(offsets[end]))
+    (ranged / "snapshot.jsonl").write_bytes(bytes(data))
+    proc = run_module("tasks.tokenize", "encode", "--snapshot", str(ranged / "snapshot.jsonl"), "--tokenizer",
+                      tokenizer_uri, "--shard-index", "1", "--num-shards", "3", "--output", str(tmp_path / "s1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert step_result(proc)["records"] == [start, end]
