@@ -48,9 +48,13 @@ from tasks.lib.tracking import find_dag_run
 
 
 def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> None:
-    """One inference of the new version straight through Triton and one through the router."""
-    ids = np.asarray(reference["inputs"][0], dtype=np.int64)
-    for url, headers in serving.smoke_targets(version):
+    """Every reference input once straight through Triton (a smoke test that also warms the
+    new version up: its first inferences of each shape are slow, and a cold canary would be
+    judged slower than a warm stable), then one through the router."""
+    (direct, direct_headers), *routed = serving.smoke_targets(version)
+    inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
+    calls = [(direct, direct_headers, ids) for ids in inputs] + [(url, headers, inputs[0]) for url, headers in routed]
+    for url, headers, ids in calls:
         request = urllib.request.Request(url, data=triton.infer_request(ids), method="POST",
                                          headers={"Content-Type": "application/json", **headers})
         try:
