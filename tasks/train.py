@@ -259,11 +259,12 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
                 "checkpoint_time_s": checkpointer.blocking_seconds,
                 "epoch": train_sampler.epoch_of(state["samples_seen"]),
             }
-            log.info(
-                "step %d/%d loss %.4f lr %.2e %.0f tok/s step %.3fs data %.1f%% ETA %.0fs",
-                state["step"], max_steps, loss_value, metrics["lr"], rate, metrics["step_time_s"],
-                100 * metrics["data_loading_share"], eta,
-            )
+            if env.is_main:  # the loss is already averaged over ranks: one line per step, not one per node
+                log.info(
+                    "step %d/%d loss %.4f lr %.2e %.0f tok/s step %.3fs data %.1f%% ETA %.0fs",
+                    state["step"], max_steps, loss_value, metrics["lr"], rate, metrics["step_time_s"],
+                    100 * metrics["data_loading_share"], eta,
+                )
             tracker.log_metrics(metrics, state["step"])
             window_start, window_tokens, data_seconds, window_steps = time.perf_counter(), 0, 0.0, 0
 
@@ -272,7 +273,8 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
             state["val_loss"] = evaluate(engine.model, val_sampler, params, env)
             if state["best_val_loss"] is None or state["val_loss"] < state["best_val_loss"]:
                 state["best_val_loss"] = state["val_loss"]
-            log.info("step %d val_loss %.4f", state["step"], state["val_loss"])
+            if env.is_main:
+                log.info("step %d val_loss %.4f", state["step"], state["val_loss"])
             tracker.log_metrics({"val_loss": state["val_loss"]}, state["step"])
         if state["step"] % int(params["checkpoint_every"]) == 0 or last:
             checkpointer.save(engine, state)
