@@ -31,7 +31,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tasks.lib import storage, triton
 from tasks.lib.errors import StepError
@@ -75,47 +75,47 @@ def stage_version(export_uri: str, version: int, repository: Path, serve: dict[s
     return reference
 
 
-class Serving:
+class Serving(Protocol):
     """What deploy needs from a serving platform (see the module docstring)."""
 
     url: str  # where clients send requests: the router / gateway
 
     def lock(self) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
+        ...
 
     def live(self) -> Route:
-        raise NotImplementedError
+        ...
 
     def stage(self, export_uri: str, version: int, scratch: Path) -> dict[str, Any]:
         """Make ``version`` loadable; return the export's parity reference."""
-        raise NotImplementedError
+        ...
 
     def prepare(self, stable: int | None, canary: int) -> None:
         """Serve ``canary`` beside ``stable`` (both ready, no traffic moved)."""
-        raise NotImplementedError
+        ...
 
     def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
         """Split traffic so, and return once the router applies it."""
-        raise NotImplementedError
+        ...
 
     def promote(self, version: int) -> None:
         """``version`` (the canary, at 100%) becomes the only version served."""
-        raise NotImplementedError
+        ...
 
     def roll_back(self, stable: int | None) -> None:
         """Traffic back to ``stable`` first (confirmed), then the canary removed."""
-        raise NotImplementedError
+        ...
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
         """Infer URLs (and headers) reaching ``version`` straight and through the router."""
-        raise NotImplementedError
+        ...
 
     def metrics(self) -> dict[int, dict[str, float]]:
         """Triton's per-version request counters of the logits model."""
-        raise NotImplementedError
+        ...
 
 
-class LocalServing(Serving):
+class LocalServing:
     """One local Triton (explicit model control) behind the local nginx router."""
 
     def __init__(self, serve: dict[str, Any]) -> None:
@@ -271,7 +271,7 @@ def deployment_rolled_out(deployment: dict[str, Any]) -> bool:
             and status.get("availableReplicas", 0) == wanted)
 
 
-class KubernetesServing(Serving):
+class KubernetesServing:
     """A Triton Deployment per track behind a Gateway API HTTPRoute (``plugins/serving.py``)."""
 
     def __init__(self, serve: dict[str, Any], namespace: str, api: KubeApi | None = None) -> None:
