@@ -101,7 +101,7 @@ def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
 def shard_records(snapshot: str, index: int, num_shards: int, scratch: Path) -> tuple[list[dict[str, Any]], int, int]:
     """This shard's records ``[start, end)`` of the snapshot. With the snapshot's byte offsets
     (written beside it) only the shard's byte range is read, not the whole file."""
-    offsets_uri = snapshot.rsplit("/", 1)[0] + "/snapshot.offsets.npy"
+    offsets_uri = storage.sibling(snapshot, "snapshot.offsets.npy")
     if storage.exists(offsets_uri):
         offsets = np.load(storage.download(offsets_uri, scratch / "snapshot.offsets.npy"))
         start, end = tokens.shard_range(len(offsets) - 1, index, num_shards)

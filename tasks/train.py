@@ -144,15 +144,16 @@ def local_dataset(uri: str) -> Path:
     if not storage.is_s3(uri):
         storage.require_complete(uri)
         return Path(uri)
-    manifest = storage.read_bytes(storage.join(uri, storage.SUCCESS_MARKER))
-    cache = DATASET_CACHE / hashlib.sha256(manifest).hexdigest()[:24]
+    manifest = storage.read_manifest(uri)
+    manifest_text = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    cache = DATASET_CACHE / hashlib.sha256(manifest_text).hexdigest()[:24]
     if not (cache / storage.SUCCESS_MARKER).exists():
         # ranks of a node race to the same folder: each downloads aside, the first rename wins
         cache.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=cache.parent))
         try:
-            storage.download_tree(uri, staging)
-            (staging / storage.SUCCESS_MARKER).write_bytes(manifest)
+            storage.download_tree(uri, staging, manifest)
+            (staging / storage.SUCCESS_MARKER).write_bytes(manifest_text)
             staging.rename(cache)
         except OSError as exc:
             if not (cache / storage.SUCCESS_MARKER).exists():

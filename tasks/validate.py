@@ -168,7 +168,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     with storage.staged_output(args.output) as out_dir, storage.scratch() as scratch:
         df = load_snapshot(args.snapshot, scratch)
         success, results = run_suite(df, params, out_dir / "report")
-        stats_uri = args.snapshot.rsplit("/", 1)[0] + "/stats.json"  # the snapshot step's, beside it
+        stats_uri = storage.sibling(args.snapshot, "stats.json")  # the snapshot step's, beside it
         partitions = storage.read_json(stats_uri).get("partitions", {}) if storage.exists(stats_uri) else {}
         partition_failures = check_partitions(partitions, params)
         success = success and not partition_failures

@@ -93,6 +93,17 @@ def write_dataset(root: Path, tokens: Any, vocab: int, claimed: int | None = Non
     return root
 
 
+def write_eval_text(folder: Path, first: int, last: int) -> Path:
+    """Held-out text as the seed writes it: installed docstrings ``[first, last)`` (a training
+    snapshot of the first ``first`` never saw them)."""
+    from tasks import seed
+
+    docs = list(seed.documents(last))[first:]
+    path = folder / "eval.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "text": d}) + "\n" for i, (_, d) in enumerate(docs)))
+    return path
+
+
 def params_with_model_name(prefix: str, folder: Path) -> dict[str, str]:
     """params.yaml with a registered-model name of the caller's own, so test modules' aliases
     stay apart: ``{"PIPELINE_PARAMS": path, "MODEL_NAME": name}``."""

@@ -70,6 +70,11 @@ def join(uri: str, *parts: str) -> str:
     return out
 
 
+def sibling(uri: str, name: str) -> str:
+    """The file ``name`` in the same folder as ``uri`` (s3:// or a local path)."""
+    return uri.rsplit("/", 1)[0] + "/" + name
+
+
 def split_s3(uri: str) -> tuple[str, str]:
     """``s3://bucket/key/path`` -> ``("bucket", "key/path")``."""
     if not is_s3(uri):
@@ -193,12 +198,18 @@ def download(uri: str, local_path: Path) -> Path:
     return local_path
 
 
-def download_tree(uri: str, local_dir: Path) -> Path:
+def read_manifest(uri: str) -> dict[str, Any]:
+    """The ``_SUCCESS`` manifest of a committed output folder (files, sizes, sha256)."""
+    require_complete(uri)
+    manifest: dict[str, Any] = read_json(join(uri, SUCCESS_MARKER))
+    return manifest
+
+
+def download_tree(uri: str, local_dir: Path, manifest: dict[str, Any] | None = None) -> Path:
     """Copy a committed output folder to ``local_dir`` (a local folder is used in place), and
-    check every file against its ``_SUCCESS`` manifest: what is read is what was committed."""
-    manifest = read_json(join(uri, SUCCESS_MARKER)) if exists(join(uri, SUCCESS_MARKER)) else None
-    if manifest is None:
-        raise StepError(f"{uri}: not a complete step output (no {SUCCESS_MARKER} marker)")
+    check every file against its ``_SUCCESS`` manifest (``manifest``: already read by the
+    caller): what is read is what was committed."""
+    manifest = manifest if manifest is not None else read_manifest(uri)
     root = Path(uri) if not is_s3(uri) else local_dir
     if is_s3(uri):
         for name in manifest.get("files", {}):
@@ -236,7 +247,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _manifest(local_dir: Path) -> dict[str, Any]:
+def manifest_of(local_dir: Path) -> dict[str, Any]:
     files = sorted(p for p in local_dir.rglob("*") if p.is_file())
     return {
         "files": {
@@ -252,9 +263,9 @@ def commit_dir(local_dir: Path, uri: str, write_once: bool = False) -> None:
     ``write_once``: a content-addressed output (the same name always holds the same bytes) is
     never deleted or replaced, since other runs may be reading it: a complete one is kept as
     is, an incomplete one is completed by uploading the same files again."""
-    manifest = json.dumps(_manifest(local_dir), indent=1, sort_keys=True).encode()
     if write_once and exists(join(uri, SUCCESS_MARKER)):
         return
+    manifest = json.dumps(manifest_of(local_dir), indent=1, sort_keys=True).encode()
     if is_s3(uri):
         if not write_once:
             delete_tree(uri)  # leftovers of an earlier, failed attempt

@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import error_lines, params_with_model_name, run_module, step_result
+from helpers import (
+    error_lines,
+    params_with_model_name,
+    run_module,
+    step_result,
+    write_eval_text,
+)
 
 
 def test_gate_rejects_non_finite_figures() -> None:
@@ -53,12 +59,7 @@ def registry_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
 @pytest.fixture(scope="module")
 def eval_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Held-out text: installed docstrings the training snapshot (the first 600) never saw."""
-    from tasks import seed
-
-    docs = list(seed.documents(900))[600:]
-    path = tmp_path_factory.mktemp("eval") / "eval.jsonl"
-    path.write_text("".join(json.dumps({"id": str(i), "text": d}) + "\n" for i, (_, d) in enumerate(docs)))
-    return path
+    return write_eval_text(tmp_path_factory.mktemp("eval"), 600, 900)
 
 
 def trained(root: Path, dataset: Path, steps: int) -> Path:

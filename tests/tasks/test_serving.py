@@ -22,7 +22,15 @@ import helpers
 import numpy as np
 import pytest
 import yaml
-from helpers import REPO_ROOT, RUNTIME_PY, error_lines, params_with_model_name, run_module, step_result
+from helpers import (
+    REPO_ROOT,
+    RUNTIME_PY,
+    error_lines,
+    params_with_model_name,
+    run_module,
+    step_result,
+    write_eval_text,
+)
 
 from tasks.lib import serving, triton
 from tasks.lib.router import Route, split_conf
@@ -175,12 +183,7 @@ def serving_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module")
 def eval_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tasks import seed
-
-    docs = list(seed.documents(700))[600:]
-    path = tmp_path_factory.mktemp("eval") / "eval.jsonl"
-    path.write_text("".join(json.dumps({"id": str(i), "text": d}) + "\n" for i, (_, d) in enumerate(docs)))
-    return path
+    return write_eval_text(tmp_path_factory.mktemp("eval"), 600, 700)
 
 
 def register_gpt(name: str, tokenizer_uri: str, seed: int, **overrides: int) -> str:
@@ -397,6 +400,4 @@ def nan_model(path: Path, export: Path) -> None:
     from tasks.lib import storage
 
     (export / storage.SUCCESS_MARKER).unlink()
-    manifest = {"files": {str(p.relative_to(export)): {"bytes": p.stat().st_size, "sha256": storage.sha256_file(p)}
-                          for p in sorted(export.rglob("*")) if p.is_file()}}
-    (export / storage.SUCCESS_MARKER).write_text(json.dumps(manifest))
+    (export / storage.SUCCESS_MARKER).write_text(json.dumps(storage.manifest_of(export)))
