@@ -120,6 +120,7 @@ def version_tags(
         "git_commit": git_commit(),
         "tokenizer_uri": str(description["tokenizer_uri"]),
         "tokenizer_hash": str(description["tokenizer_hash"]),
+        "initialized_from": str(description.get("initialized_from") or "scratch"),
         "model_description": json.dumps(description, sort_keys=True),
         "eval_set_sha256": str(report["eval_set_sha256"]),
         **{f"metric.{k}": f"{v:.6g}" for k, v in report["challenger"].items() if isinstance(v, float)},

@@ -2,9 +2,10 @@
 
 Three sub-commands, three kinds of DAG task:
 
-    prepare  pick the tokenizer: the current production model's (a retrain must not change the
-             vocabulary), else an explicit --tokenizer, else train a byte-level BPE on the
-             snapshot. Tokenizers are stored content-addressed: {store}/sha256-<hash>/.
+    prepare  pick the tokenizer: an explicit --tokenizer, else the production model's (a
+             retrain must not change the vocabulary), else train a byte-level BPE on the
+             snapshot. Tokenizers are stored content-addressed: {store}/sha256-<hash>/. The
+             result also names the production model version (training may start from it).
     encode   one shard (--shard-index i --num-shards N, a contiguous record range): token ids
              of each document + EOS, split train/val by document hash. N run in parallel.
     merge    concatenate the N shards in shard order into train.bin / val.bin + offsets +
@@ -34,8 +35,10 @@ from tasks.lib.params import load_params, step_params
 from tasks.lib.step import Progress, log, run_step, step_parser
 
 
-def champion_tokenizer(model_name: str) -> str | None:
-    """The tokenizer URI of the production model (MLflow alias ``champion``), if any."""
+def champion(model_name: str) -> tuple[str, str] | None:
+    """The production model (MLflow alias ``champion``) as (``models:/NAME/VERSION``, its
+    tokenizer URI), if any. The version is pinned here: training starts from these weights
+    even if another run promotes a new champion meanwhile."""
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         return None
     from mlflow import MlflowClient
@@ -50,7 +53,7 @@ def champion_tokenizer(model_name: str) -> str | None:
     uri = version.tags.get("tokenizer_uri")
     if not uri:
         raise StepError(f"models:/{model_name}@champion (version {version.version}) has no tokenizer_uri tag")
-    return str(uri)
+    return f"models:/{model_name}/{version.version}", str(uri)
 
 
 def store_tokenizer(tokenizer: Any, store: str) -> tuple[str, str]:
@@ -67,7 +70,8 @@ def store_tokenizer(tokenizer: Any, store: str) -> tuple[str, str]:
 
 def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
-        existing = args.tokenizer or champion_tokenizer(load_params()["pipeline"]["model_name"])
+        production = champion(load_params()["pipeline"]["model_name"])
+        existing = args.tokenizer or (production[1] if production else None)
         if existing:
             source = "explicit" if args.tokenizer else "champion"
             tokenizer = tokens.load_tokenizer(existing, scratch)
@@ -89,6 +93,8 @@ def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
             "tokenizer_uri": uri,
             "tokenizer_hash": digest,
             "tokenizer_source": source,
+            # what training may start from (train.init_from): it checks the vocabulary matches
+            "champion_model_uri": production[0] if production else "",
             "vocab_size": tokenizer.get_vocab_size(),
             "dtype": tokens.token_dtype(tokenizer.get_vocab_size()).name,
         }

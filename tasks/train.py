@@ -8,6 +8,10 @@ Every start (first run, torchrun restart after a worker died, Airflow retry) res
 newest complete checkpoint under ``--checkpoints`` (model, optimizer, step, data position).
 Rank 0 logs to the MLflow run of the DAG run (found by tag, so retries reuse it) and writes the
 consolidated model: ``model.pt`` (state dict) + ``config.json`` (architecture, tokenizer).
+
+A retrain continues from the production model (``train.init_from: champion``, ``--init-from``
+naming the version the tokenizer step pinned) when it has this run's architecture and
+vocabulary; otherwise, or with ``init_from: scratch``, it starts from a random initialization.
 """
 
 from __future__ import annotations
@@ -86,6 +90,31 @@ def check_fits(config: GPTConfig, params: dict[str, Any], env: parallel.Dist, tr
             f"global batch of {global_batch} sequences exceeds the {train.windows} sequences of "
             f"{config.seq_len} tokens in the train split"
         )
+
+
+def initial_weights(uri: str, config: GPTConfig, tokenizer_hash: str) -> dict[str, torch.Tensor] | None:
+    """The weights to start from: those of ``uri`` (``models:/NAME/VERSION`` or a train step's
+    model folder) when its architecture and tokenizer are this run's, else None (logged): a
+    changed preset or vocabulary starts from scratch rather than failing the retrain."""
+    from tasks.lib.model_store import load_model_dir, load_version
+
+    with storage.scratch() as scratch:
+        if uri.startswith("models:/"):
+            name, _, version = uri.removeprefix("models:/").rpartition("/")
+            if not name or not version.isdigit():
+                raise StepError(f"--init-from {uri!r}: expected models:/NAME/VERSION or a model folder URI")
+            loaded = load_version(name, version)
+        else:
+            loaded = load_model_dir(uri, scratch)
+    if loaded.model.config != config:
+        log.warning("not starting from %s: its architecture %s is not this run's %s", uri,
+                    loaded.model.config.to_dict(), config.to_dict())
+        return None
+    if loaded.description["tokenizer_hash"] != tokenizer_hash:
+        log.warning("not starting from %s: its tokenizer %s is not the dataset's %s", uri,
+                    loaded.description["tokenizer_hash"][:12], tokenizer_hash[:12])
+        return None
+    return loaded.model.state_dict()
 
 
 def lr_at(step: int, params: dict[str, Any]) -> float:
@@ -181,6 +210,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist) -> dict[str, Any]:
     if params["engine"] not in parallel.ENGINES:
         raise StepError(f"train.engine {params['engine']!r}: expected one of {', '.join(parallel.ENGINES)}")
+    if params["init_from"] not in ("champion", "scratch"):
+        raise StepError(f"train.init_from {params['init_from']!r}: expected champion or scratch")
     if params["engine"] == "deepspeed" and "WORLD_SIZE" not in os.environ:
         raise StepError("train.engine deepspeed runs under torchrun (no WORLD_SIZE in the environment)")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
@@ -193,26 +224,33 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     val_sampler = BatchSampler(val_split.tokens, config.seq_len, params["micro_batch"], params["seed"] + 1)
     check_fits(config, params, env, train_sampler)
 
+    checkpointer = Checkpointer(args.checkpoints, int(params["keep_last"]), bool(params["async_checkpoint"]), env.rank)
+    latest = checkpointer.latest()
     seed_everything(int(params["seed"]))
     gpt = GPT(config)
+    # a resumed run takes its weights from the checkpoint: the starting point matters only once
+    init_uri = args.init_from if params["init_from"] == "champion" and latest is None else ""
+    start_weights = initial_weights(init_uri, config, train_split.tokenizer_hash) if init_uri else None
+    if start_weights is not None:
+        gpt.load_state_dict(start_weights)
     gpt.activation_checkpointing = bool(params["activation_checkpointing"])
     engine = parallel.build_engine(gpt, params["engine"], params, env, lambda m: build_optimizer(m, params))
-    checkpointer = Checkpointer(args.checkpoints, int(params["keep_last"]), bool(params["async_checkpoint"]), env.rank)
 
-    state: dict[str, Any] = dict(TRAINER_FIELDS)
-    latest = checkpointer.latest()
+    state: dict[str, Any] = {**TRAINER_FIELDS, "initialized_from": init_uri if start_weights is not None else None}
     if latest is not None:
         state.update(checkpointer.load(latest, engine))
     tracker = Tracker(env.is_main, params, args.mlflow_run_tag)
-    tracker.start(config, env, resumed_from=latest.uri if latest else None, dataset=args.dataset)
+    tracker.start(config, env, resumed_from=latest.uri if latest else None, dataset=args.dataset,
+                  initialized_from=state["initialized_from"])
 
     max_steps, accum = int(params["max_steps"]), int(params["grad_accum"])
     global_batch = params["micro_batch"] * accum * env.world
     tokens_per_step = global_batch * config.seq_len
     log.info(
-        "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s: %d steps x %d tokens, from step %d",
+        "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s: %d steps x %d tokens, from step %d of %s",
         params["preset"], config.num_params() / 1e6, params["engine"], env.rank, env.world, os.getpid(),
         env.device, max_steps, tokens_per_step, state["step"],
+        latest.uri if latest else state["initialized_from"] or "a random initialization",
     )
     window_start, window_tokens, data_seconds, window_steps = time.perf_counter(), 0, 0.0, 0
     total_data_seconds = 0.0
@@ -295,6 +333,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         checkpoint_share=checkpointer.blocking_seconds / seconds,
         checkpoints=[c.uri for c in list_complete(args.checkpoints)],
         resumed_from=latest.uri if latest else None,
+        initialized_from=state["initialized_from"],
         world_size=env.world,
         engine=params["engine"],
     )
@@ -325,6 +364,7 @@ def export_model(
             "dataset_uri": args.dataset,
             "step": state["step"],
             "tokens_seen": state["samples_seen"] * config.seq_len,
+            "initialized_from": state["initialized_from"],
         }
         (out / "config.json").write_text(json.dumps(description, indent=1, sort_keys=True))
         tracker.log_model_files(out)
@@ -341,6 +381,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoints", required=True, help="run-scoped URI for DCP checkpoints (resumed from)")
     p.add_argument("--output", required=True, help="run-scoped URI for the consolidated model")
     p.add_argument("--mlflow-run-tag", default="", help="tag value (dag_run) that names this DAG run's MLflow run")
+    p.add_argument("--init-from", default="", help="models:/NAME/VERSION or a model folder URI to start from "
+                   "(train.init_from: champion); empty: a random initialization")
     return p
 
 

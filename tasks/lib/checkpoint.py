@@ -39,6 +39,7 @@ from tasks.lib.step import log
 # what the training loop keeps besides model and optimizer (DCP needs the keys to load them)
 TRAINER_FIELDS: dict[str, Any] = {
     "step": 0, "samples_seen": 0, "loss": None, "val_loss": None, "best_val_loss": None,
+    "initialized_from": None,  # the model training started from (train.init_from), kept for lineage
 }
 STEP_RE = re.compile(r"/step-(\d{8})/")
 METADATA = ".metadata"

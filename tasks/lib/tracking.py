@@ -34,7 +34,8 @@ class Tracker:
         if is_main and not self.enabled:
             log.info("MLFLOW_TRACKING_URI is not set: metrics go to the log only")
 
-    def start(self, config: GPTConfig, env: Dist, resumed_from: str | None, dataset: str) -> None:
+    def start(self, config: GPTConfig, env: Dist, resumed_from: str | None, dataset: str,
+              initialized_from: str | None = None) -> None:
         if not self.enabled:
             return
         import mlflow
@@ -51,6 +52,7 @@ class Tracker:
                                "model.num_params": config.num_params()})
         if resumed_from:
             mlflow.set_tag("resumed_from", resumed_from)
+        mlflow.set_tag("initialized_from", initialized_from or "scratch")
         log.info("MLflow run %s (%s)", self.run_id, "resumed" if existing else "new")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:

@@ -200,6 +200,7 @@ def test_champion_tokenizer_is_reused(seeded_raw: str, tmp_path: Path) -> None:
     ))
     assert reused["tokenizer_source"] == "champion"
     assert reused["tokenizer_hash"] == trained["tokenizer_hash"] and reused["vocab_size"] == 600
+    assert reused["champion_model_uri"] == f"models:/{name}/{version.version}"  # pinned for train.init_from
     client.delete_registered_model_alias(name, "champion")
 
 

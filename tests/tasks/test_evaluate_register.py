@@ -116,12 +116,12 @@ def test_registry_outage_is_an_error_not_a_missing_champion(monkeypatch: pytest.
     train a new vocabulary: it must fail the task (exit 1, retried) instead."""
     from tasks.lib.errors import RegistryError
     from tasks.lib.model_store import alias_version, load_registered
-    from tasks.tokenize import champion_tokenizer
+    from tasks.tokenize import champion
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # discard port: nothing listens
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     for read in (lambda: alias_version("llm-retrain", "champion"), lambda: load_registered("llm-retrain", "champion"),
-                 lambda: champion_tokenizer("llm-retrain")):
+                 lambda: champion("llm-retrain")):
         with pytest.raises(RegistryError, match="MLflow registry: reading models:/llm-retrain@champion failed"):
             read()
 

@@ -155,6 +155,30 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_back(
     assert all(torch.equal(plain.state_dict()[k], final[k]) for k in final)
 
 
+def test_retrain_starts_from_the_given_model_and_keeps_that_on_resume(
+    reference: tuple[Path, dict[str, Any]], dataset: Path, tmp_path: Path
+) -> None:
+    """train.init_from: champion loads the named model before sharding (lr 0: the weights come
+    out as they went in); the checkpoint remembers it, so a resumed run still reports it; a
+    model of another architecture, or init_from: scratch, starts from the seeded random init."""
+    parent = reference[1]["model_uri"]
+    frozen = ["--set", "lr=0", "--set", "warmup_steps=0", "--init-from", parent]
+    started = train(tmp_path / "a", dataset, 2, 10, *frozen, ckpt=tmp_path / "ckpt")
+    assert started["initialized_from"] == parent
+    ref, new = weights(parent), weights(started["model_uri"])
+    assert all(torch.equal(ref[k], new[k]) for k in ref)
+    resumed = train(tmp_path / "b", dataset, 2, 20, *frozen, ckpt=tmp_path / "ckpt")
+    assert resumed["resumed_from"].endswith("step-00000010") and resumed["initialized_from"] == parent
+    assert json.loads((Path(resumed["model_uri"]) / "config.json").read_text())["initialized_from"] == parent
+
+    other = train(tmp_path / "c", dataset, 1, 1, *frozen, "--set", "presets.cpu-tiny.n_layers=2")
+    assert other["initialized_from"] is None
+    assert "not starting from" in (tmp_path / "c" / "logs" / "node0.log").read_text()
+    scratch = train(tmp_path / "d", dataset, 1, 1, *frozen, "--set", "init_from=scratch")
+    assert scratch["initialized_from"] is None
+    assert not torch.equal(weights(scratch["model_uri"])["embed.weight"], ref["embed.weight"])
+
+
 def test_retention_keeps_last_two_and_best(reference: tuple[Path, dict[str, Any]]) -> None:
     complete = checkpoint.list_complete(str(reference[0] / "ckpt"))
     steps = [c.step for c in complete]
