@@ -24,11 +24,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env up down status pipeline repro test test-unit lint benchmark clean
+.PHONY: help env up down status pipeline report predict repro test test-unit lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (embedded default)"
 	@echo "make test       set up and run the whole test suite"
+	@echo "make report     the newest run's summary (report.json, report.html: paths printed)"
+	@echo "make predict PROMPT=...   a completion from the serving model, through the router"
 	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow) and the Airflow UI"
 	@echo "make repro      the data half as DVC stages (dvc repro), outside Airflow"
 	@echo "make lint       ruff + mypy"
@@ -88,14 +90,24 @@ status:
 
 # Each `make pipeline` takes another data window (PIPELINE_DATE - runs so far, over 7 days: the
 # demo data ends the day before PIPELINE_DATE, and validation refuses an empty day), so a second
-# run trains on other data and canaries its model against the first run's champion.
+# run trains on other data and canaries its model against the first run's champion. The window
+# is the end_date Param of a run logged now (a logical date in the past would have Airflow
+# record the run as started at that date's midnight, and chart hours for a minutes-long run).
 pipeline: env .airflow/airflow.db
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) -m tasks.seed
 	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=n % 7))') && \
-	  echo "pipeline run for $$date" && $(STACK_ENV) && $(ORCH)/bin/airflow dags test llm_retrain $$date && \
-	  echo $$date >> .stack/pipeline-runs
-	@$(STACK_ENV) && $(RT_PY) -c 'import os, urllib.request as u; print("serving:", u.urlopen(os.environ["ROUTER_URL"] + "/router/state").read().decode())'
+	  echo "pipeline run for $$date" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_retrain -c "{\"end_date\": \"$$date\"}"; status=$$?; } && \
+	  echo $$date >> .stack/pipeline-runs && echo && $(MAKE) --no-print-directory report && exit $$status
+
+# The newest run's summary (what it trained, how good, what serves, how to query it).
+report:
+	@$(STACK_ENV) && LOG_LEVEL=WARNING $(RT_PY) -m tasks.report show
+
+# A completion from the serving model through the router: make predict PROMPT="Return the number of"
+PROMPT ?= Return the number of
+predict:
+	@$(STACK_ENV) && $(RT_PY) -m stack predict "$(PROMPT)"
 
 # The data half as DVC stages (dvc.yaml), outside Airflow, against the local stack.
 repro: env

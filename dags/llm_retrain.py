@@ -1,5 +1,6 @@
 """Retrain the language model: snapshot -> validate -> tokenize -> train -> evaluate -> register
--> export -> deploy (a canary on Triton behind the router: promoted to champion, or rolled back).
+-> export -> deploy (a canary on Triton behind the router: promoted to champion, or rolled back)
+-> report (a teardown: the run report, whatever happened before it).
 
 This file only wires steps. Each step is ``python -m tasks.<step>`` run by the launcher in
 ``plugins/launcher.py`` (a pod in a cluster, a local process by default); settings come from
@@ -10,13 +11,15 @@ from __future__ import annotations
 
 import datetime as dt
 
+from airflow.providers.standard.operators.python import ShortCircuitOperator
 from airflow.sdk import DAG, Param
+from alerts import on_run_failure, on_task_failure
 
 from launcher import distributed_step, mapped_step, run_output_uri, shard_arguments, step
 from pipeline_params import pipeline_params
 
 params = pipeline_params()
-pipeline = params["pipeline"]
+pipeline, train_params, gate = params["pipeline"], params["train"], params["evaluate"]
 
 
 def result(task_id: str, *keys: str) -> str:
@@ -32,6 +35,8 @@ def result(task_id: str, *keys: str) -> str:
 # the time it was triggered.
 END_DATE = "{{ params.end_date or ((dag_run.data_interval_end or dag_run.run_after) | ds) }}"
 LOGICAL_DATE = "{{ (dag_run.logical_date or dag_run.run_after) | ds }}"
+# the steps whose results the run report gathers (tasks/report.py STEPS)
+REPORTED = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy")
 # names this DAG run's MLflow run and registered version (retries find them by it)
 MLFLOW_RUN_TAG = "{{ dag.dag_id }}/{{ run_id }}"
 
@@ -42,35 +47,80 @@ with DAG(
     start_date=dt.datetime.fromisoformat(pipeline["start_date"]).replace(tzinfo=dt.UTC),
     catchup=False,
     max_active_runs=2,
+    # a run going on this long is failed by the scheduler, with one alert line (and the webhook).
+    # (Airflow 3.3.2's DeadlineAlert, which would only alert, crashes `airflow dags test`.)
+    dagrun_timeout=dt.timedelta(minutes=pipeline["deadline_min"]),
+    on_failure_callback=on_run_failure,
     default_args={
+        # a task that failed for good: one alert line, and the webhook (PIPELINE_ALERT_WEBHOOK_URL)
+        "on_failure_callback": on_task_failure,
         "retries": pipeline["retries"],
         "retry_delay": dt.timedelta(seconds=pipeline["retry_delay_s"]),
         "retry_exponential_backoff": True,
         "max_retry_delay": dt.timedelta(seconds=pipeline["max_retry_delay_s"]),
     },
     params={
+        # the trigger form: what an operator changes for a manual run, refused by the form when out of bounds
         "end_date": Param(
-            None, type=["null", "string"], format="date",
+            None, type=["null", "string"], format="date", title="Data window end",
             description="Read the look-back window ending before this date (YYYY-MM-DD); empty: the run's data interval.",
         ),
         "lookback_days": Param(
-            pipeline["lookback_days"], type="integer", minimum=1, maximum=366,
+            pipeline["lookback_days"], type="integer", minimum=1, maximum=366, title="Look-back days",
             description="How many daily partitions before the end date to snapshot.",
         ),
         "raw_data_uri": Param(
-            pipeline["raw_data_uri"], type="string", pattern=r"^(s3://|/).+",
+            pipeline["raw_data_uri"], type="string", pattern=r"^(s3://|/).+", title="Raw data",
             description="Raw JSON Lines partitioned as date=YYYY-MM-DD/ (s3:// URI or absolute path).",
         ),
         "num_shards": Param(
-            params["tokenize"]["num_shards"], type="integer", minimum=1, maximum=256,
+            params["tokenize"]["num_shards"], type="integer", minimum=1, maximum=256, title="Tokenization shards",
             description="Parallel tokenization tasks (one pod each in a cluster).",
         ),
+        "train_preset": Param(
+            train_params["preset"], type="string", enum=sorted(train_params["presets"]), title="Model preset",
+            description="Model size (params.yaml train.presets): cpu-* on CPUs, gpu-* on GPU nodes.",
+        ),
+        "train_engine": Param(
+            train_params["engine"], type="string", enum=["fsdp2", "ddp", "deepspeed", "single"], title="Training engine",
+            description="FSDP2 (sharded), DDP (replicated), DeepSpeed ZeRO, or one process.",
+        ),
+        "train_nodes": Param(
+            train_params["nodes"], type="integer", minimum=1, maximum=64, title="Training nodes",
+            description="torchrun nodes: local processes, or pods of the Indexed Job in a cluster.",
+        ),
         "train_max_steps": Param(
-            params["train"]["max_steps"], type="integer", minimum=1,
+            train_params["max_steps"], type="integer", minimum=1, maximum=10_000_000, title="Training steps",
             description="Optimizer steps of the train step (the rest of its settings: params.yaml train).",
         ),
+        "train_init_from": Param(
+            train_params["init_from"], type="string", enum=["champion", "scratch"], title="Start training from",
+            description="champion: continue from the production model's weights (same architecture and "
+                        "vocabulary, else scratch); scratch: a random initialization.",
+        ),
+        "max_regression": Param(
+            gate["max_regression"], type="number", minimum=0, maximum=1, title="Gate: largest regression",
+            description="Largest relative perplexity increase over the champion the gate accepts (0.05: 5%).",
+        ),
+        "max_eval_perplexity": Param(
+            gate["max_eval_perplexity"], type="number", exclusiveMinimum=1, title="Gate: highest perplexity",
+            description="Held-out perplexity above this is rejected, whatever the champion's.",
+        ),
+        "min_eval_accuracy": Param(
+            gate["min_eval_accuracy"], type="number", minimum=0, maximum=1, title="Gate: lowest accuracy",
+            description="Held-out next-token accuracy below this is rejected.",
+        ),
+        "canary_steps": Param(
+            params["canary"]["steps"], type="array", minItems=1, maxItems=10,
+            items={"type": "number", "exclusiveMinimum": 0, "maximum": 100}, title="Canary traffic steps (%)",
+            description="Traffic share of the new version at each canary step, ending at 100 (then promotion).",
+        ),
+        "skip_deploy": Param(
+            False, type="boolean", title="Skip deploy",
+            description="Register and export the model, but do not canary or promote it.",
+        ),
         "tokenizer_uri": Param(
-            None, type=["null", "string"],
+            None, type=["null", "string"], title="Tokenizer",
             description="Use this tokenizer.json; empty: the production model's, or train one on first run.",
         ),
     },
@@ -125,7 +175,6 @@ with DAG(
         ],
     )
 
-    train_params = params["train"]
     train = distributed_step(
         "train",
         "tasks.train",
@@ -135,9 +184,13 @@ with DAG(
             "--checkpoints", run_output_uri("train/checkpoints"),
             "--output", run_output_uri("train/model"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
+            "--init-from", result("tokenizer", "champion_model_uri"),
             "--set", "max_steps={{ params.train_max_steps }}",
+            "--set", "init_from={{ params.train_init_from }}",
+            "--set", "preset={{ params.train_preset }}",
+            "--set", "engine={{ params.train_engine }}",
         ],
-        nodes=train_params["nodes"],
+        nodes="{{ params.train_nodes }}",
         procs_per_node=train_params["procs_per_node"],
         max_restarts=train_params["max_restarts"],
     )
@@ -151,6 +204,9 @@ with DAG(
             "--dataset", result("tokenize_merge", "dataset_uri"),
             "--output", run_output_uri("evaluate"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
+            "--set", "max_regression={{ params.max_regression }}",
+            "--set", "max_eval_perplexity={{ params.max_eval_perplexity }}",
+            "--set", "min_eval_accuracy={{ params.min_eval_accuracy }}",
         ],
     )
     register = step(
@@ -183,6 +239,7 @@ with DAG(
         "deploy",
         "tasks.deploy",
         [
+            "--set", "steps={{ params.canary_steps | tojson }}",  # the parser's, before the sub-command
             "canary",
             "--model-version", result("register", "version"),
             "--export", result("export", "export_uri"),
@@ -190,6 +247,28 @@ with DAG(
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
         ],
     )
+    # skip_deploy: the export is kept, the canary is not run (deploy is skipped, the report says so)
+    deploy_gate = ShortCircuitOperator(
+        task_id="deploy_gate", python_callable=lambda params: not params["skip_deploy"],
+        ignore_downstream_trigger_rules=False,
+    )
+
+    # the run report: a teardown runs whatever happened upstream and leaves the run's state to
+    # the steps (a failed deploy still fails the run)
+    report = step(
+        "report",
+        "tasks.report",
+        [
+            "write",
+            "--dag-id", "{{ dag.dag_id }}",
+            "--run-id", "{{ run_id }}",
+            "--states", "{{ ti.get_task_states(dag_id=dag.dag_id, run_ids=[run_id]) | tojson }}",
+            *[arg for task_id in REPORTED for arg in ("--result", f"{task_id}={{{{ ti.xcom_pull(task_ids='{task_id}') | tojson }}}}")],
+            "--deploy-output", run_output_uri("deploy"),
+            "--output", run_output_uri("report"),
+            "--mlflow-run-tag", MLFLOW_RUN_TAG,
+        ],
+    )
 
     snapshot >> validate >> tokenizer >> shard_args >> encode >> merge >> train >> evaluate >> register
-    register >> export >> deploy
+    register >> export >> deploy_gate >> deploy >> report.as_teardown()

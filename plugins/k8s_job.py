@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
@@ -50,11 +51,13 @@ def rendezvous_service_name(job_name: str) -> str:
 
 
 class TorchrunJobOperator(KubernetesJobOperator):
+    template_fields: Sequence[str] = (*KubernetesJobOperator.template_fields, "nodes")
+
     def __init__(
         self,
         *,
         module: str,
-        nodes: int,
+        nodes: int | str,
         procs_per_node: int,
         max_restarts: int,
         rdzv_port: int,
@@ -66,8 +69,9 @@ class TorchrunJobOperator(KubernetesJobOperator):
     ) -> None:
         super().__init__(
             completion_mode="Indexed",
-            completions=nodes,
-            parallelism=nodes,
+            # nodes may be a template (a trigger-form Param): set again once rendered
+            completions=nodes if isinstance(nodes, int) else 1,
+            parallelism=nodes if isinstance(nodes, int) else 1,
             backoff_limit=0,
             suspend=bool(queue_name),  # Kueue unsuspends when the whole gang fits
             wait_until_job_complete=True,
@@ -78,9 +82,13 @@ class TorchrunJobOperator(KubernetesJobOperator):
         self.queue_name, self.priority_class = queue_name, priority_class
         self.admission_timeout_s, self.shm_size = admission_timeout_s, shm_size
 
+    @property
+    def node_count(self) -> int:
+        return int(self.nodes)
+
     def torchrun_args(self, service: str) -> list[str]:
         return [
-            f"--nnodes={self.nodes}",
+            f"--nnodes={self.node_count}",
             f"--nproc-per-node={self.procs_per_node}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={service}.{self.namespace}.svc:{self.rdzv_port}",
@@ -92,6 +100,7 @@ class TorchrunJobOperator(KubernetesJobOperator):
         ]
 
     def build_job_request_obj(self, context: Any = None) -> k8s.V1Job:
+        self.completions = self.parallelism = self.node_count  # rendered by now
         job = super().build_job_request_obj(context)
         name = job.metadata.name
         service = rendezvous_service_name(name)
@@ -126,13 +135,13 @@ class TorchrunJobOperator(KubernetesJobOperator):
         while True:
             pods = list(self.client.list_namespaced_pod(namespace=pod_request_obj.metadata.namespace,
                                                         label_selector=selector).items)
-            if len(pods) >= self.nodes:
+            if len(pods) >= self.node_count:
                 break
             if time.monotonic() > deadline:
-                raise AirflowException(f"job {selector}: {len(pods)} of {self.nodes} pods after "
+                raise AirflowException(f"job {selector}: {len(pods)} of {self.node_count} pods after "
                                        f"{self.admission_timeout_s:.0f}s: not admitted (Kueue queue {self.queue_name!r})")
             self.log.info("waiting for the job's %d pods (%d so far): suspended until Kueue admits the whole gang",
-                          self.nodes, len(pods))
+                          self.node_count, len(pods))
             time.sleep(self.job_poll_interval)
         for pod in pods:
             self.log_matching_pod(pod=pod, context=context)

@@ -186,9 +186,16 @@ class LocalTorchrunOperator(LocalStepOperator):
     """A multi-node step on one machine: one ``torchrun`` agent per node, like separate hosts,
     meeting through c10d rendezvous on 127.0.0.1 (gloo on CPUs)."""
 
-    def __init__(self, *, nodes: int, procs_per_node: int, max_restarts: int, **kwargs: Any) -> None:
+    template_fields: Sequence[str] = (*LocalStepOperator.template_fields, "nodes")
+
+    def __init__(self, *, nodes: int | str, procs_per_node: int, max_restarts: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # nodes may be a template (a Param of the trigger form): an int once rendered
         self.nodes, self.procs_per_node, self.max_restarts = nodes, procs_per_node, max_restarts
+
+    @property
+    def node_count(self) -> int:
+        return int(self.nodes)
 
     def commands(self, context: Any) -> list[list[str]]:
         port = _free_port()
@@ -199,7 +206,7 @@ class LocalTorchrunOperator(LocalStepOperator):
         return [
             [
                 torchrun,
-                f"--nnodes={self.nodes}",
+                f"--nnodes={self.node_count}",
                 f"--nproc-per-node={self.procs_per_node}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -209,11 +216,11 @@ class LocalTorchrunOperator(LocalStepOperator):
                 self.module,
                 *map(str, self.arguments),
             ]
-            for _ in range(self.nodes)
+            for _ in range(self.node_count)
         ]
 
     def process_env(self) -> dict[str, str]:
-        processes = self.nodes * self.procs_per_node
+        processes = self.node_count * self.procs_per_node
         return {
             **super().process_env(),
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes)),
@@ -275,6 +282,21 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
     }
 
 
+def scheduling(task_id: str) -> dict[str, Any]:
+    """A task's time limit, pool and priority weight (params.yaml ``pipeline.tasks``)."""
+    import datetime as dt
+
+    settings = pipeline_params()["pipeline"]["tasks"].get(task_id, {})
+    kwargs: dict[str, Any] = {}
+    if "timeout_min" in settings:
+        kwargs["execution_timeout"] = dt.timedelta(minutes=float(settings["timeout_min"]))
+    if "pool" in settings:
+        kwargs["pool"] = settings["pool"]
+    if "priority" in settings:
+        kwargs["priority_weight"] = int(settings["priority"])
+    return kwargs
+
+
 def step_env(env_vars: dict[str, str] | None) -> dict[str, str]:
     """The environment every step gets on top of its own: unbuffered output, for live logs."""
     return {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
@@ -287,8 +309,9 @@ def _operator(task_id: str, module: str, kind: str, env_vars: dict[str, str] | N
         from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 
         env_vars = {**env_vars, "SERVING_PLATFORM": "kubernetes"}  # deploy drives the cluster's Triton tracks
-        return KubernetesPodOperator, {**_pod_kwargs(task_id, module, kind), "env_vars": env_vars, "task_id": task_id, **extra}
-    return LocalStepOperator, {"module": module, "env_vars": env_vars, "task_id": task_id, **extra}
+        return KubernetesPodOperator, {**_pod_kwargs(task_id, module, kind), "env_vars": env_vars, "task_id": task_id,
+                                       **scheduling(task_id), **extra}
+    return LocalStepOperator, {"module": module, "env_vars": env_vars, "task_id": task_id, **scheduling(task_id), **extra}
 
 
 def step(
@@ -325,7 +348,7 @@ def distributed_step(
     module: str,
     arguments: list[str],
     *,
-    nodes: int,
+    nodes: int | str,
     procs_per_node: int,
     max_restarts: int,
     kind: str = "gpu",
@@ -363,7 +386,7 @@ def distributed_step(
             job_poll_interval=training["poll_interval_s"],
             ttl_seconds_after_finished=training["ttl_after_finished_s"],
             active_deadline_seconds=training["active_deadline_s"],
-            **{**kwargs, **operator_kwargs},
+            **{**kwargs, **scheduling(task_id), **operator_kwargs},
         )
     return LocalTorchrunOperator(
         task_id=task_id,
@@ -373,7 +396,7 @@ def distributed_step(
         nodes=nodes,
         procs_per_node=procs_per_node,
         max_restarts=max_restarts,
-        **operator_kwargs,
+        **{**scheduling(task_id), **operator_kwargs},
     )
 
 

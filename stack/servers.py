@@ -393,6 +393,20 @@ def _airflow_component(component: str) -> Server:
 
 AIRFLOW_SERVERS = tuple(_airflow_component(c) for c in ("api-server", "scheduler", "dag-processor", "triggerer"))
 
+
+def create_airflow_pools() -> None:
+    """The pools the retrain DAG's steps queue in (params.yaml ``pipeline.pools``), created or
+    resized before the scheduler starts: the scheduler never runs a task of a missing pool."""
+    pools = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["pipeline"]["pools"]
+    spec = {name: {"slots": int(pool["slots"]), "description": pool["description"], "include_deferred": False}
+            for name, pool in pools.items()}
+    path = state_dir() / "airflow-pools.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec, indent=1))
+    airflow = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
+    subprocess.run([airflow, "pools", "import", str(path)], env={**os.environ, **_airflow_env()}, check=True,
+                   stdout=subprocess.DEVNULL)
+
 SERVERS = (
     Server("seaweedfs", _seaweedfs_command, dict, _s3_healthy, start_timeout_s=60),
     Server(
@@ -416,6 +430,7 @@ def up(with_airflow: bool = False) -> dict[str, str]:
             create_buckets()
     env = write_env_file()
     if with_airflow:
+        create_airflow_pools()
         for server in AIRFLOW_SERVERS:
             server.start()
     return env

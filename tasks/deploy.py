@@ -29,6 +29,7 @@ export, moves all traffic to it, unloads the rest and makes it ``champion``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -149,12 +150,24 @@ def save_report(report: dict[str, Any], output: str, dag_run_tag: str) -> None:
                     mlflow.set_tag("canary.verdict", report["verdict"])
 
 
+def check_steps(steps: Any) -> None:
+    """Traffic shares that rise and end at 100 (promotion follows the last one)."""
+    try:
+        shares = [float(w) for w in steps] if isinstance(steps, list) else []
+    except (TypeError, ValueError):
+        shares = []
+    if (not shares or any(not 0 < w <= 100 for w in shares) or shares[-1] != 100
+            or any(b <= a for a, b in itertools.pairwise(shares))):
+        raise StepError(f"canary.steps {steps!r}: expected rising traffic shares in (0, 100] ending at 100")
+
+
 def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     params = step_params("canary", args.overrides)
     settings = load_params()
     serve, name = settings["serve"], settings["pipeline"]["model_name"]
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number")
+    check_steps(params["steps"])
     serving = serving_platform(settings)
     with serving.lock(), storage.scratch() as scratch:
         report = run_canary(args, params, serving, serve, scratch)

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import http.server
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import REPO_ROOT, SEED_URI
+import yaml
+from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI
 
 HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", "tokenizers")
 ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train", "evaluate",
-         "register", "export", "deploy"]
+         "register", "export", "deploy_gate", "deploy", "report"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,21 @@ def test_steps_run_in_order(dag: Any) -> None:
     assert len(dag.tasks) == len(ORDER)
     for upstream, downstream in itertools.pairwise(ORDER):
         assert dag.get_task(upstream).downstream_task_ids == {downstream}
-    assert dag.get_task("deploy").downstream_task_ids == set()
+    assert dag.get_task("report").downstream_task_ids == set() and dag.get_task("report").is_teardown
+
+
+def test_every_steps_arguments_parse_with_its_module(dag: Any) -> None:
+    """The argv each task renders, templates stood in for, through the step's own parser (in the
+    runtime env): an argument the step does not know, or one after the wrong sub-command, fails
+    here instead of at the end of a run."""
+    calls = [(task.module, [re.sub(r"\{\{.*?\}\}", "1", str(arg)) for arg in task.arguments])
+             for task in dag.tasks if getattr(task, "module", None) and isinstance(task.arguments, list)]
+    assert {module for module, _ in calls} >= {"tasks.snapshot", "tasks.train", "tasks.deploy", "tasks.report"}
+    code = ("import importlib, json, sys\n"
+            "for module, argv in json.loads(sys.argv[1]):\n"
+            "    importlib.import_module(module).parser().parse_args(argv)")
+    proc = subprocess.run([str(RUNTIME_PY), "-c", code, json.dumps(calls)], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_retries_with_backoff_from_params(dag: Any) -> None:
@@ -57,10 +77,79 @@ def test_retries_with_backoff_from_params(dag: Any) -> None:
 
 
 def test_params_are_typed_and_documented(dag: Any) -> None:
-    for name, param in dag.params.items():
-        assert param.description, name
+    for name in dag.params:
+        param = dag.params.get_param(name)
+        assert param.description and param.schema.get("title"), name
         assert "type" in param.schema, name
-    assert dag.params["num_shards"] == 2
+    assert dag.params["num_shards"] == 2 and dag.params["train_preset"] == "cpu-tiny"
+
+
+def test_each_task_has_a_time_limit_and_scarce_steps_queue_in_pools(dag: Any) -> None:
+    pipeline = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["pipeline"]
+    steps = [t for t in dag.tasks if t.task_id not in ("shard_plan", "deploy_gate")]
+    assert all(t.execution_timeout is not None for t in steps), [t.task_id for t in steps if not t.execution_timeout]
+    pools = {t.task_id: t.pool for t in dag.tasks if t.pool != "default_pool"}
+    assert pools == {"snapshot": "dvc_registry", "train": "training", "deploy": "serving_rollout"}
+    assert set(pools.values()) <= set(pipeline["pools"])  # created before the scheduler starts
+    assert dag.get_task("train").priority_weight == dag.get_task("deploy").priority_weight == 10
+    assert dag.get_task("snapshot").on_failure_callback and dag.on_failure_callback
+    assert dag.dagrun_timeout == dt.timedelta(minutes=pipeline["deadline_min"])
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("num_shards", 0), ("train_preset", "gpu-7b"), ("train_engine", "horovod"), ("train_nodes", 0),
+     ("max_regression", 1.5), ("min_eval_accuracy", -0.1), ("canary_steps", [0, 100]), ("canary_steps", []),
+     ("skip_deploy", "yes"), ("end_date", "2026-13-01"), ("raw_data_uri", "ftp://x")],
+)
+def test_the_trigger_form_refuses_a_bad_value(dag: Any, name: str, value: Any) -> None:
+    """Airflow checks a run's conf against these schemas before any task starts."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError):
+        dag.params.get_param(name).resolve(value)
+
+
+@contextlib.contextmanager
+def webhook_receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A local HTTP server that records the JSON bodies POSTed to it (an alert webhook)."""
+    received: list[dict[str, Any]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hooks/alerts", received
+    finally:
+        server.shutdown()
+
+
+def test_a_run_past_its_time_limit_posts_one_alert_line() -> None:
+    from alerts import on_run_failure
+
+    run = type("Run", (), {"dag_id": "llm_retrain", "run_id": "scheduled__2026-11-22"})()
+    with webhook_receiver() as (url, received), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PIPELINE_ALERT_WEBHOOK_URL", url)
+        on_run_failure({"dag_run": run, "reason": "timed_out"})
+        on_run_failure({"dag_run": run, "reason": "task_failure"})  # its failed task alerted already
+    assert received == [{"text": "ALERT llm_retrain run scheduled__2026-11-22: not finished within its time limit "
+                                 "(timed_out): failed by the scheduler",
+                         "event": "run_timed_out", "dag_id": "llm_retrain", "run_id": "scheduled__2026-11-22"}]
+
+
+def test_an_unreachable_webhook_does_not_fail_the_callback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from alerts import post
+
+    monkeypatch.setenv("PIPELINE_ALERT_WEBHOOK_URL", "http://127.0.0.1:9/nothing-listens")
+    assert post({"text": "x"}, timeout_s=2) is False
 
 
 def ti_states(run: Any) -> dict[str, str]:
@@ -106,6 +195,15 @@ def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -
     assert deployed["verdict"] == "promoted" and deployed["aliases"]["champion"] == registered["version"]
     with urllib.request.urlopen(f"{os.environ['ROUTER_URL']}/router/state", timeout=5) as resp:
         assert json.loads(resp.read())["stable"] == int(registered["version"])
+    # the run report: the summary `make pipeline` ends with, a JSON report and an HTML page
+    report = xcom(run, "report")
+    assert report["verdict"] == "success" and report["report_uri"].endswith(f"{run_key}/report/report.html")
+    shown = subprocess.run([str(RUNTIME_PY), "-m", "tasks.report", "show"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, check=True).stdout
+    assert f"SUCCESS: version {registered['version']} serves as champion" in shown, shown
+    for label in ("data ", "validation ", "tokens ", "training ", "evaluation ", "registered ", "canary ", "try it"):
+        assert f"  {label}" in shown, (label, shown)
+    assert "make predict" in shown and report["report_uri"] in shown and report["mlflow_run"] in shown
 
 
 def test_rollback_dag_takes_a_target_param() -> None:
@@ -139,15 +237,25 @@ def test_rejected_challenger_ends_the_run_cleanly(
     assert states["export"] == "skipped" and states["deploy"] == "skipped"
     verdict = xcom(run, "evaluate")
     assert verdict["passed"] is False and "> max 1.5" in verdict["reasons"][0]
+    assert states["report"] == "success" and xcom(run, "report")["verdict"] == "rejected"
 
 
 @pytest.mark.integration
-def test_bad_data_stops_the_run_before_tokenization(dag: Any, airflow_db: None, stack_env: dict[str, str]) -> None:
-    run = dag.test(
-        logical_date=dt.datetime(2026, 11, 8, tzinfo=dt.UTC),
-        run_conf={"raw_data_uri": "s3://raw/no-such-source"},
-    )
+def test_bad_data_stops_the_run_before_tokenization(dag: Any, airflow_db: None, stack_env: dict[str, str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    with webhook_receiver() as (url, received):
+        monkeypatch.setenv("PIPELINE_ALERT_WEBHOOK_URL", url)
+        run = dag.test(
+            logical_date=dt.datetime(2026, 11, 8, tzinfo=dt.UTC),
+            run_conf={"raw_data_uri": "s3://raw/no-such-source"},
+        )
+    # the failed task's alert reached the webhook: one line naming the task and the error
+    assert [a["task_id"] for a in received] == ["snapshot"], received
+    assert received[0]["text"].startswith(f"ALERT llm_retrain run {run.run_id}: task snapshot failed")
+    assert "s3://raw/no-such-source" in received[0]["text"]
     states = ti_states(run)
     assert run.state == "failed"
     assert states["snapshot"] == "failed"
-    assert {states[t] for t in ORDER[1:] if t in states} <= {"upstream_failed", None}
+    assert {states[t] for t in ORDER[1:-1] if t in states} <= {"upstream_failed", None}
+    # the report still runs (a teardown) and says where the run stopped; the run stays failed
+    assert states["report"] == "success" and xcom(run, "report")["verdict"] == "failed"

@@ -82,6 +82,7 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str],
     saved = dict(os.environ)
     os.environ["PIPELINE_PARAMS"] = str(relaxed)  # inherited by the servers and so by every step
     try:
+        servers.create_airflow_pools()  # as `make up` does: the scheduler runs no task of a missing pool
         for server in servers.AIRFLOW_SERVERS:
             server.start()
         os.environ.clear()

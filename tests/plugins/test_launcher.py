@@ -98,9 +98,10 @@ def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:
 
 
 def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Path) -> None:
-    steps = [t for t in cluster_dag.tasks if t.task_id not in ("shard_plan", "train")]
+    steps = [t for t in cluster_dag.tasks if t.task_id not in ("shard_plan", "deploy_gate", "train")]
     pods = [pod_of(t) for t in steps]
-    assert len(pods) == 9  # every step but the shard plan (an Airflow task) and train (an Indexed Job)
+    # every step but the shard plan and deploy gate (Airflow tasks) and train (an Indexed Job)
+    assert len(pods) == 10
     validate_strict(pods, tmp_path)
     for pod in pods:
         spec, container = pod["spec"], pod["spec"]["containers"][0]
@@ -162,6 +163,8 @@ def test_training_job_and_rendezvous_service_are_valid_kubernetes_1_32(
     from kubernetes.client import ApiClient
 
     train = cluster_dag.get_task("train")
+    assert train.nodes == "{{ params.train_nodes }}"  # the trigger form's value ...
+    train.nodes = "3"  # ... as rendered: the Job's size follows it
     train.config_file = dummy_kubeconfig
     job = train.build_job_request_obj(None)
     service = train.build_rendezvous_service(job)
@@ -171,7 +174,7 @@ def test_training_job_and_rendezvous_service_are_valid_kubernetes_1_32(
 
     job_d, service_d = objects
     spec = job_d["spec"]
-    nodes = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["train"]["nodes"]
+    nodes = 3
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nodes
     assert spec["backoffLimit"] == 0 and spec["suspend"] is True  # Kueue admits the whole gang
     assert job_d["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "llm-training"
@@ -267,8 +270,9 @@ def test_training_job_waits_for_kueue_admission_at_a_steady_pace(cluster_dag: An
 
     train = cluster_dag.get_task("train")
     train.config_file, train.job_poll_interval, train.admission_timeout_s = dummy_kubeconfig, 0.05, 5
+    train.nodes = "2"  # rendered from the trigger form
     train.job = train.build_job_request_obj(None)
-    pods = [k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=f"p{i}", namespace="llm-pipeline")) for i in range(train.nodes)]
+    pods = [k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=f"p{i}", namespace="llm-pipeline")) for i in range(2)]
     answers = iter([[], [], pods])
     looks = []
 
@@ -281,7 +285,7 @@ def test_training_job_waits_for_kueue_admission_at_a_steady_pace(cluster_dag: An
     train.log_matching_pod = lambda pod, context: None
     train._build_find_pod_label_selector = lambda context, exclude_checked=True: "llm-pipeline/job=x"
     found = train.get_pods(train.job.spec.template, {})
-    assert len(found) == train.nodes and len(looks) == 3
+    assert len(found) == 2 and len(looks) == 3
     assert min(b - a for a, b in itertools.pairwise(looks)) >= 0.05
     answers = iter([[]] * 1000)  # never admitted: a clear error once the admission timeout passes
     train.admission_timeout_s = 0.2
@@ -300,7 +304,7 @@ def test_a_training_retry_deletes_the_earlier_attempts_job_first(cluster_dag: An
     from kubernetes.client import models as k8s
 
     train = cluster_dag.get_task("train")
-    train.config_file, train.job_poll_interval = dummy_kubeconfig, 0.01
+    train.config_file, train.job_poll_interval, train.nodes = dummy_kubeconfig, 0.01, "2"  # nodes: as rendered
     ti = SimpleNamespace(dag_id="llm_retrain", task_id="train", map_index=-1, try_number=2)
     context = {"ti": ti, "run_id": "manual__2026-11-22T05:40:08+00:00", "dag": cluster_dag}
     job = train.build_job_request_obj(context)

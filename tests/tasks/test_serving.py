@@ -73,6 +73,18 @@ def test_split_routes_by_weight() -> None:
         Route(2, None, 5.0)
 
 
+@pytest.mark.parametrize("steps", [[10, 50], [50, 10, 100], [0, 100], [10, 150], [], "10,100", [10, "x", 100]])
+def test_canary_steps_must_rise_to_100(steps: Any) -> None:
+    """The trigger form bounds each share; deploy checks the list as a whole before any traffic."""
+    from tasks.deploy import check_steps
+    from tasks.lib.errors import StepError
+
+    check_steps([10, 50, 100])
+    check_steps([100])
+    with pytest.raises(StepError, match="expected rising traffic shares"):
+        check_steps(steps)
+
+
 def test_tensorrt_is_skipped_visibly_without_a_gpu(tmp_path: Path) -> None:
     from tasks.export import build_tensorrt, tensorrt_profile
 

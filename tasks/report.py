@@ -1,0 +1,324 @@
+"""The run report: what a DAG run did, in a few lines, a JSON file and one HTML page.
+
+    write  (the DAG's last task, an Airflow teardown: it runs whatever happened before it and
+           leaves the run's state alone) gathers the steps' results and states into
+           ``report.json``, ``summary.txt`` and a self-contained ``report.html`` (loss curve,
+           evaluation table and samples, canary chart, links), saved with the run's outputs and
+           logged to the DAG run's MLflow run, beside the validation's Data Docs.
+    show   prints the summary of the newest run's report (``make pipeline`` ends with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime as dt
+import html
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tasks.lib import storage
+from tasks.lib.errors import StepError
+from tasks.lib.params import load_params
+from tasks.lib.step import log, run_step, step_parser
+from tasks.lib.tracking import find_dag_run
+
+STEPS = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy")
+
+
+def parse_results(items: list[str]) -> dict[str, Any]:
+    """``STEP=JSON`` pairs (an upstream task's XCom, ``null`` when it produced none)."""
+    results: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in STEPS:
+            raise StepError(f"--result {item[:60]!r}: expected STEP=JSON with STEP one of {', '.join(STEPS)}")
+        try:
+            results[name] = json.loads(raw) if raw.strip() else None
+        except json.JSONDecodeError as exc:
+            raise StepError(f"--result {name}: not JSON ({exc})") from None
+    return results
+
+
+def run_states(raw: str) -> dict[str, str]:
+    """Task states of this run (``ti.get_task_states`` for one run id: {run_id: {task: state}})."""
+    try:
+        by_run = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise StepError(f"--states: not JSON ({exc})") from None
+    states: dict[str, str] = next(iter(by_run.values()), {}) if isinstance(by_run, dict) else {}
+    return {task: str(state) for task, state in states.items() if task != "report"}
+
+
+def outcome(states: dict[str, str], results: dict[str, Any]) -> tuple[str, str]:
+    """(verdict, one line): success, rejected by the gate, rolled back, or failed at a step."""
+    failed = [t for t in STEPS if states.get(t) == "failed"] + [
+        t for t, s in states.items() if t not in STEPS and s == "failed"]
+    deploy = results.get("deploy") or {}
+    if states.get("deploy") == "failed" and deploy.get("verdict") == "rolled back":
+        return "rolled back", f"the canary was rolled back at {deploy.get('failed_at', 0):g}%: {deploy.get('reason')}"
+    if failed:
+        return "failed", f"failed at {failed[0]} (its task log has the ERROR line)"
+    evaluation = results.get("evaluate") or {}
+    if states.get("evaluate") == "skipped" and evaluation.get("passed") is False:
+        return "rejected", "the gate rejected the challenger: " + "; ".join(evaluation.get("reasons", []))
+    if deploy.get("verdict") == "promoted":
+        return "success", f"version {deploy.get('canary')} serves as champion"
+    registered = results.get("register") or {}
+    if states.get("deploy") == "skipped" and registered.get("version"):
+        return "deploy skipped", f"version {registered['version']} registered and exported, not deployed (skip_deploy)"
+    pending = [t for t in STEPS if states.get(t) not in ("success", "skipped")]
+    return "incomplete", f"not finished: {', '.join(pending) or 'unknown'}"
+
+
+def endpoint() -> str:
+    if os.environ.get("ROUTER_URL"):
+        return os.environ["ROUTER_URL"].rstrip("/")
+    return f"http://{load_params()['serve']['kubernetes']['hostname']}"
+
+
+def query_command(url: str, model: str) -> str:
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["Return the number of"]}]}
+    return f"curl -s {url}/v2/models/{model}/infer -d '{json.dumps(body)}'"
+
+
+def build_report(args: argparse.Namespace, states: dict[str, str], results: dict[str, Any]) -> dict[str, Any]:
+    verdict, line = outcome(states, results)
+    snap, val, merged = results.get("snapshot") or {}, results.get("validate") or {}, results.get("tokenize_merge") or {}
+    tokenizer = results.get("tokenizer") or {}
+    train, evaluation = results.get("train") or {}, results.get("evaluate") or {}
+    registered, deploy = results.get("register") or {}, results.get("deploy") or {}
+    settings = load_params()
+    url = endpoint()
+    return {
+        "dag_id": args.dag_id,
+        "run_id": args.run_id,
+        "verdict": verdict,
+        "outcome": line,
+        "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "states": states,
+        "data": {**(snap.get("data_version") or {}), "duplicates_removed": snap.get("duplicates_removed")},
+        "validation": {k: val.get(k) for k in ("success", "evaluated", "records", "report_uri")},
+        "tokens": {**(merged.get("tokens") or {}), "tokens_per_s": merged.get("tokens_per_s"),
+                   **{k: tokenizer.get(k) for k in ("vocab_size", "tokenizer_source", "tokenizer_uri")}},
+        "training": {k: train.get(k) for k in ("steps", "world_size", "engine", "tokens_per_s", "final_loss", "val_loss",
+                                               "initialized_from", "resumed_from", "model_uri", "mlflow_run_id")},
+        "evaluation": {"passed": evaluation.get("passed"), "reasons": evaluation.get("reasons"),
+                       "challenger": evaluation.get("challenger"), "champion": evaluation.get("champion"),
+                       "samples_uri": evaluation.get("samples_uri")},
+        "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
+        "canary": {k: deploy.get(k) for k in ("verdict", "stable", "canary", "aliases", "steps", "report_uri")},
+        "serving": {"endpoint": url, "model": settings["serve"]["generate_model"],
+                    "query": query_command(url, settings["serve"]["generate_model"]),
+                    "predict": 'make predict PROMPT="Return the number of"'},
+    }
+
+
+def _fmt(value: Any, spec: str = ".4g") -> str:
+    return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    data, val, tok, train = report["data"], report["validation"], report["tokens"], report["training"]
+    ev, reg, canary, serving = report["evaluation"], report["registered"], report["canary"], report["serving"]
+    lines = [f"{report['dag_id']} {report['run_id']}: {report['verdict'].upper()}: {report['outcome']}"]
+    if data.get("tag"):
+        lines.append(f"  data        {data['tag']}: {data.get('records')} records "
+                     f"({data.get('duplicates_removed')} duplicates dropped)")
+    if val.get("success") is not None:
+        lines.append(f"  validation  passed {val.get('evaluated')} expectations on {val.get('records')} records "
+                     f"(Data Docs: {val.get('report_uri')})")
+    if tok.get("train"):
+        lines.append(f"  tokens      train {tok['train']:,}, val {tok['val']:,}, vocab {tok['vocab_size']} "
+                     f"({tok['tokenizer_source']} tokenizer)")
+    if train.get("steps"):
+        lines.append(f"  training    {train['steps']} steps, {train['world_size']} processes {train['engine']}, "
+                     f"{_fmt(train['tokens_per_s'], ',.0f')} tokens/s, final loss {_fmt(train['final_loss'])}, "
+                     f"val loss {_fmt(train['val_loss'])}, from {train.get('initialized_from') or 'scratch'}")
+    challenger, champion = ev.get("challenger") or {}, ev.get("champion") or {}
+    if challenger:
+        versus = (f" vs champion v{champion.get('registry_version')} {_fmt(champion.get('eval_perplexity'))}"
+                  if champion else " (first model: absolute bounds)")
+        lines.append(f"  evaluation  perplexity {_fmt(challenger.get('eval_perplexity'))}{versus}, "
+                     f"accuracy {_fmt(challenger.get('eval_accuracy'), '.3f')}, bits/byte "
+                     f"{_fmt(challenger.get('eval_bits_per_byte'), '.3f')}: "
+                     f"{'passed' if ev.get('passed') else 'rejected: ' + '; '.join(ev.get('reasons') or [])}")
+    if reg.get("version"):
+        lines.append(f"  registered  {reg['model_uri']} (alias challenger: v{reg.get('challenger')}, the newest data window)")
+    if canary.get("verdict"):
+        path = " -> ".join(f"{s['weight']:g}%{'' if s['passed'] else ' (failed)'}" for s in canary.get("steps") or [])
+        aliases = ", ".join(f"{k} v{v}" for k, v in (canary.get("aliases") or {}).items() if v)
+        lines.append(f"  canary      {canary['verdict']} ({path or 'first model: no canary'}){'; ' + aliases if aliases else ''}")
+    if report["verdict"] == "success":
+        lines += [f"  serving     {serving['endpoint']} (model {serving['model']})",
+                  f"  try it      {serving['predict']}",
+                  f"              {serving['query']}"]
+    return lines
+
+
+def _img(path: Path | None) -> str:
+    if path is None or not path.is_file():
+        return "<p><em>not available</em></p>"
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img alt="{html.escape(path.stem)}" src="data:image/png;base64,{data}">'
+
+
+def _table(rows: Sequence[Sequence[str]], head: Sequence[str]) -> str:
+    cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + f"</tr>{cells}</table>"
+
+
+def render_html(report: dict[str, Any], lines: list[str], loss_png: Path | None, canary_png: Path | None,
+                samples: dict[str, Any] | None, mlflow_url: str | None) -> str:
+    ev = report["evaluation"]
+    challenger, champion = ev.get("challenger") or {}, ev.get("champion") or {}
+    metrics = sorted({k for k in challenger if isinstance(challenger[k], float)})
+    eval_rows = [(m, _fmt(challenger.get(m)), _fmt(champion.get(m)) if champion else "-") for m in metrics]
+    sample_rows = [(s["prompt"], s["completion"], next((c["completion"] for c in (samples or {}).get("champion") or []
+                                                         if c["prompt"] == s["prompt"]), "-"))
+                   for s in (samples or {}).get("challenger") or []]
+    canary_rows = [(f"{s['weight']:g}%", "pass" if s["passed"] else "fail") for s in report["canary"].get("steps") or []]
+    links = [f'<li>MLflow run: <a href="{html.escape(mlflow_url)}">{html.escape(mlflow_url)}</a> '
+             "(artifacts: validation/ holds the Great Expectations Data Docs, report/ this page)</li>"] if mlflow_url else []
+    links += [f"<li>{html.escape(k)}: <code>{html.escape(str(v))}</code></li>" for k, v in (
+        ("validation report", report["validation"].get("report_uri")), ("model", report["training"].get("model_uri")),
+        ("canary report", report["canary"].get("report_uri"))) if v]
+    states = _table([(t, s) for t, s in report["states"].items()], ("task", "state"))
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(report['dag_id'])} {html.escape(report['run_id'])}</title>
+<style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}}table{{border-collapse:collapse;margin:.5em 0}}
+td,th{{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}}pre{{background:#f4f4f4;padding:1em;
+overflow-x:auto}}img{{max-width:100%}}.verdict{{font-size:1.3em;font-weight:bold}}</style></head><body>
+<h1>{html.escape(report['dag_id'])} · {html.escape(report['run_id'])}</h1>
+<p class="verdict">{html.escape(report['verdict'].upper())}: {html.escape(report['outcome'])}</p>
+<pre>{html.escape(chr(10).join(lines))}</pre>
+<h2>Training loss</h2>{_img(loss_png)}
+<h2>Evaluation (held-out text)</h2>{_table(eval_rows, ("metric", "challenger", "champion"))}
+<h3>Samples (greedy)</h3>{_table(sample_rows, ("prompt", "challenger", "champion"))}
+<h2>Canary</h2>{_table(canary_rows, ("traffic step", "verdict"))}{_img(canary_png) if canary_rows else ""}
+<h2>Links</h2><ul>{''.join(links)}</ul>
+<h2>Tasks</h2>{states}
+</body></html>
+"""
+
+
+def mlflow_artifacts(run_id: str | None, scratch: Path) -> Path | None:
+    """The training loss curve the train step logged (None without MLflow or a run)."""
+    if not run_id:
+        return None
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="loss_curve.png", dst_path=str(scratch)))
+    except (MlflowException, OSError) as exc:
+        log.warning("no loss curve from MLflow run %s: %s", run_id, exc)
+        return None
+
+
+def optional_file(uri: str | None, scratch: Path, name: str) -> Path | None:
+    if not uri or not storage.exists(uri):
+        return None
+    return storage.download(uri, scratch / name)
+
+
+def write(args: argparse.Namespace) -> dict[str, Any]:
+    states, results = run_states(args.states), parse_results(args.result)
+    # a rolled-back canary fails its task (no XCom): its report is in the step's output
+    deploy_report = storage.join(args.deploy_output, "report.json")
+    if results.get("deploy") is None and storage.exists(deploy_report):
+        results["deploy"] = {**storage.read_json(deploy_report), "report_uri": deploy_report}
+    report = build_report(args, states, results)
+    lines = summary_lines(report)
+    mlflow_on = bool(args.mlflow_run_tag and os.environ.get("MLFLOW_TRACKING_URI"))
+    run_id = find_dag_run(load_params()["train"]["experiment"], args.mlflow_run_tag) if mlflow_on else None
+    mlflow_url = None
+    if run_id:
+        import mlflow
+
+        experiment = mlflow.get_run(run_id).info.experiment_id
+        mlflow_url = f"{os.environ['MLFLOW_TRACKING_URI'].rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+    report["mlflow_run"] = mlflow_url
+    with storage.staged_output(args.output) as out, storage.scratch() as scratch:
+        samples_path = optional_file(report["evaluation"].get("samples_uri"), scratch, "samples.json")
+        samples = json.loads(samples_path.read_text()) if samples_path else None
+        canary_png = optional_file(storage.join(args.deploy_output, "canary.png"), scratch, "canary.png")
+        page = render_html(report, lines, mlflow_artifacts(run_id, scratch), canary_png, samples, mlflow_url)
+        (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+        (out / "summary.txt").write_text("\n".join(lines) + "\n")
+        (out / "report.html").write_text(page, encoding="utf-8")
+        if run_id:
+            log_to_mlflow(run_id, out, report, scratch)
+    for line in lines:
+        log.info("%s", line)
+    log.info("run report: %s", storage.join(args.output, "report.html"))
+    return {"verdict": report["verdict"], "report_uri": storage.join(args.output, "report.html"),
+            "summary_uri": storage.join(args.output, "summary.txt"), "mlflow_run": mlflow_url}
+
+
+def log_to_mlflow(run_id: str, out: Path, report: dict[str, Any], scratch: Path) -> None:
+    """The report beside the run's metrics, and the validation's Data Docs (the MLflow UI shows
+    HTML artifacts), so one place holds what a person wants to look at."""
+    import mlflow
+
+    with mlflow.start_run(run_id=run_id):
+        mlflow.log_artifacts(str(out), "report")
+        mlflow.set_tag("run.verdict", report["verdict"])
+        docs = report["validation"].get("report_uri")
+        if docs:
+            folder = docs.rsplit("/", 1)[0]
+            local = scratch / "data-docs"
+            for uri in storage.list_files(folder):
+                storage.download(uri, local / uri[len(folder) + 1:])
+            if local.is_dir():
+                mlflow.log_artifacts(str(local), "validation")
+
+
+def newest_report(root: str) -> str | None:
+    """The summary of the report written last under ``root`` (every run's outputs)."""
+    found = [u for u in storage.list_files(root) if u.endswith("/report/report.json")]
+    if not found:
+        return None
+    written = {u: storage.read_json(u).get("written_at", "") for u in found}
+    return max(written, key=lambda u: written[u])
+
+
+def show(args: argparse.Namespace) -> dict[str, Any]:
+    pipeline = load_params()["pipeline"]
+    root = args.root or storage.join(pipeline["artifact_root"], pipeline["dag_id"])
+    uri = newest_report(root)
+    if uri is None:
+        raise StepError(f"{root}: no run report yet (run the DAG first)")
+    print(storage.read_bytes(storage.sibling(uri, "summary.txt")).decode(), end="")
+    print(f"  report      {storage.sibling(uri, 'report.html')}")
+    report = storage.read_json(uri)
+    if report.get("mlflow_run"):
+        print(f"  MLflow      {report['mlflow_run']}")
+    return {"report_uri": uri, "verdict": report["verdict"]}
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    return write(args) if args.command == "write" else show(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = step_parser("report", __doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("write", help="gather a DAG run's results into its report")
+    w.add_argument("--dag-id", required=True)
+    w.add_argument("--run-id", required=True)
+    w.add_argument("--states", required=True, help="JSON of ti.get_task_states for this run")
+    w.add_argument("--result", action="append", default=[], metavar="STEP=JSON", help="a step's XCom result")
+    w.add_argument("--deploy-output", required=True, help="the deploy step's output URI (its report.json)")
+    w.add_argument("--output", required=True, help="run-scoped URI for report.json, summary.txt, report.html")
+    w.add_argument("--mlflow-run-tag", default="", help="dag_run tag of the MLflow run to log the report into")
+    s = sub.add_parser("show", help="print the newest run's summary")
+    s.add_argument("--root", default="", help="where the runs' outputs are (default: artifact_root/dag_id)")
+    return p
+
+
+if __name__ == "__main__":
+    run_step(parser(), main)

@@ -1,0 +1,83 @@
+"""The run report: its verdict from task states and results, the summary lines, the HTML page.
+(The DAG tests run it for real: a promoted run, a rejected challenger, a failed snapshot.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+
+from tasks import report
+from tasks.lib.errors import StepError
+
+DONE = {t: "success" for t in report.STEPS}
+RESULTS: dict[str, Any] = {
+    "snapshot": {"data_version": {"tag": "data-2026-11-22-7d-abc", "records": 15000}, "duplicates_removed": 12},
+    "validate": {"success": True, "evaluated": 20, "records": 15000, "report_uri": "s3://p/r/validate/report/index.html"},
+    "tokenizer": {"vocab_size": 8192, "tokenizer_source": "champion"},
+    "tokenize_merge": {"tokens": {"train": 1_200_000, "val": 60_000}},
+    "train": {"steps": 300, "world_size": 2, "engine": "fsdp2", "tokens_per_s": 9000.0, "final_loss": 5.6,
+              "val_loss": 5.7, "initialized_from": "models:/llm-retrain/1"},
+    "evaluate": {"passed": True, "reasons": [], "challenger": {"eval_perplexity": 350.0, "eval_accuracy": 0.2},
+                 "champion": {"eval_perplexity": 380.0, "registry_version": "1"}},
+    "register": {"version": "2", "challenger": "2", "model_uri": "models:/llm-retrain/2"},
+    "deploy": {"verdict": "promoted", "canary": 2, "aliases": {"champion": "2", "previous": "1"},
+               "steps": [{"weight": 10.0, "passed": True}, {"weight": 100.0, "passed": True}]},
+}
+
+
+def build(states: dict[str, str], results: dict[str, Any]) -> dict[str, Any]:
+    args = argparse.Namespace(dag_id="llm_retrain", run_id="manual__2026-11-22")
+    return report.build_report(args, states, results)
+
+
+def test_a_promoted_run_says_what_serves_and_how_to_query_it() -> None:
+    built = build(DONE, RESULTS)
+    assert (built["verdict"], built["outcome"]) == ("success", "version 2 serves as champion")
+    lines = report.summary_lines(built)
+    text = "\n".join(lines)
+    assert "data-2026-11-22-7d-abc: 15000 records" in text and "1,200,000" in text
+    assert "from models:/llm-retrain/1" in text and "vs champion v1 380" in text
+    assert "promoted (10% -> 100%); champion v2, previous v1" in text
+    assert "make predict" in text and "/v2/models/llm_generate/infer" in text
+
+
+@pytest.mark.parametrize(
+    ("states", "results", "verdict", "words"),
+    [
+        ({**DONE, "evaluate": "skipped", "register": "skipped", "export": "skipped", "deploy": "skipped"},
+         {**RESULTS, "evaluate": {"passed": False, "reasons": ["eval perplexity 9e3 > max 2000"]}, "deploy": None},
+         "rejected", "gate rejected the challenger: eval perplexity 9e3 > max 2000"),
+        ({**DONE, "deploy": "failed"},
+         {**RESULTS, "deploy": {"verdict": "rolled back", "failed_at": 10.0, "reason": "error rate 5% > 1%"}},
+         "rolled back", "rolled back at 10%: error rate 5% > 1%"),
+        ({**DONE, "deploy_gate": "success", "deploy": "skipped"}, {**RESULTS, "deploy": None},
+         "deploy skipped", "version 2 registered and exported, not deployed"),
+        ({**DONE, "snapshot": "failed", **{t: "upstream_failed" for t in report.STEPS[1:]}}, {},
+         "failed", "failed at snapshot"),
+    ],
+    ids=["rejected", "rolled-back", "skip-deploy", "failed"],
+)
+def test_verdict_follows_the_steps(states: dict[str, str], results: dict[str, Any], verdict: str, words: str) -> None:
+    built = build(states, results)
+    assert built["verdict"] == verdict and words in built["outcome"]
+    assert "try it" not in "\n".join(report.summary_lines(built))  # nothing new serves
+
+
+def test_html_page_escapes_what_the_model_wrote(tmp_path: Any) -> None:
+    built = build(DONE, RESULTS)
+    samples = {"challenger": [{"prompt": "p", "completion": "<script>alert(1)</script>"}], "champion": None}
+    page = report.render_html(built, report.summary_lines(built), None, None, samples, "http://mlflow/#/x")
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert '<a href="http://mlflow/#/x">' in page and "<td>eval_perplexity</td><td>350</td><td>380</td>" in page
+
+
+def test_bad_arguments_are_one_clear_error() -> None:
+    with pytest.raises(StepError, match="expected STEP=JSON"):
+        report.parse_results(["nope={}"])
+    with pytest.raises(StepError, match="--result train: not JSON"):
+        report.parse_results(["train={oops"])
+    assert report.parse_results(["deploy=null"]) == {"deploy": None}
+    assert report.run_states(json.dumps({"run": {"snapshot": "success", "report": "running"}})) == {"snapshot": "success"}
