@@ -13,6 +13,9 @@ the admission at a steady pace. The index-0 pod is told it hosts the rendezvous 
 pod that fails fails the Job; torchrun restarts workers inside pods first, and the Airflow
 retry resumes from the newest checkpoint.
 
+:class:`StepPodOperator` is the single-pod step: the provider's pod operator, except that a step
+that exits 2 (bad input, the step contract) fails its task at once instead of being retried.
+
 Imported only in ``kubernetes`` mode (see :func:`launcher.distributed_step`).
 """
 
@@ -25,8 +28,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
-from airflow.sdk.exceptions import AirflowException
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from kubernetes.client import models as k8s
+
+from launcher import BAD_INPUT_EXIT_CODE
 
 JOB_LABEL = "llm-pipeline/job"
 ATTEMPT_OF_LABEL = "llm-pipeline/attempt-of"  # the task instance a Job is an attempt of (hashed)
@@ -44,6 +50,31 @@ def attempt_of(context: Any) -> str | None:
     ti = context["ti"]
     key = f"{ti.dag_id}/{ti.task_id}/{context['run_id']}/{getattr(ti, 'map_index', -1)}"
     return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def container_exit_code(remote_pod: k8s.V1Pod | None, container: str) -> int | None:
+    """The exit code of ``container`` in the pod as last read from the API, if it terminated."""
+    statuses = (remote_pod.status.container_statuses if remote_pod and remote_pod.status else None) or []
+    status = next((s for s in statuses if s.name == container), None)
+    terminated = status.state.terminated if status and status.state else None
+    return int(terminated.exit_code) if terminated is not None else None
+
+
+class StepPodOperator(KubernetesPodOperator):
+    """A step's pod. The provider raises a retryable error for every failed pod; a step that
+    exited 2 said its input is bad, which no retry fixes: that fails the task for good (as the
+    local launcher does), after the provider has pushed XComs, logged events and cleaned up."""
+
+    def cleanup(self, pod: k8s.V1Pod, remote_pod: k8s.V1Pod, xcom_result: dict[str, Any] | None = None,
+                context: Any = None) -> None:
+        try:
+            super().cleanup(pod, remote_pod, xcom_result, context)
+        except (AirflowSkipException, AirflowFailException):
+            raise
+        except AirflowException as exc:
+            if container_exit_code(remote_pod, self.base_container_name) == BAD_INPUT_EXIT_CODE:
+                raise AirflowFailException(f"bad input (exit {BAD_INPUT_EXIT_CODE}), not retried: {exc}") from None
+            raise
 
 
 def rendezvous_service_name(job_name: str) -> str:

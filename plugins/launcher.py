@@ -2,7 +2,8 @@
 
 :func:`step` turns ``python -m tasks.<module> ARGS`` into an Airflow operator:
 
-- ``kubernetes`` mode: a :class:`KubernetesPodOperator` running the step's image (one per step
+- ``kubernetes`` mode: a :class:`KubernetesPodOperator` (``k8s_job.StepPodOperator``: exit 2
+  fails the task without retries) running the step's image (one per step
   kind: ``cpu`` / ``gpu``) with the namespace, service account, resources, GPU requests, node
   selector, tolerations, Secrets-as-env and non-root security context from params.yaml. The
   step writes its result to ``/airflow/xcom/return.json``; the xcom sidecar returns it.
@@ -306,10 +307,10 @@ def _operator(task_id: str, module: str, kind: str, env_vars: dict[str, str] | N
     """The operator class of the configured mode and its keyword arguments (no ``arguments``)."""
     env_vars = step_env(env_vars)
     if launcher_mode() == "kubernetes":
-        from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+        from k8s_job import StepPodOperator
 
         env_vars = {**env_vars, "SERVING_PLATFORM": "kubernetes"}  # deploy drives the cluster's Triton tracks
-        return KubernetesPodOperator, {**_pod_kwargs(task_id, module, kind), "env_vars": env_vars, "task_id": task_id,
+        return StepPodOperator, {**_pod_kwargs(task_id, module, kind), "env_vars": env_vars, "task_id": task_id,
                                        **scheduling(task_id), **extra}
     return LocalStepOperator, {"module": module, "env_vars": env_vars, "task_id": task_id, **scheduling(task_id), **extra}
 

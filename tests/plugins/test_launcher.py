@@ -336,3 +336,36 @@ def test_a_training_retry_deletes_the_earlier_attempts_job_first(cluster_dag: An
     jobs["train-first-run"] = owner  # the first run's Job, running again
     assert train.delete_earlier_attempts(other_run) == []  # another run never touches it
     assert "train-first-run" in jobs
+
+
+def test_exit_codes_are_the_step_contracts() -> None:
+    """One definition each side of the process boundary, kept equal (the launcher cannot import
+    the runtime's modules in a pod world, but the values must agree)."""
+    from tasks.lib import step as step_contract
+
+    assert launcher.BAD_INPUT_EXIT_CODE == step_contract.BAD_INPUT_EXIT_CODE
+    assert launcher.GATE_REJECTED_EXIT_CODE == step_contract.GATE_REJECTED_EXIT_CODE
+
+
+@pytest.mark.parametrize(("exit_code", "retried"), [(2, False), (1, True), (137, True)])
+def test_a_step_pod_that_exits_2_is_not_retried(cluster_dag: Any, dummy_kubeconfig: str, exit_code: int,
+                                                 retried: bool) -> None:
+    """Bad input fails the task for good in a cluster too; a crash or an OOM kill is retried.
+    (No cluster: the pod as the API would report it after the step ended.)"""
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+    from kubernetes.client import models as k8s
+
+    task = cluster_dag.get_task("validate")
+    task.config_file, task.log_events_on_failure = dummy_kubeconfig, False
+    task.process_pod_deletion = lambda pod, reraise=True: None  # nothing to delete: no cluster
+    task.patch_already_checked = lambda pod, reraise=True: None
+    terminated = k8s.V1ContainerStateTerminated(exit_code=exit_code, reason="Error")
+    remote = k8s.V1Pod(
+        metadata=k8s.V1ObjectMeta(name="validate-x", namespace="llm-pipeline"),
+        status=k8s.V1PodStatus(phase="Failed", container_statuses=[k8s.V1ContainerStatus(
+            name="base", image="i", image_id="", ready=False, restart_count=0,
+            state=k8s.V1ContainerState(terminated=terminated))]),
+    )
+    with pytest.raises(AirflowException) as raised:
+        task.cleanup(remote, remote)
+    assert isinstance(raised.value, AirflowFailException) is not retried, raised.value
