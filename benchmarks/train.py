@@ -9,6 +9,8 @@ and the same tokenized data:
 
 (b) and (c) include everything the step does in its loop: evaluation, asynchronous sharded
 checkpoints, logging. Their data-loading and checkpoint time are reported as % of loop time.
+MFU: model FLOPs per token (6N + attention) x tokens/s per process, against the peak a matmul
+probe measures in that process (a GPU: its bf16 data-sheet peak).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tasks import seed  # noqa: E402
-from tasks.lib import records  # noqa: E402
+from tasks.lib import parallel, records  # noqa: E402
 from tasks.lib.data import BatchSampler, open_split  # noqa: E402
 from tasks.lib.model import GPT  # noqa: E402
 from tasks.lib.params import step_params  # noqa: E402
@@ -66,7 +68,8 @@ def build_dataset(root: Path, documents: int) -> Path:
     return root / "dataset"
 
 
-def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: int) -> float:
+def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: int) -> tuple[float, float]:
+    """Tokens/s of the plain loop and its model FLOPs utilization against this process's matmul peak."""
     split = open_split(dataset, "train")
     config = model_config(params, split.vocab_size)
     torch.manual_seed(0)
@@ -81,7 +84,9 @@ def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: i
         loss_fn(model, x, y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return steps * micro_batch * config.seq_len / (time.perf_counter() - started)
+    rate = steps * micro_batch * config.seq_len / (time.perf_counter() - started)
+    peak, _ = parallel.peak_flops(torch.device("cpu"))
+    return rate, rate * config.flops_per_token() / peak
 
 
 def train_step(dataset: Path, out: Path, nodes: int, steps: int, micro_batch: int) -> dict[str, Any]:
@@ -116,17 +121,18 @@ def main() -> None:
         micro = int(params["micro_batch"])
         nodes = int(params["nodes"])
         # same global batch everywhere: the 1-process variants take all of it
-        plain = plain_loop(dataset, args.steps, params, micro * nodes)
+        plain, plain_mfu = plain_loop(dataset, args.steps, params, micro * nodes)
         single = train_step(dataset, root / "single", 1, args.steps, micro * nodes)
         multi = train_step(dataset, root / "multi", nodes, args.steps, micro)
         tokens = int(np.load(dataset / "train.offsets.npy")[-1])
     print(f"\npreset {params['preset']}, {tokens:,} train tokens, global batch {micro * nodes} x seq, "
           f"{args.steps} steps, {os.cpu_count()} CPUs")
-    print(f"{'variant':<40}{'tokens/s':>10}{'ratio':>8}{'data %':>8}{'ckpt %':>8}")
-    print(f"{'(a) plain PyTorch loop, 1 process':<40}{plain:>10,.0f}{1.0:>8.2f}{'':>8}{'':>8}")
+    print(f"{'variant':<40}{'tokens/s':>10}{'ratio':>8}{'MFU %':>8}{'data %':>8}{'ckpt %':>8}")
+    print(f"{'(a) plain PyTorch loop, 1 process':<40}{plain:>10,.0f}{1.0:>8.2f}{100 * plain_mfu:>8.1f}{'':>8}{'':>8}")
     for name, r in (("(b) train step, 1 process", single), (f"(c) train step, {nodes} nodes FSDP2", multi)):
-        print(f"{name:<40}{r['tokens_per_s']:>10,.0f}{r['tokens_per_s'] / plain:>8.2f}"
+        print(f"{name:<40}{r['tokens_per_s']:>10,.0f}{r['tokens_per_s'] / plain:>8.2f}{100 * r['mfu']:>8.1f}"
               f"{100 * r['data_loading_share']:>8.1f}{100 * r['checkpoint_share']:>8.1f}")
+    print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {multi['peak_source']}")
 
 
 if __name__ == "__main__":

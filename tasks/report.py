@@ -104,7 +104,7 @@ def build_report(args: argparse.Namespace, states: dict[str, str], results: dict
         "validation": {k: val.get(k) for k in ("success", "evaluated", "records", "report_uri")},
         "tokens": {**(merged.get("tokens") or {}), "tokens_per_s": merged.get("tokens_per_s"),
                    **{k: tokenizer.get(k) for k in ("vocab_size", "tokenizer_source", "tokenizer_uri")}},
-        "training": {k: train.get(k) for k in ("steps", "world_size", "engine", "tokens_per_s", "final_loss", "val_loss",
+        "training": {k: train.get(k) for k in ("steps", "world_size", "engine", "tokens_per_s", "mfu", "final_loss", "val_loss",
                                                "initialized_from", "resumed_from", "model_uri", "mlflow_run_id")},
         "evaluation": {"passed": evaluation.get("passed"), "reasons": evaluation.get("reasons"),
                        "challenger": evaluation.get("challenger"), "champion": evaluation.get("champion"),
@@ -136,7 +136,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"({tok['tokenizer_source']} tokenizer)")
     if train.get("steps"):
         lines.append(f"  training    {train['steps']} steps, {train['world_size']} processes {train['engine']}, "
-                     f"{_fmt(train['tokens_per_s'], ',.0f')} tokens/s, final loss {_fmt(train['final_loss'])}, "
+                     f"{_fmt(train['tokens_per_s'], ',.0f')} tokens/s (MFU {_fmt(100 * (train.get('mfu') or 0), '.1f')}%), "
+                     f"final loss {_fmt(train['final_loss'])}, "
                      f"val loss {_fmt(train['val_loss'])}, from {train.get('initialized_from') or 'scratch'}")
     challenger, champion = ev.get("challenger") or {}, ev.get("champion") or {}
     if challenger:

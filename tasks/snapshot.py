@@ -30,7 +30,8 @@ from tasks.lib.params import REPO_ROOT, load_params, step_params
 from tasks.lib.step import Progress, log, run_step, step_parser
 
 
-def collect(source: str, days: list[dt.date], max_record_bytes: int) -> tuple[records.DedupResult, dict[str, Any]]:
+def collect(source: str, days: list[dt.date], max_record_bytes: int,
+            workdir: Path) -> tuple[records.DedupResult, dict[str, Any]]:
     """The window's records, de-duplicated, and per partition (day): its files, its records and
     how many of them repeat a text seen before in the window (validation judges each day too)."""
     files = records.partition_files(source, days)
@@ -52,8 +53,8 @@ def collect(source: str, days: list[dt.date], max_record_bytes: int) -> tuple[re
         current["records"] += 1
         current["repeated"] += repeated
 
-    result = records.normalize_and_dedup(all_records(), count)
-    if not result.records:
+    result = records.normalize_and_dedup(all_records(), count, workdir)
+    if not result.count:
         raise StepError(f"{source}: the interval {days[0]}..{days[-1]} holds no records (empty interval)")
     return result, partitions
 
@@ -61,9 +62,9 @@ def collect(source: str, days: list[dt.date], max_record_bytes: int) -> tuple[re
 def write_snapshot(result: records.DedupResult, out_dir: Path) -> dict[str, Any]:
     path = out_dir / "snapshot.jsonl"
     digest = hashlib.sha256()
-    offsets = np.zeros(len(result.records) + 1, dtype=np.int64)  # record i: bytes offsets[i]:offsets[i+1]
+    offsets = np.zeros(result.count + 1, dtype=np.int64)  # record i: bytes offsets[i]:offsets[i+1]
     with path.open("wb") as fh:
-        for index, record in enumerate(result.records):
+        for index, record in enumerate(result):  # streamed from the spill: never all in memory
             line = (json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8")
             digest.update(line)
             fh.write(line)
@@ -72,9 +73,9 @@ def write_snapshot(result: records.DedupResult, out_dir: Path) -> dict[str, Any]
     np.save(out_dir / "snapshot.offsets.npy", offsets)
     return {
         "content_hash": digest.hexdigest(),
-        "records": len(result.records),
+        "records": result.count,
         "records_in": result.records_in,
-        "duplicates_removed": result.records_in - len(result.records),
+        "duplicates_removed": result.records_in - result.count,
         "bytes": path.stat().st_size,
     }
 
@@ -114,8 +115,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     logical = dt.date.fromisoformat(args.logical_date) if args.logical_date else end
     days = records.interval_days(end, args.lookback_days or int(load_params()["pipeline"]["lookback_days"]))
     log.info("snapshot of %s for %s..%s", args.source, days[0], days[-1])
-    result, partitions = collect(args.source, days, int(params["max_record_bytes"]))
-    with storage.staged_output(args.output) as out_dir:
+    with storage.scratch() as scratch, storage.staged_output(args.output) as out_dir:
+        result, partitions = collect(args.source, days, int(params["max_record_bytes"]), scratch / "dedup")
         stats = write_snapshot(result, out_dir)
         tag = data_tag(params["tag_prefix"], logical, len(days), stats["content_hash"])
         stats.update(source=args.source, days=[d.isoformat() for d in days], tag=tag, partitions=partitions)

@@ -322,6 +322,10 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     final_loss = state["loss"]  # the last step always logs, so this is the final step's loss
     seconds = time.perf_counter() - train_start
     trained_tokens = (state["step"] - started_step) * tokens_per_step
+    # model FLOPs utilization of this process: its share of the tokens against its device's peak
+    peak, peak_source = parallel.peak_flops(env.device)
+    process_rate = trained_tokens / seconds / env.world if trained_tokens else 0.0
+    mfu = process_rate * config.flops_per_token() / peak
     result = export_model(engine, config, train_split, args, state, env, tracker)
     result.update(
         final_loss=final_loss,
@@ -329,6 +333,9 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         tokens_seen=state["samples_seen"] * config.seq_len,
         steps=state["step"],
         tokens_per_s=trained_tokens / seconds if trained_tokens else 0.0,
+        mfu=mfu,
+        peak_flops=peak,
+        peak_source=peak_source,
         data_loading_share=total_data_seconds / seconds,
         checkpoint_share=checkpointer.blocking_seconds / seconds,
         checkpoints=[c.uri for c in list_complete(args.checkpoints)],

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,36 @@ def init_distributed() -> Dist:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     return Dist(rank=rank, world=world, local_rank=local_rank, device=device)
+
+
+# dense bf16 tensor-core peaks from the vendors' data sheets (FLOP/s per GPU, no sparsity)
+GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
+
+
+def peak_flops(device: torch.device, probe_size: int = 1024, repeats: int = 8) -> tuple[float, str]:
+    """The FLOP/s that model FLOPs utilization is measured against, and where it came from: a
+    GPU's bf16 data-sheet peak, else a matmul probe in this process (fp32 on CPUs: what this
+    process's threads can do, measured in the same run as the training it is compared with)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for model, peak in GPU_BF16_PEAK.items():
+            if model in name:
+                return peak, f"bf16 data sheet ({name})"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(probe_size, probe_size, device=device, dtype=dtype)
+    b = torch.randn(probe_size, probe_size, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up: thread pool, kernels
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    kind = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return 2 * probe_size**3 / best, f"measured {kind} matmul, {torch.get_num_threads()} thread(s)"
 
 
 def use_bf16(device: torch.device) -> bool:

@@ -10,9 +10,12 @@ import datetime as dt
 import hashlib
 import json
 import re
+import sqlite3
+import tempfile
 import unicodedata
+from array import array
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tasks.lib import storage
@@ -82,37 +85,81 @@ def content_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-@dataclass
 class DedupResult:
-    records: list[dict[str, Any]]
-    records_in: int
+    """The kept records (the first of each distinct text), spilled to a JSON Lines file as they
+    arrive. Memory holds one copy counter per kept record (4 bytes); the hash -> record index
+    table is an SQLite file beside the spill, so a window of any size de-duplicates within a
+    pod's memory limit. Iterating reads the records back, each with its final ``copies``."""
+
+    def __init__(self, workdir: Path | None = None) -> None:
+        self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="dedup-")
+        folder = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / "kept.jsonl"
+        self._spill = self.path.open("w", encoding="utf-8")
+        self._index = sqlite3.connect(folder / "seen.sqlite")
+        self._index.execute("PRAGMA journal_mode=OFF")
+        self._index.execute("PRAGMA synchronous=OFF")
+        self._index.execute("CREATE TABLE seen (digest BLOB PRIMARY KEY, idx INTEGER) WITHOUT ROWID")
+        self.copies = array("I")
+        self.records_in = 0
+
+    def add(self, record: dict[str, Any]) -> bool:
+        """Keep ``record`` unless its text was seen before; True when it was a repeat."""
+        self.records_in += 1
+        digest = record["content_hash"]
+        cursor = self._index.execute("INSERT OR IGNORE INTO seen VALUES (?, ?)", (bytes.fromhex(digest), len(self.copies)))
+        if cursor.rowcount == 0:
+            (idx,) = self._index.execute("SELECT idx FROM seen WHERE digest = ?", (bytes.fromhex(digest),)).fetchone()
+            self.copies[idx] += 1
+            return True
+        self.copies.append(1)
+        self._spill.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
+        return False
+
+    def close(self) -> None:
+        self._spill.close()
+        self._index.close()
+
+    @property
+    def count(self) -> int:
+        return len(self.copies)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        with self.path.open(encoding="utf-8") as fh:
+            for idx, line in enumerate(fh):
+                record: dict[str, Any] = json.loads(line)
+                record["copies"] = self.copies[idx]
+                yield record
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """All kept records in memory (small inputs: tests, benchmarks)."""
+        return list(self)
 
 
-def normalize_and_dedup(records: Iterator[dict[str, Any]],
-                        on_record: Callable[[bool], None] | None = None) -> DedupResult:
-    """Normalize texts and keep the first record of each distinct text.
+def normalize_and_dedup(records: Iterator[dict[str, Any]], on_record: Callable[[bool], None] | None = None,
+                        workdir: Path | None = None) -> DedupResult:
+    """Normalize texts and keep the first record of each distinct text (spilled under
+    ``workdir``, a temporary folder if None).
 
     Each kept record gets ``content_hash`` and ``copies`` (how many raw records had that text),
     so validation can still judge the raw duplicate ratio after de-duplication. ``on_record`` is
     told, record by record, whether its text was seen before.
     """
-    kept: dict[str, dict[str, Any]] = {}
-    count = 0
-    for record in records:
-        count += 1
-        text = normalize_text(record["text"])
-        digest = content_hash(text)
-        if on_record is not None:
-            on_record(digest in kept)
-        if digest in kept:
-            kept[digest]["copies"] += 1
-            continue
-        kept[digest] = {
-            "id": str(record["id"]),
-            "text": text,
-            "source": str(record["source"]),
-            "created_at": str(record["created_at"]),
-            "content_hash": digest,
-            "copies": 1,
-        }
-    return DedupResult(records=list(kept.values()), records_in=count)
+    result = DedupResult(workdir)
+    try:
+        for record in records:
+            text = normalize_text(record["text"])
+            repeated = result.add({
+                "id": str(record["id"]),
+                "text": text,
+                "source": str(record["source"]),
+                "created_at": str(record["created_at"]),
+                "content_hash": content_hash(text),
+            })
+            if on_record is not None:
+                on_record(repeated)
+    finally:
+        result.close()
+    return result

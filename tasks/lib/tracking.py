@@ -101,7 +101,9 @@ class Tracker:
             return
         import mlflow
 
-        mlflow.log_metrics({k: float(result[k]) for k in ("final_loss", "tokens_per_s") if result.get(k) is not None})
+        mlflow.log_metrics({k: float(result[k]) for k in ("final_loss", "tokens_per_s", "mfu") if result.get(k) is not None})
+        if result.get("peak_source"):
+            mlflow.set_tag("mfu.peak", f"{result['peak_flops'] / 1e9:.1f} GFLOP/s, {result['peak_source']}")
         if result.get("val_loss") is not None:
             mlflow.log_metric("final_val_loss", float(result["val_loss"]))
         mlflow.end_run()

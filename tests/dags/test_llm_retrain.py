@@ -216,20 +216,12 @@ def test_rollback_dag_takes_a_target_param() -> None:
 
 
 @pytest.mark.integration
-def test_rejected_challenger_ends_the_run_cleanly(
-    dag: Any, airflow_db: None, seeded_raw: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A gate that says no: evaluate and register are skipped, the run itself succeeds."""
-    import yaml
-
-    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
-    params["evaluate"]["max_eval_perplexity"] = 1.5
-    strict = tmp_path / "params.yaml"
-    strict.write_text(yaml.safe_dump(params))
-    monkeypatch.setenv("PIPELINE_PARAMS", str(strict))  # read by every step the run launches
+def test_rejected_challenger_ends_the_run_cleanly(dag: Any, airflow_db: None, seeded_raw: str) -> None:
+    """A gate that says no (the trigger form's threshold): evaluate and register are skipped,
+    the run itself succeeds."""
     run = dag.test(
         logical_date=dt.datetime(2026, 11, 15, tzinfo=dt.UTC),
-        run_conf={"raw_data_uri": SEED_URI, "train_max_steps": 10},
+        run_conf={"raw_data_uri": SEED_URI, "train_max_steps": 10, "max_eval_perplexity": 1.5},
     )
     states = ti_states(run)
     assert run.state == "success", states

@@ -265,3 +265,42 @@ def test_snapshot_runs_on_a_read_only_root_like_a_pod(seeded_raw: str, tmp_path:
     assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-3000:]
     assert step_result(proc)["data_version"]["new"] is True  # type: ignore[index]
     assert (writable / "dvc-registry" / ".dvc").is_dir()
+
+
+def write_corpus(root: Path, megabytes: int, days: list[str]) -> None:
+    """Distinct ~1 KB records, ``megabytes`` in all, in 4 MB files spread over ``days``."""
+    filler = "lorem ipsum dolor sit amet " * 40
+    per_file, index = 4_000, 0
+    for file_no in range(megabytes // 4):
+        day = days[file_no % len(days)]
+        folder = root / f"date={day}"
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder / f"part-{file_no:05d}.jsonl").open("w") as fh:
+            for _ in range(per_file):
+                fh.write(json.dumps({"id": str(index), "text": f"record {index}: {filler}", **GOOD}) + "\n")
+                index += 1
+
+
+@pytest.mark.integration
+def test_snapshot_memory_does_not_grow_with_the_corpus(stack_env: dict[str, str], tmp_path: Path) -> None:
+    """Records are de-duplicated through a spill file and an on-disk index, not held in memory:
+    the peak RSS of the snapshot process for a 5x larger window grows by a small fraction of the
+    extra data (holding the records grew it by more than the extra data itself)."""
+    days = [f"2026-10-0{d}" for d in range(1, 8)]
+
+    def peak_rss_mb(megabytes: int) -> float:
+        raw = tmp_path / f"raw-{megabytes}"
+        write_corpus(raw, megabytes, days)
+        peak = tmp_path / f"peak-{megabytes}"
+        code = ("import atexit, resource, runpy, sys\n"
+                f"atexit.register(lambda: open({str(peak)!r}, 'w').write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))\n"
+                f"sys.argv = ['snapshot', '--source', {str(raw)!r}, '--end-date', '2026-10-08', '--output', {out_uri('snapshot')!r}]\n"
+                "runpy.run_module('tasks.snapshot', run_name='__main__')")
+        proc = subprocess.run([str(RUNTIME_PY), "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                              env={**os.environ})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert step_result(proc)["data_version"]["records"] == megabytes // 4 * 4000  # type: ignore[index]
+        return int(peak.read_text()) / 1024
+
+    small, large = peak_rss_mb(16), peak_rss_mb(80)
+    assert large - small < 0.25 * (80 - 16), (small, large)

@@ -75,7 +75,7 @@ def test_each_shard_reads_only_its_byte_range(snapshot: Path, tokenizer_uri: str
     ranged = tmp_path / "ranged"
     ranged.mkdir()
     kept = [json.loads(line) for line in snapshot.read_text().splitlines()]
-    write_snapshot(records.DedupResult(records=kept, records_in=len(kept)), ranged)
+    write_snapshot(records.normalize_and_dedup(iter(kept)), ranged)
     offsets = np.load(ranged / "snapshot.offsets.npy")
     assert len(offsets) == len(kept) + 1 and offsets[-1] == (ranged / "snapshot.jsonl").stat().st_size
     whole = tmp_path / "whole"
