@@ -359,6 +359,7 @@ def test_a_step_pod_that_exits_2_is_not_retried(cluster_dag: Any, dummy_kubeconf
     task.config_file, task.log_events_on_failure = dummy_kubeconfig, False
     task.process_pod_deletion = lambda pod, reraise=True: None  # nothing to delete: no cluster
     task.patch_already_checked = lambda pod, reraise=True: None
+    task.is_istio_enabled = lambda pod: False  # (it asks the API, with retries)
     terminated = k8s.V1ContainerStateTerminated(exit_code=exit_code, reason="Error")
     remote = k8s.V1Pod(
         metadata=k8s.V1ObjectMeta(name="validate-x", namespace="llm-pipeline"),
