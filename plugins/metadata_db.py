@@ -1,0 +1,19 @@
+"""Connection arguments of Airflow's metadata database on the embedded default (SQLite).
+
+SQLite takes one writer at a time and Python's driver gives up after 5 s waiting for the
+lock. With the scheduler, dag-processor, api-server and triggerer writing beside a CLI call
+(`airflow backfill create`) while runs train on a 2-core machine, 5 s is not enough: the CLI
+failed with "database is locked". airflow.cfg points `[database] sql_alchemy_connect_args`
+here (the plugins folder is on Airflow's sys.path before it opens the database). A cluster's
+PostgreSQL config does not use these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# seconds a connection waits for SQLite's write lock before raising "database is locked"
+LOCK_WAIT_S = 60
+
+SQLITE_CONNECT_ARGS: dict[str, Any] = {"timeout": LOCK_WAIT_S}
+SQLITE_CONNECT_ARGS_ASYNC: dict[str, Any] = {"timeout": LOCK_WAIT_S}  # aiosqlite takes the same argument
