@@ -99,7 +99,7 @@ def train_step(dataset: Path, out: Path, nodes: int, steps: int, micro_batch: in
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "MLFLOW_TRACKING_URI": "", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nodes))}
-    procs = [subprocess.Popen([str(BIN / "torchrun"), f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+    procs = [subprocess.Popen([str(BIN / "python"), "-m", "tasks.lib.torchrun", f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-{port}", "-m", "tasks.train", *args],
                               cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(nodes)]

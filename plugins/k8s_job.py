@@ -1,7 +1,8 @@
 """Multi-node training on Kubernetes: an Indexed Job of ``torchrun`` agents + a headless Service.
 
 One pod per node (``completions = parallelism = nodes``, ``completionMode: Indexed``). Every pod
-runs ``torchrun --rdzv-backend=c10d --rdzv-endpoint=<service>:<port>``; the headless Service
+runs a ``torchrun`` agent (``python -m tasks.lib.torchrun``: torchrun that keeps the step
+contract's exit codes) with ``--rdzv-backend=c10d --rdzv-endpoint=<service>:<port>``; the headless Service
 selects the pod with completion index 0, so the rendezvous host is stable and resolvable before
 the pods are ready (``publishNotReadyAddresses``). The operator creates the Service together
 with the Job and deletes it when the task ends, whatever the outcome.
@@ -11,7 +12,8 @@ pods at once or none (a half-scheduled job would block in rendezvous); the opera
 the admission at a steady pace. The index-0 pod is told it hosts the rendezvous store
 (``--rdzv-conf=is_host=...`` from ``JOB_COMPLETION_INDEX``); ``/dev/shm`` is memory-backed. ``backoffLimit: 0``: a
 pod that fails fails the Job; torchrun restarts workers inside pods first, and the Airflow
-retry resumes from the newest checkpoint.
+retry resumes from the newest checkpoint. A pod that exits 2 (bad input) fails the Job through
+its ``podFailurePolicy`` (condition reason ``PodFailurePolicy``), and the task without retries.
 
 :class:`StepPodOperator` is the single-pod step: the provider's pod operator, except that a step
 that exits 2 (bad input, the step contract) fails its task at once instead of being retried.
@@ -32,13 +34,10 @@ from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperato
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from kubernetes.client import models as k8s
 
-from launcher import BAD_INPUT_EXIT_CODE
+from launcher import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, torchrun_args
 
 JOB_LABEL = "llm-pipeline/job"
 ATTEMPT_OF_LABEL = "llm-pipeline/attempt-of"  # the task instance a Job is an attempt of (hashed)
-# the pod of completion index 0 hosts the rendezvous store (torchrun's is_host), told by its
-# index rather than by hostname matching; the script's "$@" are the torchrun arguments
-TORCHRUN_SCRIPT = 'exec torchrun --rdzv-conf=is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ] && echo true || echo false) "$@"'
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
@@ -75,6 +74,21 @@ class StepPodOperator(KubernetesPodOperator):
             if container_exit_code(remote_pod, self.base_container_name) == BAD_INPUT_EXIT_CODE:
                 raise AirflowFailException(f"bad input (exit {BAD_INPUT_EXIT_CODE}), not retried: {exc}") from None
             raise
+
+
+def bad_input_fails_the_job(container: str) -> k8s.V1PodFailurePolicy:
+    """A pod whose step exited 2 fails the Job with the reason ``PodFailurePolicy``, which the
+    operator reads to fail its task without retries."""
+    exit_2 = k8s.V1PodFailurePolicyOnExitCodesRequirement(
+        container_name=container, operator="In", values=[BAD_INPUT_EXIT_CODE])
+    return k8s.V1PodFailurePolicy(rules=[k8s.V1PodFailurePolicyRule(action="FailJob", on_exit_codes=exit_2)])
+
+
+def failed_on_bad_input(job: k8s.V1Job | None) -> str | None:
+    """The message of the Job's failure if its pod failure policy ended it (a step exited 2)."""
+    conditions = (job.status.conditions if job is not None and job.status else None) or []
+    return next((c.message or c.reason for c in conditions
+                 if c.type == "Failed" and c.status == "True" and c.reason == "PodFailurePolicy"), None)
 
 
 def rendezvous_service_name(job_name: str) -> str:
@@ -118,17 +132,9 @@ class TorchrunJobOperator(KubernetesJobOperator):
         return int(self.nodes)
 
     def torchrun_args(self, service: str) -> list[str]:
-        return [
-            f"--nnodes={self.node_count}",
-            f"--nproc-per-node={self.procs_per_node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={service}.{self.namespace}.svc:{self.rdzv_port}",
-            f"--rdzv-id={service}",
-            f"--max-restarts={self.max_restarts}",
-            "-m",
-            self.module,
-            *map(str, self.arguments or []),
-        ]
+        return torchrun_args(nodes=self.node_count, procs_per_node=self.procs_per_node,
+                             rdzv_endpoint=f"{service}.{self.namespace}.svc:{self.rdzv_port}", rdzv_id=service,
+                             max_restarts=self.max_restarts, module=self.module, arguments=self.arguments or [])
 
     def build_job_request_obj(self, context: Any = None) -> k8s.V1Job:
         self.completions = self.parallelism = self.node_count  # rendered by now
@@ -147,8 +153,9 @@ class TorchrunJobOperator(KubernetesJobOperator):
         spec.restart_policy = "Never"
         spec.priority_class_name = self.priority_class or None
         container = spec.containers[0]
-        container.command = ["/bin/sh", "-c", TORCHRUN_SCRIPT, "torchrun"]
+        container.command = ["python", "-m", TORCHRUN_MODULE]  # is_host from JOB_COMPLETION_INDEX
         container.args = self.torchrun_args(service)
+        job.spec.pod_failure_policy = bad_input_fails_the_job(container.name)
         container.ports = [k8s.V1ContainerPort(name="rdzv", container_port=self.rdzv_port)]
         # NCCL and the data loader's workers exchange tensors through /dev/shm: the runtime's
         # default 64 MiB breaks multi-GPU pods
@@ -228,6 +235,11 @@ class TorchrunJobOperator(KubernetesJobOperator):
         self.delete_earlier_attempts(context)
         try:
             result = super().execute(context)
+        except AirflowException as exc:
+            bad_input = failed_on_bad_input(getattr(self, "job", None))
+            if bad_input:
+                raise AirflowFailException(f"bad input (exit {BAD_INPUT_EXIT_CODE}), not retried: {bad_input}") from exc
+            raise
         finally:
             self._delete_service()
         # every pod reports the same (rank 0's) result: hand on one

@@ -62,6 +62,9 @@ def run_output_uri(step_name: str) -> str:
     return f"{pipeline['artifact_root']}/{{{{ dag.dag_id }}}}/{RUN_KEY}/{step_name}"
 
 
+TORCHRUN_MODULE = "tasks.lib.torchrun"
+
+
 def runtime_python() -> str:
     return os.environ.get("PIPELINE_RUNTIME_PYTHON", str(REPO_ROOT / ".venvs" / "runtime" / "bin" / "python"))
 
@@ -112,9 +115,8 @@ class LocalStepOperator(BaseOperator):
                 if result is not None and context and "ti" in context:
                     context["ti"].xcom_push(key="return_value", value=result)
                 raise AirflowSkipException(error_line or f"{self.module}: rejected by its gate")
-            if returncode == BAD_INPUT_EXIT_CODE or (returncode != 0 and error_line.startswith("ERROR ")):
-                # bad input does not get better by retrying (the ERROR line is the step contract's
-                # sign of it, also where torchrun replaced the worker's exit code with its own)
+            if returncode == BAD_INPUT_EXIT_CODE:
+                # bad input does not get better by retrying (tasks.lib.torchrun keeps the exit code)
                 raise AirflowFailException(error_line or f"{self.module}: bad input (exit {returncode})")
             if returncode != 0:
                 raise AirflowException(f"{self.module} exited with {returncode}: {error_line}")
@@ -203,22 +205,12 @@ class LocalTorchrunOperator(LocalStepOperator):
         ti = context.get("ti") if context else None
         # a fresh rendezvous per attempt: a retry must not meet the ghosts of the failed one
         rdzv_id = f"{getattr(ti, 'run_id', 'local')}-{getattr(ti, 'try_number', 0)}-{port}"
-        torchrun = str(Path(runtime_python()).parent / "torchrun")
-        return [
-            [
-                torchrun,
-                f"--nnodes={self.node_count}",
-                f"--nproc-per-node={self.procs_per_node}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id={re.sub(r'[^A-Za-z0-9_.-]', '-', rdzv_id)}",
-                f"--max-restarts={self.max_restarts}",
-                "-m",
-                self.module,
-                *map(str, self.arguments),
-            ]
-            for _ in range(self.node_count)
-        ]
+        rdzv_id = re.sub(r"[^A-Za-z0-9_.-]", "-", rdzv_id)
+        command = [runtime_python(), "-m", TORCHRUN_MODULE,
+                   *torchrun_args(nodes=self.node_count, procs_per_node=self.procs_per_node,
+                                  rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=rdzv_id,
+                                  max_restarts=self.max_restarts, module=self.module, arguments=self.arguments)]
+        return [command for _ in range(self.node_count)]
 
     def process_env(self) -> dict[str, str]:
         processes = self.node_count * self.procs_per_node
@@ -228,6 +220,23 @@ class LocalTorchrunOperator(LocalStepOperator):
             # a node that restarts must not look for the store on the agent that died
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }
+
+
+def torchrun_args(*, nodes: int, procs_per_node: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int,
+                  module: str, arguments: Sequence[Any]) -> list[str]:
+    """A step's torchrun options, the same for a local agent and a Job's pod. They go to
+    ``python -m tasks.lib.torchrun`` (torchrun that keeps the step contract's exit codes)."""
+    return [
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={procs_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        module,
+        *map(str, arguments),
+    ]
 
 
 def _free_port() -> int:

@@ -27,6 +27,8 @@ log = logging.getLogger("tasks")
 POD_RESULT_PATH = Path("/airflow/xcom/return.json")
 BAD_INPUT_EXIT_CODE = 2
 GATE_REJECTED_EXIT_CODE = 99  # KubernetesPodOperator skip_on_exit_code / LocalStepOperator: skip downstream
+# set by tasks.lib.torchrun for its workers: where a worker with bad input leaves its error line
+BAD_INPUT_FILE_ENV = "STEP_BAD_INPUT_FILE"
 
 
 def step_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -68,26 +70,41 @@ def write_result(result: dict[str, Any]) -> None:
         tmp.replace(path)
 
 
-def stop_torchrun_agent() -> None:
+def stop_torchrun_agent(error_line: str) -> None:
     """Under torchrun, a worker's exit code is lost (the agent restarts the group
     ``--max-restarts`` times, then exits 1): on bad input, which no restart can fix, the worker
-    stops its agent instead (SIGTERM: it ends its workers and exits without restarting). The
-    launcher reads the ``ERROR`` line, not the exit code, and fails the task without retries."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(os.getppid(), signal.SIGTERM)
+    leaves its error line where ``tasks.lib.torchrun`` looks and stops its agent (SIGTERM: it
+    ends its workers and exits without restarting); the agent then exits 2."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    if BAD_INPUT_FILE_ENV in os.environ:
+        with contextlib.suppress(OSError):
+            Path(os.environ[BAD_INPUT_FILE_ENV]).write_text(error_line + "\n")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(os.getppid(), signal.SIGTERM)
+
+
+def parse_step_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser.parse_args()``; a usage error is bad input (argparse exits 2) under torchrun too."""
+    try:
+        return parser.parse_args()
+    except SystemExit as exc:
+        if exc.code == BAD_INPUT_EXIT_CODE:
+            stop_torchrun_agent(f"ERROR {parser.prog}: invalid arguments (see the usage line above)")
+        raise
 
 
 def run_step(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], dict[str, Any]]) -> NoReturn:
     configure_logging()
-    args = parser.parse_args()
+    args = parse_step_args(parser)
     try:
         result = main(args)
     except StepError as exc:
         # one line, so the orchestrator can show it as the reason the task failed
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"ERROR {parser.prog}: {first_line}", file=sys.stderr, flush=True)
-        stop_torchrun_agent()
+        error_line = f"ERROR {parser.prog}: {first_line}"
+        print(error_line, file=sys.stderr, flush=True)
+        stop_torchrun_agent(error_line)
         sys.exit(BAD_INPUT_EXIT_CODE)
     except GateRejected as exc:
         write_result(exc.result)

@@ -182,8 +182,9 @@ def test_training_job_and_rendezvous_service_are_valid_kubernetes_1_32(
     assert pod["subdomain"] == service_d["metadata"]["name"] and pod["priorityClassName"] == "llm-training"
     assert pod["restartPolicy"] == "Never"
     container = pod["containers"][0]
-    assert container["command"][:2] == ["/bin/sh", "-c"] and container["command"][3] == "torchrun"
-    assert '--rdzv-conf=is_host=$([ "$JOB_COMPLETION_INDEX" = 0 ]' in container["command"][2]
+    assert container["command"] == ["python", "-m", "tasks.lib.torchrun"]  # is_host from the completion index
+    assert spec["podFailurePolicy"] == {"rules": [{"action": "FailJob", "onExitCodes": {
+        "containerName": container["name"], "operator": "In", "values": [2]}}]}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
     args = container["args"]
@@ -204,7 +205,7 @@ def test_local_training_runs_one_torchrun_agent_per_node() -> None:
     commands = op.commands({})
     assert len(commands) == 2 and commands[0] == commands[1]
     command = commands[0]
-    assert command[0].endswith("/torchrun") and "--nnodes=2" in command and "--max-restarts=2" in command
+    assert command[1:3] == ["-m", "tasks.lib.torchrun"] and "--nnodes=2" in command and "--max-restarts=2" in command
     assert any(a.startswith("--rdzv-endpoint=127.0.0.1:") for a in command)
     assert command[-3:] == ["tasks.train", "--dataset", "d"]
     assert op.process_env()["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
@@ -212,7 +213,7 @@ def test_local_training_runs_one_torchrun_agent_per_node() -> None:
 
 def test_bad_input_under_torchrun_fails_once_without_retries(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """torchrun would restart a worker that exits 2 (``--max-restarts``) and then exit 1, which
-    Airflow retries: the worker stops its agent, the launcher reads the ERROR line."""
+    Airflow retries: the worker stops its agent, which exits 2 (tasks.lib.torchrun)."""
     op = launcher.LocalTorchrunOperator(
         task_id="t", module="tasks.train", nodes=2, procs_per_node=1, max_restarts=2,
         arguments=["--dataset", str(tmp_path / "nothing"), "--checkpoints", str(tmp_path / "ckpt"),
@@ -246,20 +247,6 @@ def test_a_killed_task_takes_its_step_processes_with_it(tmp_path: Path) -> None:
     task.wait()
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, [p.pid for p in alive]
-
-
-def test_torchrun_script_tells_only_index_0_it_hosts_the_rendezvous(tmp_path: Path) -> None:
-    """The pod command, run by a real shell with a stand-in torchrun that prints its arguments."""
-    from k8s_job import TORCHRUN_SCRIPT
-
-    (tmp_path / "torchrun").write_text('#!/bin/sh\necho "$@"\n')
-    (tmp_path / "torchrun").chmod(0o755)
-    for index, expected in (("0", "true"), ("1", "false"), ("7", "false")):
-        proc = subprocess.run(["/bin/sh", "-c", TORCHRUN_SCRIPT, "torchrun", "--nnodes=2", "-m", "tasks.train",
-                               "--set", "a b"], capture_output=True, text=True,
-                              env={"PATH": f"{tmp_path}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": index})
-        assert proc.stdout.split() == [f"--rdzv-conf=is_host={expected}", "--nnodes=2", "-m", "tasks.train",
-                                       "--set", "a", "b"]
 
 
 def test_training_job_waits_for_kueue_admission_at_a_steady_pace(cluster_dag: Any, dummy_kubeconfig: str) -> None:
@@ -370,3 +357,34 @@ def test_a_step_pod_that_exits_2_is_not_retried(cluster_dag: Any, dummy_kubeconf
     with pytest.raises(AirflowException) as raised:
         task.cleanup(remote, remote)
     assert isinstance(raised.value, AirflowFailException) is not retried, raised.value
+
+
+def test_a_training_job_failed_by_bad_input_is_not_retried(cluster_dag: Any, dummy_kubeconfig: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Job that its pod failure policy ended (a pod exited 2) fails the task for good; any
+    other failure of the Job is retried. (No cluster: the Job as the API reports it, and the
+    provider's error for a failed Job.)"""
+    from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
+    from kubernetes.client import models as k8s
+
+    train = cluster_dag.get_task("train")
+    train.config_file, train.nodes = dummy_kubeconfig, "2"
+    train._delete_service = lambda: None
+
+    def failed_job(reason: str, message: str) -> Any:
+        def execute(self: Any, context: Any) -> Any:
+            self.job = k8s.V1Job(metadata=k8s.V1ObjectMeta(name="train-x"), status=k8s.V1JobStatus(conditions=[
+                k8s.V1JobCondition(type="Failed", status="True", reason=reason, message=message)]))
+            raise AirflowException(f"Kubernetes job 'train-x' is failed with error '{message}'")
+        return execute
+
+    monkeypatch.setattr(KubernetesJobOperator, "execute", failed_job(
+        "PodFailurePolicy", "Container base for pod llm-pipeline/train-x-0 failed with exit code 2 "
+                            "matching FailJob rule at index 0"))
+    with pytest.raises(AirflowFailException, match="exit code 2 matching FailJob"):
+        train.execute({})
+    monkeypatch.setattr(KubernetesJobOperator, "execute", failed_job(
+        "BackoffLimitExceeded", "Job has reached the specified backoff limit"))
+    with pytest.raises(AirflowException) as raised:
+        train.execute({})
+    assert not isinstance(raised.value, AirflowFailException)

@@ -23,7 +23,7 @@ from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result,
 from tasks.lib import checkpoint
 from tasks.lib.model import GPT, GPTConfig
 
-TORCHRUN = str(RUNTIME_PY.parent / "torchrun")
+TORCHRUN = [str(RUNTIME_PY), "-m", "tasks.lib.torchrun"]  # torchrun keeping the step exit codes
 FAST = ["--set", "log_every=5", "--set", "eval_every=10", "--set", "checkpoint_every=10",
         "--set", "warmup_steps=5", "--set", "micro_batch=2", "--set", "eval_batches=2"]
 NO_MLFLOW = {"MLFLOW_TRACKING_URI": ""}
@@ -41,7 +41,7 @@ def start_nodes(nodes: int, args: list[str], logs: Path, env: dict[str, str] | N
     logs.mkdir(parents=True, exist_ok=True)
     return [
         subprocess.Popen(
-            [TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            [*TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test-{port}", "--max-restarts=2",
              "-m", "tasks.train", *args],
             cwd=REPO_ROOT, stdout=(logs / f"node{i}.log").open("wb"), stderr=subprocess.STDOUT,
