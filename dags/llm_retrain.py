@@ -12,11 +12,11 @@ from __future__ import annotations
 import datetime as dt
 
 from airflow.providers.standard.operators.python import ShortCircuitOperator
-from airflow.sdk import DAG, Param
+from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param
 from alerts import on_run_failure, on_task_failure
 
 from launcher import distributed_step, mapped_step, run_output_uri, shard_arguments, step
-from pipeline_params import pipeline_params
+from pipeline_params import pipeline_params, raw_data_asset
 
 params = pipeline_params()
 pipeline, train_params, gate = params["pipeline"], params["train"], params["evaluate"]
@@ -43,7 +43,10 @@ MLFLOW_RUN_TAG = "{{ dag.dag_id }}/{{ run_id }}"
 with DAG(
     dag_id=pipeline["dag_id"],
     description="Retrain the language model on the latest data window",
-    schedule=pipeline["schedule"],
+    # weekly, and whenever the ingest DAG lands new raw data (an asset-triggered run has no
+    # logical date: its window ends the day it was triggered, see END_DATE)
+    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable(pipeline["schedule"], timezone="UTC"),
+                                 assets=[raw_data_asset()]),
     start_date=dt.datetime.fromisoformat(pipeline["start_date"]).replace(tzinfo=dt.UTC),
     catchup=False,
     max_active_runs=2,

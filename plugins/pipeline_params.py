@@ -24,3 +24,11 @@ def _load(path: Path) -> dict[str, Any]:
 
 def pipeline_params() -> dict[str, Any]:
     return _load(params_path())
+
+
+def raw_data_asset() -> Any:
+    """The Airflow Asset of the raw data: updated by the ingest DAG, scheduling the retrain DAG."""
+    from airflow.sdk import Asset
+
+    pipeline = pipeline_params()["pipeline"]
+    return Asset(name=pipeline["raw_data_asset"], uri=pipeline["raw_data_uri"], group="raw-data")

@@ -142,3 +142,13 @@ def validate_objects(objects: list[dict[str, Any]], folder: Path) -> subprocess.
         (folder / "gateway.json").write_text(json.dumps(gateway))
         proc = subprocess.run([*GATEWAY_VALIDATE, str(folder / "gateway.json")], capture_output=True, text=True)
     return proc
+
+
+def sync_dags_to_db() -> None:
+    """The DAG folder's DAGs in the Airflow database, as the dag-processor writes them
+    (orchestrator half only; dag.test() does the same for the DAG it runs)."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+
+    DagBundlesManager().sync_bundles_to_db()
+    sync_bag_to_db(DagBag(dag_folder=str(REPO_ROOT / "dags")), "dags-folder", None)
