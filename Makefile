@@ -40,6 +40,8 @@ help:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != ($(subst .,$(comma),$(SUPPORTED_PYTHON))))' 2>/dev/null || { \
 	  echo "error: PYTHON=$(PYTHON) is $$($(PYTHON) -c 'import platform; print("Python", platform.python_version())' 2>/dev/null || echo 'not runnable'); this project needs Python $(SUPPORTED_PYTHON) (install it, e.g. apt-get install python$(SUPPORTED_PYTHON) python$(SUPPORTED_PYTHON)-venv, then: make test PYTHON=python$(SUPPORTED_PYTHON))" >&2; exit 1; }
 	@command -v git >/dev/null || (apt-get update -qq && apt-get install -y -qq git)
+	@# g++: torch.compile's CPU backend (inductor) compiles its kernels with it (train.compile)
+	@command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 	@# nginx: the router in front of Triton (split_clients between the stable and canary version)
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
 	@mkdir -p .venvs && touch $@

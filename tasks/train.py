@@ -234,6 +234,8 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     if start_weights is not None:
         gpt.load_state_dict(start_weights)
     gpt.activation_checkpointing = bool(params["activation_checkpointing"])
+    if params["compile"]:
+        parallel.compile_blocks(gpt)
     engine = parallel.build_engine(gpt, params["engine"], params, env, lambda m: build_optimizer(m, params))
 
     state: dict[str, Any] = {**TRAINER_FIELDS, "initialized_from": init_uri if start_weights is not None else None}

@@ -186,6 +186,15 @@ def build_engine(model: nn.Module, name: str, params: dict[str, Any], env: Dist,
     return Engine(name, wrapped, make_optimizer(wrapped))
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` each transformer block in place, before sharding (as torchtitan does):
+    the module tree and its ``state_dict`` keys stay as they were, so checkpoints, resharding,
+    warm starts and the export read and write the same names; FSDP2 shards compiled blocks.
+    Inductor's CPU backend needs a C++ compiler (the Makefile installs g++ where missing)."""
+    for block in model.blocks:  # type: ignore[union-attr]
+        block.compile()
+
+
 def wrap(model: nn.Module, engine: str, env: Dist) -> nn.Module:
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")

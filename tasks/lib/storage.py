@@ -193,8 +193,17 @@ def download(uri: str, local_path: Path) -> Path:
         return Path(uri)
     bucket, key = split_s3(uri)
     local_path.parent.mkdir(parents=True, exist_ok=True)
-    with s3_call(uri, "download"):
-        s3_client().download_file(bucket, key, str(local_path))
+    # Processes of one node may fetch the same file at once (ranks resuming one checkpoint).
+    # boto3 names its temporary file with Python's `random`, which training seeds alike on every
+    # rank: same name, and the second rename found nothing. A per-process name, then one
+    # atomic replace (the same content either way).
+    partial = local_path.with_name(f".{local_path.name}.{os.getpid()}.part")
+    try:
+        with s3_call(uri, "download"):
+            s3_client().download_file(bucket, key, str(partial))
+        os.replace(partial, local_path)
+    finally:
+        partial.unlink(missing_ok=True)
     return local_path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -146,3 +147,30 @@ def test_write_once_on_s3_deletes_nothing(stack_env: dict[str, str]) -> None:
     with storage.staged_output(folder, write_once=True) as scratch:
         (scratch / "tokenizer.json").write_text("{}")
     assert [u.rsplit("/", 1)[1] for u in storage.list_files(folder)] == ["_SUCCESS", "reader-held.txt", "tokenizer.json"]
+
+
+@pytest.mark.integration
+def test_processes_seeded_alike_download_the_same_file_at_once(stack_env: dict[str, str], tmp_path: Path) -> None:
+    """Ranks of one node resuming a checkpoint fetch the same files into the same folder, with
+    `random` seeded alike (boto3 names its temporary file with it): none may fail or leave a
+    partial file. (Failed in CI before downloads went through a per-process name.)"""
+    import subprocess
+    import sys
+
+    uri = f"s3://pipeline/tests/{uuid.uuid4().hex}/blob.bin"
+    source = tmp_path / "blob.bin"
+    source.write_bytes(b"x" * 1_000_000)
+    storage.upload(source, uri)
+    target = tmp_path / "node" / "blob.bin"
+    start = time.time() + 8  # the processes download in step, as ranks leaving a barrier do
+    script = ("import random, time; from pathlib import Path; from tasks.lib import storage\n"
+              "random.seed(1234)\n"
+              "for i in range(10):\n"
+              f"    time.sleep(max(0.0, {start} + 0.3 * i - time.time()))\n"
+              f"    storage.download({uri!r}, Path({str(target)!r}))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=Path(storage.__file__).parents[2],
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-1500:] for e in errors]
+    assert target.read_bytes() == source.read_bytes()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["blob.bin"]  # no partial file left

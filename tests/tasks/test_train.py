@@ -303,3 +303,13 @@ def test_ddp_engine_matches_fsdp2(reference: tuple[Path, dict[str, Any]], datase
     ddp = train(tmp_path, dataset, 2, 30, "--set", "engine=ddp")
     assert ddp["engine"] == "ddp" and ddp["world_size"] == 2
     assert abs(ddp["final_loss"] - reference[1]["final_loss"]) < 0.02
+
+
+def test_compiled_blocks_train_the_same_model_under_the_same_names(reference: tuple[Path, dict[str, Any]],
+                                                                   dataset: Path, tmp_path: Path) -> None:
+    """train.compile: inductor kernels for each block, FSDP2 over them. The loss curve is the
+    eager one up to the order of floating-point operations, and the saved names are the same
+    (checkpoints, warm starts and the export read them)."""
+    compiled = train(tmp_path, dataset, 2, 30, "--set", "compile=true")
+    assert abs(compiled["final_loss"] - reference[1]["final_loss"]) < 0.02
+    assert weights(compiled["model_uri"]).keys() == weights(reference[1]["model_uri"]).keys()
