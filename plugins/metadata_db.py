@@ -6,6 +6,10 @@ lock. With the scheduler, dag-processor, api-server and triggerer writing beside
 failed with "database is locked". airflow.cfg points `[database] sql_alchemy_connect_args`
 here (the plugins folder is on Airflow's sys.path before it opens the database). A cluster's
 PostgreSQL config does not use these.
+
+No wait helps a transaction that read, then writes after another process committed (its WAL
+snapshot is stale: SQLite raises at once). `backfill create` does so inside a SAVEPOINT;
+Airflow removes the half-made backfill on that error, and README says to rerun it.
 """
 
 from __future__ import annotations

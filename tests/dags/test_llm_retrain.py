@@ -73,7 +73,7 @@ def test_retries_with_backoff_from_params(dag: Any) -> None:
         assert task.retries == pipeline["retries"]
         assert task.retry_exponential_backoff
         assert task.retry_delay == dt.timedelta(seconds=pipeline["retry_delay_s"])
-    assert dag.schedule == pipeline["schedule"]
+    # the schedule (asset or weekly time) is checked in test_llm_ingest.py
 
 
 def test_params_are_typed_and_documented(dag: Any) -> None:
