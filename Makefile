@@ -40,6 +40,8 @@ help:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != ($(subst .,$(comma),$(SUPPORTED_PYTHON))))' 2>/dev/null || { \
 	  echo "error: PYTHON=$(PYTHON) is $$($(PYTHON) -c 'import platform; print("Python", platform.python_version())' 2>/dev/null || echo 'not runnable'); this project needs Python $(SUPPORTED_PYTHON) (install it, e.g. apt-get install python$(SUPPORTED_PYTHON) python$(SUPPORTED_PYTHON)-venv, then: make test PYTHON=python$(SUPPORTED_PYTHON))" >&2; exit 1; }
 	@command -v git >/dev/null || (apt-get update -qq && apt-get install -y -qq git)
+	@# chromium: the browser the UI test drives (playwright's own browser downloads are not used)
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
 	@# g++: torch.compile's CPU backend (inductor) compiles its kernels with it (train.compile)
 	@command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 	@# nginx: the router in front of Triton (split_clients between the stable and canary version)

@@ -1,8 +1,9 @@
 """Every way README starts the retrain DAG, through the real Airflow servers (api-server,
-scheduler, dag-processor, triggerer): the CLI's `dags trigger`, the REST API with
-``"logical_date": null`` and `backfill create`. The first two give runs without a logical date,
-which `dag.test()` and the UI form (both fill one in) never exercise: templates that read it
-fail only here, after the whole training.
+scheduler, dag-processor, triggerer): the UI's trigger form driven in headless Chromium, the
+CLI's `dags trigger`, the REST API with ``"logical_date": null`` and `backfill create`. The CLI
+and REST give runs without a logical date, which `dag.test()` and the UI form (both fill one in)
+never exercise: templates that read it fail only here, after the whole training. Screenshots of
+the form and of the finished run are saved under .test-artifacts/ui/.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import time
 import urllib.parse
@@ -29,6 +31,7 @@ DAG_ID = "llm_retrain"
 # a short run: enough to reach register (whose arguments read the run's date), export and deploy
 BACKFILL_DATE = "2026-11-01"  # the DAG's start date: test_llm_retrain's runs are 11-08, 11-15, 11-22
 CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_max_steps": 12}  # 12: apart from other tests' runs
+SCREENSHOTS = REPO_ROOT / ".test-artifacts" / "ui"
 
 
 class AirflowApi:
@@ -36,8 +39,8 @@ class AirflowApi:
 
     def __init__(self, base_url: str, passwords_file: Path) -> None:
         self.base_url = base_url
-        password = json.loads(passwords_file.read_text())["admin"]
-        token = self.call("POST", "/auth/token", {"username": "admin", "password": password}, auth=False)
+        self.password = json.loads(passwords_file.read_text())["admin"]
+        token = self.call("POST", "/auth/token", {"username": "admin", "password": self.password}, auth=False)
         self.token = token["access_token"]
 
     def call(self, method: str, path: str, body: Any = None, auth: bool = True) -> Any:
@@ -95,8 +98,7 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str],
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        for server in reversed(servers.AIRFLOW_SERVERS):
-            server.stop()
+        servers.stop_servers(servers.AIRFLOW_SERVERS)
 
 
 def airflow_cli(*args: str, attempts: int = 1) -> str:
@@ -109,6 +111,62 @@ def airflow_cli(*args: str, attempts: int = 1) -> str:
     return proc.stdout
 
 
+@contextlib.contextmanager
+def signed_in_browser(api: AirflowApi) -> Iterator[Any]:
+    """A headless Chromium page signed in to the UI as README tells a person to: user admin,
+    the password Airflow generated into its passwords file."""
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium: not installed (`make env` installs the Debian package on a fresh machine)"
+    with sync_playwright() as playwright:
+        # --no-sandbox: Chromium's sandbox refuses to start as root, which CI machines run as
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{api.base_url}/dags/{DAG_ID}")  # redirected to the login form
+            page.fill("input[name=username]", "admin")
+            page.fill("input[name=password]", api.password)
+            page.click("button:has-text('Sign in')")
+            page.wait_for_url(f"**/dags/{DAG_ID}")
+            yield page
+        finally:
+            browser.close()
+
+
+def trigger_from_the_form(api: AirflowApi, values: dict[str, str], skip_deploy: bool) -> str:
+    """Open the DAG's trigger form, try an out-of-bounds value, fill the Params the way a person
+    types them, trigger; returns the new run's id (the page the UI opens next)."""
+    with signed_in_browser(api) as page:
+        page.get_by_role("button", name="Trigger Dag").click()
+        form = page.get_by_role("dialog")
+
+        def field(param: str) -> Any:  # the UI names each Param's input element_<name>
+            return form.locator(f"[name=element_{param}]")
+
+        field("train_max_steps").fill("0")  # below the Param's minimum of 1
+        field("train_max_steps").blur()
+        assert field("train_max_steps").input_value() == "1"  # the form clamps it, no task sees 0
+        for param, value in values.items():
+            field(param).fill(value)
+            field(param).blur()
+        if skip_deploy:
+            form.locator("label:has([name=element_skip_deploy])").click()
+        assert field("skip_deploy").is_checked() == skip_deploy
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        form.screenshot(path=SCREENSHOTS / "1-trigger-form.png")
+        form.get_by_role("button", name="Trigger", exact=True).click()
+        page.wait_for_url(f"**/dags/{DAG_ID}/runs/**")
+        return urllib.parse.unquote(page.url.rsplit("/runs/", 1)[1])
+
+
+def screenshot_run(api: AirflowApi, run_id: str) -> None:
+    with signed_in_browser(api) as page:
+        page.goto(f"{api.base_url}/dags/{DAG_ID}/runs/{urllib.parse.quote(run_id)}")
+        page.get_by_text("Success").first.wait_for()
+        page.screenshot(path=SCREENSHOTS / "2-finished-run.png")
+
+
 def registered_version(run_id: str) -> dict[str, str]:
     """Tags of the model version the run registered, as MLflow's REST API reports them."""
     query = urllib.parse.urlencode({"filter": f"tags.dag_run = '{DAG_ID}/{run_id}'"})
@@ -119,7 +177,7 @@ def registered_version(run_id: str) -> dict[str, str]:
     return {t["key"]: t["value"] for t in versions[0]["tags"]}
 
 
-def test_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
+def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
     airflow_cli("dags", "unpause", DAG_ID)
     # a date no other test runs: a backfill skips dates that already have a run (reprocess "none").
     # On SQLite `backfill create` can fail with "database is locked" whatever the lock wait: it
@@ -128,6 +186,10 @@ def test_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> N
     # error so that it can be rerun, as README tells users; PostgreSQL does not fail so.
     airflow_cli("backfill", "create", "--dag-id", DAG_ID, "--from-date", BACKFILL_DATE, "--to-date", BACKFILL_DATE,
                 "--dag-run-conf", json.dumps({**CONF, "end_date": "2026-11-20"}), attempts=3)
+    # non-default Params typed into the form; the run skips deploy (its form switch)
+    from_the_form = trigger_from_the_form(
+        airflow_api, {"end_date": "2026-11-19", **{name: str(value) for name, value in CONF.items()}},
+        skip_deploy=True)
     airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "end_date": "2026-11-22"}))
     rest = airflow_api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                             {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-21"}})
@@ -137,25 +199,30 @@ def test_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> N
         runs = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")["dag_runs"]
         return [r for r in runs if r["conf"].get("train_max_steps") == CONF["train_max_steps"]]
 
-    wait_for("the backfill to create its run", lambda: len(ours()) == 3, timeout_s=60)
+    wait_for("the backfill to create its run", lambda: len(ours()) == 4, timeout_s=60)
 
     def finished() -> list[dict[str, Any]] | None:
         runs = ours()
         return runs if all(r["state"] in ("success", "failed") for r in runs) else None
 
-    runs = wait_for("three runs to finish", finished, timeout_s=900, every_s=5)
+    runs = wait_for("four runs to finish", finished, timeout_s=900, every_s=5)
     by_type = {r["run_type"]: r for r in runs}
-    assert set(by_type) == {"manual", "backfill"} and len(runs) == 3
+    assert set(by_type) == {"manual", "backfill"} and len(runs) == 4
     for run in runs:
         tis = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run['dag_run_id']}/taskInstances")
         states = {ti["task_id"]: ti["state"] for ti in tis["task_instances"]}
         assert run["state"] == "success" and states["register"] == "success", (run["dag_run_id"], states)
+        if run["dag_run_id"] == from_the_form:
+            assert run["conf"]["num_shards"] == 1 and run["conf"]["skip_deploy"] is True, run["conf"]
+            assert states["deploy"] == "skipped", states
         tags = registered_version(run["dag_run_id"])
         # a run without a logical date is dated by when it was triggered
         when = run["logical_date"] or run["run_after"]
         assert tags["logical_date"] == when[:10], (run["dag_run_id"], tags)
         assert tags["data_version"].startswith(f"data-{run['conf']['end_date']}-7d-")
     assert sum(r["logical_date"] is None for r in runs) == 2
+    assert from_the_form in {r["dag_run_id"] for r in runs}
+    screenshot_run(airflow_api, from_the_form)
 
 
 def test_airflow_listens_on_loopback_only(airflow_api: AirflowApi) -> None:

@@ -84,3 +84,35 @@ def test_secret_files_are_private_from_creation(stack_env: dict[str, str], tmp_p
     for name in ("credentials.json", "secrets.json", "stack.env", "seaweedfs/s3.json"):
         if (stack_dir / name).exists():
             assert (stack_dir / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_stop_servers_ends_every_group_and_reaps_its_own_children(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One server obeys SIGTERM, the other ignores it (killed after the grace period); both were
+    started by this process, whose exited leaders must be reaped rather than waited on as
+    zombies (which made every Airflow component use its whole grace period)."""
+    import subprocess
+    import sys
+    import time
+
+    from stack import servers
+
+    monkeypatch.setenv("STACK_DIR", str(tmp_path))
+    ready = tmp_path / "ignoring"
+    obeys = "import time; time.sleep(120)"
+    ignores = ("import pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "pathlib.Path(sys.argv[1]).touch(); time.sleep(120)")
+    started = []
+    for name, code in (("obeys", obeys), ("ignores", ignores)):
+        server = servers.Server(name, lambda code=code: [sys.executable, "-c", code, str(ready)], dict,
+                                lambda: True, 5)
+        proc = subprocess.Popen(server.command(), start_new_session=True)
+        server.pid_file.write_text(str(proc.pid))
+        started.append((server, proc))
+    while not ready.exists():  # SIGTERM must find the handler installed
+        time.sleep(0.05)
+    servers.stop_servers([server for server, _ in started])
+    for server, proc in started:
+        assert not server.pid_file.exists()
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)
