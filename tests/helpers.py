@@ -120,13 +120,13 @@ def params_with_model_name(prefix: str, folder: Path) -> dict[str, str]:
 
 # -- Kubernetes objects, validated offline --------------------------------------------------
 
-KUBERNETES_VALIDATE = [str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "kubernetes-validate"),
-                       "--strict", "-k", "1.32.0"]
+KUBERNETES_VALIDATE = [str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "kubernetes-validate"), "--strict"]
 GATEWAY_VALIDATE = ["node", str(REPO_ROOT / "tests" / "plugins" / "gateway_api" / "validate.mjs")]
 
 
-def validate_objects(objects: list[dict[str, Any]], folder: Path) -> subprocess.CompletedProcess[str]:
-    """Core objects against Kubernetes 1.32's schema (strict: no unknown fields), Gateway API
+def validate_objects(objects: list[dict[str, Any]], folder: Path,
+                     kubernetes_version: str = "1.32.0") -> subprocess.CompletedProcess[str]:
+    """Core objects against a Kubernetes minor's schema (strict: no unknown fields), Gateway API
     objects against the schemas generated from its CRDs. Returns the failing run, or the last."""
     import yaml
 
@@ -135,7 +135,8 @@ def validate_objects(objects: list[dict[str, Any]], folder: Path) -> subprocess.
     proc = subprocess.CompletedProcess[str]([], 0, "", "")
     if core:
         (folder / "core.yaml").write_text(yaml.safe_dump_all(core))
-        proc = subprocess.run([*KUBERNETES_VALIDATE, str(folder / "core.yaml")], capture_output=True, text=True)
+        proc = subprocess.run([*KUBERNETES_VALIDATE, "-k", kubernetes_version, str(folder / "core.yaml")],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             return proc
     if gateway:

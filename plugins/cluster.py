@@ -1,0 +1,207 @@
+"""The cluster's own objects, before Airflow and serving go in (README "Running on Kubernetes").
+
+    python plugins/cluster.py base | kubectl apply -f -
+    AWS_ACCESS_KEY_ID=... MLFLOW_TRACKING_URI=... ROUTER_URL=... python plugins/cluster.py secrets | kubectl apply -f -
+    python plugins/cluster.py helm-values > values.yaml
+    helm install airflow apache-airflow/airflow -n llm-pipeline -f values.yaml
+
+- ``base``: the namespace; the step pods' service account (``launcher.kubernetes.service_account``:
+  only deploy talks to the API server, with the Role of ``plugins/serving.py``); the Airflow
+  workers' service account and a Role with exactly the verbs our operators call (the provider's
+  KubernetesPodOperator / KubernetesJobOperator and ``k8s_job.py``); the training PriorityClass;
+  the Kueue LocalQueue the training Jobs are labelled with.
+- ``secrets``: the Secrets the step pods read their endpoints and credentials from
+  (``launcher.kubernetes.env_from_secrets``), filled from the environment of whoever runs it, so
+  no value is ever written to a file in this repository; a missing variable is one error line.
+- ``helm-values``: values for the official Airflow chart: KubernetesExecutor, the DAG image
+  (DAGs and plugins baked in), our cluster policy as its ``airflowLocalSettings``, the workers'
+  service account, remote task logs on S3.
+
+Plain dicts, no Airflow import: tests validate the core objects against the Kubernetes schemas of
+the oldest and newest minor we support (``SUPPORTED_KUBERNETES``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline_params import pipeline_params
+
+SUPPORTED_KUBERNETES = ("1.32.0", "1.37.0")  # podFailurePolicy and Indexed Jobs are GA in both
+PART_OF = {"app.kubernetes.io/part-of": "llm-pipeline"}
+KUEUE_API = "kueue.x-k8s.io/v1beta1"
+
+# What the Airflow workers' operators call, by resource (provider 10.25 + plugins/k8s_job.py):
+# a step pod is created, read, listed (a retry finds the earlier try's), labelled when done and
+# deleted; its log streamed; the xcom sidecar read over exec; its events listed on failure; a
+# training Job likewise plus its status; the rendezvous Service created and deleted.
+LAUNCHER_RULES: list[dict[str, Any]] = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+    # exec: GET for SPDY, create for the WebSocket protocol kubectl and the client use from 1.31
+    {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "list", "patch", "delete"]},
+    {"apiGroups": ["batch"], "resources": ["jobs/status"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "delete"]},
+]
+
+# The Secrets of launcher.kubernetes.env_from_secrets: the variables each holds, required first.
+SECRET_VARIABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "llm-pipeline-storage": (("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+                             ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "DVC_REGISTRY_GIT_REMOTE")),
+    "llm-pipeline-mlflow": (("MLFLOW_TRACKING_URI", "ROUTER_URL"),
+                            ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")),
+}
+
+
+class MissingVariable(ValueError):
+    pass
+
+
+def _metadata(name: str, namespace: str | None = None) -> dict[str, Any]:
+    return {"name": name, **({"namespace": namespace} if namespace else {}), "labels": dict(PART_OF)}
+
+
+def namespace(params: dict[str, Any]) -> dict[str, Any]:
+    name = params["launcher"]["kubernetes"]["namespace"]
+    meta = _metadata(name)
+    # step pods run as uid 1000 without privileges: "baseline" holds; "restricted" only warns
+    meta["labels"].update({"pod-security.kubernetes.io/enforce": "baseline",
+                           "pod-security.kubernetes.io/warn": "restricted"})
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}
+
+
+def service_accounts(params: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = params["launcher"]["kubernetes"]
+    return [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, cluster["namespace"])}
+            for name in (cluster["service_account"], cluster["airflow_service_account"])]
+
+
+def launcher_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Airflow workers' Role: start and follow step pods and training Jobs, nothing else."""
+    cluster = params["launcher"]["kubernetes"]
+    name, ns = "llm-pipeline-launcher", cluster["namespace"]
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(name, ns),
+         "rules": LAUNCHER_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(name, ns),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": cluster["airflow_service_account"], "namespace": ns}]},
+    ]
+
+
+def training_priority_class(params: dict[str, Any]) -> dict[str, Any]:
+    training = params["launcher"]["kubernetes"]["training"]
+    return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+            "metadata": _metadata(training["priority_class"]), "value": int(training["priority"]),
+            "globalDefault": False,
+            "description": "LLM pipeline training Jobs: above batch work, below serving"}
+
+
+def training_local_queue(params: dict[str, Any]) -> dict[str, Any]:
+    """The namespace's door to the cluster queue an administrator set up (its quotas, flavors)."""
+    cluster = params["launcher"]["kubernetes"]
+    training = cluster["training"]
+    return {"apiVersion": KUEUE_API, "kind": "LocalQueue",
+            "metadata": _metadata(training["queue_name"], cluster["namespace"]),
+            "spec": {"clusterQueue": training["cluster_queue"]}}
+
+
+def base_objects(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    params = params or pipeline_params()
+    return [namespace(params), *service_accounts(params), *launcher_rbac(params),
+            training_priority_class(params), training_local_queue(params)]
+
+
+def secrets(env: dict[str, str], params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    params = params or pipeline_params()
+    cluster = params["launcher"]["kubernetes"]
+    objects = []
+    for name in cluster["env_from_secrets"]:
+        required, optional = SECRET_VARIABLES[name]
+        missing = [key for key in required if not env.get(key)]
+        if missing:
+            raise MissingVariable(f"Secret {name}: set {', '.join(missing)} in the environment")
+        data = {key: env[key] for key in (*required, *optional) if env.get(key)}
+        objects.append(_secret(name, cluster["namespace"], data))
+    objects.append(_secret(cluster["remote_logs"]["conn_secret"], cluster["namespace"],
+                           {"AIRFLOW_CONN": json.dumps(remote_logs_connection(env))}))
+    return objects
+
+
+def remote_logs_connection(env: dict[str, str]) -> dict[str, Any]:
+    """The Airflow connection (JSON form) the chart's components write task logs to S3 with: the
+    storage Secret's credentials and endpoint."""
+    extra = {key: env[var] for key, var in (("endpoint_url", "AWS_ENDPOINT_URL"), ("region_name", "AWS_DEFAULT_REGION"))
+             if env.get(var)}
+    return {"conn_type": "aws", "login": env["AWS_ACCESS_KEY_ID"], "password": env["AWS_SECRET_ACCESS_KEY"],
+            "extra": extra}
+
+
+def _secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _metadata(name, namespace), "type": "Opaque",
+            "stringData": data}
+
+
+def helm_values(params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Values for the official Airflow chart (apache-airflow/airflow, chart 1.x)."""
+    params = params or pipeline_params()
+    cluster = params["launcher"]["kubernetes"]
+    repository, _, tag = cluster["airflow_image"].rpartition(":")
+    logs = cluster["remote_logs"]
+    local_settings = Path(__file__).with_name("airflow_local_settings.py").read_text()
+    return {
+        "executor": "KubernetesExecutor",
+        "airflowVersion": airflow_version(),  # the chart renders Airflow 3's components from it
+        "images": {"airflow": {"repository": repository, "tag": tag, "pullPolicy": cluster["image_pull_policy"]}},
+        # the image holds the DAGs, plugins and params.yaml (containers/Dockerfile.airflow)
+        "dags": {"persistence": {"enabled": False}, "gitSync": {"enabled": False}},
+        "airflowLocalSettings": local_settings,
+        "env": [{"name": "PIPELINE_LAUNCHER_MODE", "value": "kubernetes"}],
+        "workers": {"serviceAccount": {"create": False, "name": cluster["airflow_service_account"]}},
+        # the S3 connection of the remote logs, from the storage Secret's keys
+        "secret": [{"envName": "AIRFLOW_CONN_" + logs["conn_id"].upper(),
+                    "secretName": logs["conn_secret"], "secretKey": "AIRFLOW_CONN"}],
+        "config": {
+            "core": {"load_examples": "False"},
+            "logging": {"remote_logging": "True", "remote_base_log_folder": logs["base_uri"],
+                        "remote_log_conn_id": logs["conn_id"]},
+            "kubernetes_executor": {"namespace": cluster["namespace"], "delete_worker_pods": "True"},
+        },
+    }
+
+
+def airflow_version() -> str:
+    """The Airflow version of the orchestrator lock (the image installs it)."""
+    lock = Path(__file__).resolve().parents[1] / "requirements" / "orchestrator.txt"
+    return next(line.split("==")[1].strip() for line in lock.read_text().splitlines()
+                if line.startswith("apache-airflow=="))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python plugins/cluster.py", description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["base", "secrets", "helm-values"])
+    args = parser.parse_args(argv)
+    try:
+        if args.what == "base":
+            yaml.safe_dump_all(base_objects(), sys.stdout, sort_keys=False)
+        elif args.what == "secrets":
+            yaml.safe_dump_all(secrets(dict(os.environ)), sys.stdout, sort_keys=False)
+        else:
+            yaml.safe_dump(helm_values(), sys.stdout, sort_keys=False)
+    except MissingVariable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The cluster's own objects (plugins/cluster.py): validated against the oldest and newest
+Kubernetes minor we support; the workers' Role holds exactly the API calls our operators make;
+Secrets come from the environment only; the Helm values agree with the other objects."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import airflow.providers.cncf.kubernetes as provider
+import cluster
+import pytest
+import yaml
+from helpers import REPO_ROOT, validate_objects
+
+from pipeline_params import pipeline_params
+
+PROVIDER = Path(provider.__file__ or "").parent
+# the code that runs in an Airflow worker when a step is launched in a cluster
+LAUNCHING_CODE = [PROVIDER / "operators" / "pod.py", PROVIDER / "operators" / "job.py",
+                  PROVIDER / "utils" / "pod_manager.py", PROVIDER / "hooks" / "kubernetes.py",
+                  REPO_ROOT / "plugins" / "k8s_job.py"]
+# hook methods for other operators (deployments, custom objects): none of ours calls them
+NOT_OURS = {"read_namespaced_deployment_status", "create_namespaced_custom_object",
+            "delete_namespaced_custom_object"}
+# a Kubernetes client method -> the (API group, resource, verb) RBAC checks for it
+REQUESTS = {
+    "create_namespaced_pod": ("", "pods", "create"), "read_namespaced_pod": ("", "pods", "get"),
+    "list_namespaced_pod": ("", "pods", "list"), "patch_namespaced_pod": ("", "pods", "patch"),
+    "delete_namespaced_pod": ("", "pods", "delete"), "read_namespaced_pod_log": ("", "pods/log", "get"),
+    "list_namespaced_event": ("", "events", "list"),
+    "create_namespaced_job": ("batch", "jobs", "create"), "read_namespaced_job": ("batch", "jobs", "get"),
+    "list_namespaced_job": ("batch", "jobs", "list"), "patch_namespaced_job": ("batch", "jobs", "patch"),
+    "delete_namespaced_job": ("batch", "jobs", "delete"),
+    "read_namespaced_job_status": ("batch", "jobs/status", "get"),
+    "create_namespaced_service": ("", "services", "create"), "delete_namespaced_service": ("", "services", "delete"),
+}
+ENV = {"AWS_ACCESS_KEY_ID": "key-id", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_ENDPOINT_URL": "http://s3:8333",
+       "MLFLOW_TRACKING_URI": "http://mlflow:5000", "ROUTER_URL": "http://gateway"}
+
+
+def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for rule in rules for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+@pytest.mark.parametrize("version", cluster.SUPPORTED_KUBERNETES)
+def test_base_objects_and_secrets_are_valid_kubernetes(version: str, tmp_path: Path) -> None:
+    objects = [*cluster.base_objects(), *cluster.secrets(ENV)]
+    core = [o for o in objects if o["apiVersion"] != cluster.KUEUE_API]
+    proc = validate_objects(core, tmp_path, kubernetes_version=version)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(o["kind"] for o in objects) == ["LocalQueue", "Namespace", "PriorityClass", "Role", "RoleBinding",
+                                                  "Secret", "Secret", "Secret", "ServiceAccount", "ServiceAccount"]
+
+
+def test_the_workers_role_holds_exactly_the_calls_our_operators_make() -> None:
+    called = set()
+    for path in LAUNCHING_CODE:
+        called |= set(re.findall(r"\.((?:create|read|list|patch|delete|replace)_namespaced_\w+)\(", path.read_text()))
+        called |= set(re.findall(r"\.(connect_\w+_namespaced_pod_exec)\b", path.read_text()))
+    called -= NOT_OURS
+    assert called - set(REQUESTS) == {"connect_get_namespaced_pod_exec"}, called - set(REQUESTS)
+    # exec: GET (SPDY) and create (WebSocket, the client's protocol from Kubernetes 1.31)
+    needed = {REQUESTS[m] for m in called if m in REQUESTS} | {("", "pods/exec", "get"), ("", "pods/exec", "create")}
+    role = next(o for o in cluster.base_objects() if o["kind"] == "Role")
+    assert granted(role["rules"]) == needed
+
+
+def test_the_binding_names_the_workers_account_the_helm_values_use() -> None:
+    objects = cluster.base_objects()
+    binding = next(o for o in objects if o["kind"] == "RoleBinding")
+    accounts = {o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"}
+    worker_account = cluster.helm_values()["workers"]["serviceAccount"]
+    assert worker_account["create"] is False and worker_account["name"] in accounts
+    assert binding["subjects"][0]["name"] == worker_account["name"]
+    assert binding["roleRef"]["name"] == next(o for o in objects if o["kind"] == "Role")["metadata"]["name"]
+
+
+def test_training_jobs_find_their_queue_and_priority_class() -> None:
+    training = pipeline_params()["launcher"]["kubernetes"]["training"]
+    queue = next(o for o in cluster.base_objects() if o["kind"] == "LocalQueue")
+    assert queue["metadata"]["name"] == training["queue_name"]  # the label k8s_job puts on each Job
+    assert queue["spec"] == {"clusterQueue": training["cluster_queue"]}
+    priority = next(o for o in cluster.base_objects() if o["kind"] == "PriorityClass")
+    assert priority["metadata"]["name"] == training["priority_class"] and priority["value"] == training["priority"]
+
+
+def test_secrets_hold_the_environment_and_refuse_a_missing_variable() -> None:
+    objects = {o["metadata"]["name"]: o["stringData"] for o in cluster.secrets(ENV)}
+    cluster_params = pipeline_params()["launcher"]["kubernetes"]
+    assert set(objects) == {*cluster_params["env_from_secrets"], cluster_params["remote_logs"]["conn_secret"]}
+    assert objects["llm-pipeline-storage"] == {k: ENV[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                                   "AWS_ENDPOINT_URL")}
+    logs = json.loads(objects[cluster_params["remote_logs"]["conn_secret"]]["AIRFLOW_CONN"])
+    assert logs == {"conn_type": "aws", "login": "key-id", "password": "secret",
+                    "extra": {"endpoint_url": "http://s3:8333"}}
+    without_router = {k: v for k, v in ENV.items() if k != "ROUTER_URL"}
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "plugins" / "cluster.py"), "secrets"],
+                          env=without_router, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "error: Secret llm-pipeline-mlflow: set ROUTER_URL in the environment\n"
+
+
+def test_helm_values_run_this_image_with_our_policy_and_remote_logs() -> None:
+    values = cluster.helm_values()
+    cluster_params = pipeline_params()["launcher"]["kubernetes"]
+    image = values["images"]["airflow"]
+    assert f"{image['repository']}:{image['tag']}" == cluster_params["airflow_image"]
+    assert values["executor"] == "KubernetesExecutor"
+    import airflow
+
+    assert values["airflowVersion"] == airflow.__version__
+    assert values["airflowLocalSettings"] == (REPO_ROOT / "plugins" / "airflow_local_settings.py").read_text()
+    logs = values["config"]["logging"]
+    [secret] = values["secret"]
+    assert secret["envName"] == f"AIRFLOW_CONN_{logs['remote_log_conn_id'].upper()}"
+    assert secret["secretName"] == cluster_params["remote_logs"]["conn_secret"]
+    assert logs["remote_base_log_folder"].startswith("s3://")
+    assert values["config"]["kubernetes_executor"]["namespace"] == cluster_params["namespace"]
+    # the CLI prints the same values as YAML
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "plugins" / "cluster.py"), "helm-values"],
+                          capture_output=True, text=True, check=True)
+    assert yaml.safe_load(proc.stdout) == values
