@@ -3,15 +3,19 @@ and the same tokenized data:
 
   (a) a plain single-process PyTorch loop (model + AdamW + random windows, nothing else)
   (b) the train step, 1 process (`python -m tasks.train --set engine=single`)
+  (b') the same with synchronous checkpoints (`train.async_checkpoint: false`)
   (c) the train step, 2 local nodes with FSDP2 (two torchrun agents, gloo, 1 thread each)
   (d) the train step, 1 process, with `train.compile` (torch.compile of each block, inductor)
 
     .venvs/runtime/bin/python benchmarks/train.py [--steps 60] [--documents 6000]
 
-(b) and (c) include everything the step does in its loop: evaluation, asynchronous sharded
-checkpoints, logging. Their data-loading and checkpoint time are reported as % of loop time.
+Both the plain loop and the steps are timed from their first step (warm-up included: the step
+cannot skip it). The steps also evaluate and checkpoint (every steps/3) and log: "same work" is
+their rate with the evaluation and the checkpoint stalls taken out, i.e. the plain loop's work.
+Per checkpoint: the loop's stall and the time until the checkpoint was complete, and the stall as
+a share of the time between two checkpoints at the default cadence (train.checkpoint_every).
 "steady" is the median of the step's logged windows after its first (which holds torch.compile's
-compilation, when on); tokens/s and the ratio are over the whole loop.
+compilation, when on).
 MFU: model FLOPs per token (6N + attention) x tokens/s per process, against the peak a matmul
 probe measures in that process (a GPU: its bf16 data-sheet peak).
 """
@@ -82,10 +86,8 @@ def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: i
     model = GPT(config)
     optimizer = build_optimizer(model, params)
     sampler = BatchSampler(split.tokens, config.seq_len, micro_batch, 0)
-    warmup = 5
-    for i in range(steps + warmup):
-        if i == warmup:
-            started = time.perf_counter()
+    started = time.perf_counter()
+    for i in range(steps):
         x, y = sampler.batch(i * micro_batch, 0, 1)
         loss_fn(model, x, y).backward()
         optimizer.step()
@@ -128,19 +130,30 @@ def main() -> None:
         nodes = int(params["nodes"])
         # same global batch everywhere: the 1-process variants take all of it
         plain, plain_mfu = plain_loop(dataset, args.steps, params, micro * nodes)
-        single = train_step(dataset, root / "single", 1, args.steps, micro * nodes)
-        multi = train_step(dataset, root / "multi", nodes, args.steps, micro)
-        compiled = train_step(dataset, root / "compiled", 1, args.steps, micro * nodes, "--set", "compile=true")
+        rows = {
+            "(b) train step, 1 process": train_step(dataset, root / "single", 1, args.steps, micro * nodes),
+            "(b') the same, sync checkpoints": train_step(dataset, root / "sync", 1, args.steps, micro * nodes,
+                                                          "--set", "async_checkpoint=false"),
+            f"(c) train step, {nodes} nodes FSDP2": train_step(dataset, root / "multi", nodes, args.steps, micro),
+            "(d) train step, 1 process, compile": train_step(dataset, root / "compiled", 1, args.steps, micro * nodes,
+                                                             "--set", "compile=true"),
+        }
         tokens = int(np.load(dataset / "train.offsets.npy")[-1])
+    cadence, seq_len = int(params["checkpoint_every"]), int(params["presets"][params["preset"]]["seq_len"])
     print(f"\npreset {params['preset']}, {tokens:,} train tokens, global batch {micro * nodes} x seq, "
-          f"{args.steps} steps, {os.cpu_count()} CPUs")
-    print(f"{'variant':<40}{'tokens/s':>10}{'ratio':>8}{'steady':>8}{'MFU %':>8}{'data %':>8}{'ckpt %':>8}")
-    print(f"{'(a) plain PyTorch loop, 1 process':<40}{plain:>10,.0f}{1.0:>8.2f}{plain:>8,.0f}{100 * plain_mfu:>8.1f}")
-    for name, r in (("(b) train step, 1 process", single), (f"(c) train step, {nodes} nodes FSDP2", multi),
-                    ("(d) train step, 1 process, compile", compiled)):
-        print(f"{name:<40}{r['tokens_per_s']:>10,.0f}{r['tokens_per_s'] / plain:>8.2f}{r['steady_tokens_per_s']:>8,.0f}"
-              f"{100 * r['mfu']:>8.1f}{100 * r['data_loading_share']:>8.1f}{100 * r['checkpoint_share']:>8.1f}")
-    print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {multi['peak_source']}")
+          f"{args.steps} steps, {os.cpu_count()} CPUs; checkpoint stall share at the default cadence of {cadence} steps")
+    print(f"{'variant':<36}{'tokens/s':>9}{'ratio':>7}{'same work':>10}{'steady':>8}{'MFU %':>7}{'data %':>7}"
+          f"{'eval %':>7}{'ckpt %':>7}{'stall ms':>9}{'save ms':>8}{'@cadence %':>11}")
+    print(f"{'(a) plain PyTorch loop, 1 process':<36}{plain:>9,.0f}{1.0:>7.2f}{1.0:>10.2f}{'':>8}{100 * plain_mfu:>7.1f}")
+    for name, r in rows.items():
+        same_work = r["tokens_per_s"] / (1 - r["eval_share"] - r["checkpoint_share"])
+        step_seconds = micro * nodes * seq_len / r["tokens_per_s"]
+        at_cadence = r["checkpoint_stall_s"] / (cadence * step_seconds)
+        print(f"{name:<36}{r['tokens_per_s']:>9,.0f}{r['tokens_per_s'] / plain:>7.2f}{same_work / plain:>10.2f}"
+              f"{r['steady_tokens_per_s']:>8,.0f}{100 * r['mfu']:>7.1f}{100 * r['data_loading_share']:>7.1f}"
+              f"{100 * r['eval_share']:>7.1f}{100 * r['checkpoint_share']:>7.1f}{1000 * r['checkpoint_stall_s']:>9.0f}"
+              f"{1000 * r['checkpoint_save_s']:>8.0f}{100 * at_cadence:>11.2f}")
+    print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {rows[next(iter(rows))]['peak_source']}")
 
 
 if __name__ == "__main__":

@@ -255,7 +255,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         latest.uri if latest else state["initialized_from"] or "a random initialization",
     )
     window_start, window_tokens, data_seconds, window_steps = time.perf_counter(), 0, 0.0, 0
-    total_data_seconds = 0.0
+    total_data_seconds = eval_seconds = 0.0
     train_start = time.perf_counter()
     started_step = state["step"]
     while state["step"] < max_steps:
@@ -311,7 +311,9 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
 
         last = state["step"] == max_steps
         if state["step"] % int(params["eval_every"]) == 0 or last:
+            eval_started = time.perf_counter()
             state["val_loss"] = evaluate(engine.model, val_sampler, params, env)
+            eval_seconds += time.perf_counter() - eval_started
             if state["best_val_loss"] is None or state["val_loss"] < state["best_val_loss"]:
                 state["best_val_loss"] = state["val_loss"]
             if env.is_main:
@@ -319,7 +321,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
             tracker.log_metrics({"val_loss": state["val_loss"]}, state["step"])
         if state["step"] % int(params["checkpoint_every"]) == 0 or last:
             checkpointer.save(engine, state)
-    checkpointer.wait()
+    checkpointer.close()
 
     final_loss = state["loss"]  # the last step always logs, so this is the final step's loss
     seconds = time.perf_counter() - train_start
@@ -339,7 +341,11 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         peak_flops=peak,
         peak_source=peak_source,
         data_loading_share=total_data_seconds / seconds,
+        eval_share=eval_seconds / seconds,
         checkpoint_share=checkpointer.blocking_seconds / seconds,
+        # per save: how long the loop waited, and how long until the checkpoint was complete
+        checkpoint_stall_s=float(np.mean(checkpointer.stalls)) if checkpointer.stalls else 0.0,
+        checkpoint_save_s=float(np.mean(checkpointer.save_seconds)) if checkpointer.save_seconds else 0.0,
         checkpoints=[c.uri for c in list_complete(args.checkpoints)],
         resumed_from=latest.uri if latest else None,
         initialized_from=state["initialized_from"],

@@ -4,8 +4,10 @@ run-scoped checkpoint URI (S3 through fsspec, or a local folder).
 - Every rank writes its own shards; DCP's coordinator writes ``.metadata`` last, so a
   checkpoint is *complete* exactly when ``.metadata`` exists. Resume picks the newest complete
   one; a half-written one is ignored (and later deleted by retention).
-- Asynchronous saves run on a process group of their own (``dcp.async_save`` on the default
-  group mismatches gloo collectives with the training loop's).
+- Asynchronous saves (the default, in one process as in many) copy the state to CPU memory,
+  then write it and finish the checkpoint (completion record, retention) in the background: the
+  training loop stalls only for the copy. Across processes they run on a process group of their
+  own (``dcp.async_save`` on the default group mismatches gloo collectives with the loop's).
 - Retention keeps the last ``keep_last`` complete checkpoints plus the best by validation loss.
 - DCP reshards on load: a checkpoint saved by 2 ranks loads on 1 (or without any process group)
   and the reverse.
@@ -22,15 +24,15 @@ import json
 import re
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.utils._pytree import tree_map
 
 from tasks.lib import storage
 from tasks.lib.parallel import Engine
@@ -88,10 +90,14 @@ def step_uri(root: str, step: int) -> str:
 
 class Checkpointer:
     def __init__(self, root: str, keep_last: int, async_save: bool, rank: int) -> None:
-        self.root, self.keep_last, self.rank = root, keep_last, rank
-        self._pending: tuple[Any, CheckpointInfo] | None = None  # (Future, info)
+        self.root, self.keep_last, self.rank, self.async_save = root, keep_last, rank, async_save
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        # the background half of an asynchronous save: its write, then _finish (one at a time)
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: Future[None] | None = None
         self.blocking_seconds = 0.0  # time the training loop waited on checkpoints
+        self.stalls: list[float] = []  # per save: seconds the loop waited
+        self.save_seconds: list[float] = []  # per save: from its start until it was complete
 
     def latest(self) -> CheckpointInfo | None:
         complete = list_complete(self.root)
@@ -103,27 +109,35 @@ class Checkpointer:
         info = CheckpointInfo(step_uri(self.root, trainer["step"]), trainer["step"], dict(trainer))
         if engine.deepspeed is not None:
             self._save_deepspeed(engine, info)
+            self.save_seconds.append(time.perf_counter() - started)
         else:
-            self._save_dcp(engine, info)
-        self.blocking_seconds += time.perf_counter() - started
+            self._save_dcp(engine, info, started)
+        stall = time.perf_counter() - started
+        self.stalls.append(stall)
+        self.blocking_seconds += stall
 
-    def _save_dcp(self, engine: Engine, info: CheckpointInfo) -> None:
-        trainer = info.trainer
+    def _save_dcp(self, engine: Engine, info: CheckpointInfo, started: float) -> None:
         model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
         # the trainer state (step, data position) travels inside the checkpoint: complete together
-        state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer)}
-        if self._group is not None:
-            # async_save stages accelerator tensors to (pinned) CPU memory itself, but leaves CPU
-            # tensors as they are and writes them in the background while the next optimizer
-            # steps update them in place (a resume then diverged by 0.04 loss): copy those only.
-            # A copy on the GPU would double the shards' memory during every save.
-            staged = tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) and v.device.type == "cpu"
-                              else v, state)
-            future = dcp.async_save(staged, storage_writer=_writer(info.uri), process_group=self._group)
-            self._pending = (future, info)
-        else:
+        state = {"model": model_sd, "optim": optim_sd, "trainer": dict(info.trainer)}
+        if not self.async_save:
             dcp.save(state, storage_writer=_writer(info.uri))
             self._finish(info)
+            self.save_seconds.append(time.perf_counter() - started)
+            return
+        # async_save stages through the writer (FileSystemWriter and FsspecWriter are blocking
+        # stagers): every tensor, CPU or GPU, is copied to new CPU memory before save returns, so
+        # the next optimizer steps may update the weights in place (a test holds the write back)
+        # a blocking stager makes async_save return the write's own Future (not an AsyncSaveResponse)
+        written = cast("Future[Any]", dcp.async_save(state, storage_writer=_writer(info.uri), process_group=self._group,
+                                                     no_dist=not dist.is_initialized()))
+
+        def complete() -> None:
+            written.result()
+            self._finish(info)
+            self.save_seconds.append(time.perf_counter() - started)
+
+        self._pending = self._background.submit(complete)
 
     def _deepspeed_dir(self) -> Path:
         """Where DeepSpeed writes: the checkpoint folder itself, or a node-local stage for S3."""
@@ -146,12 +160,20 @@ class Checkpointer:
         if self.rank == 0:
             storage.write_bytes(storage.join(info.uri, METADATA), json.dumps({"format": "deepspeed", "tag": tag}).encode())
         self._finish(info)
+
     def wait(self) -> None:
+        """Until the save in flight is complete; raises what it raised."""
         if self._pending is not None:
-            future, info = self._pending
-            future.result()
-            self._pending = None
-            self._finish(info)
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        """At the end of training: the last save must be complete before the run ends, so the
+        wait counts as blocking time."""
+        started = time.perf_counter()
+        self.wait()
+        self.blocking_seconds += time.perf_counter() - started
+        self._background.shutdown()
 
     def _finish(self, info: CheckpointInfo) -> None:
         if self.rank != 0:

@@ -26,6 +26,12 @@ def find_dag_run(experiment: str, dag_run_tag: str) -> str | None:
     return str(found[0].info.run_id) if found else None
 
 
+# whole-run figures of the train step's result, logged once when training ends (shares of the loop time;
+# per checkpoint: the loop's stall and the time until the checkpoint was complete)
+RUN_FIGURES = ("final_loss", "tokens_per_s", "mfu", "eval_share", "checkpoint_share", "checkpoint_stall_s",
+               "checkpoint_save_s")
+
+
 class Tracker:
     def __init__(self, is_main: bool, params: dict[str, Any], dag_run_tag: str) -> None:
         self.enabled = is_main and bool(os.environ.get("MLFLOW_TRACKING_URI"))
@@ -101,7 +107,7 @@ class Tracker:
             return
         import mlflow
 
-        mlflow.log_metrics({k: float(result[k]) for k in ("final_loss", "tokens_per_s", "mfu") if result.get(k) is not None})
+        mlflow.log_metrics({k: float(result[k]) for k in RUN_FIGURES if result.get(k) is not None})
         if result.get("peak_source"):
             mlflow.set_tag("mfu.peak", f"{result['peak_flops'] / 1e9:.1f} GFLOP/s, {result['peak_source']}")
         if result.get("val_loss") is not None:

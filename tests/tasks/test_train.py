@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from typing import Any
 import psutil
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result, write_dataset
 
-from tasks.lib import checkpoint
+from tasks.lib import checkpoint, parallel
 from tasks.lib.model import GPT, GPTConfig
 
 TORCHRUN = [str(RUNTIME_PY), "-m", "tasks.lib.torchrun"]  # torchrun keeping the step exit codes
@@ -134,6 +136,34 @@ def test_killed_worker_restarts_and_resumes_to_the_same_result(
     assert abs(result["final_loss"] - reference[1]["final_loss"]) < 1e-4
     ref, new = weights(reference[1]["model_uri"]), weights(result["model_uri"])
     assert max((ref[k] - new[k]).abs().max().item() for k in ref) < 1e-5
+
+
+def test_a_save_returns_before_its_write_and_holds_the_state_of_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one process (no process group) as in many, a save only copies the state and returns:
+    the write happens while the next steps update the weights in place, and must not see them."""
+    release = threading.Event()
+
+    class HeldWriter(dcp.FileSystemWriter):  # the storage takes its time: until the test lets it
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            assert release.wait(timeout=60), "the write was not released"
+            return super().write_data(plan, planner)
+
+    monkeypatch.setattr(checkpoint, "_writer", HeldWriter)
+    model = torch.nn.Linear(4, 4)
+    engine = parallel.Engine("single", model, torch.optim.AdamW(model.parameters()))
+    saver = checkpoint.Checkpointer(str(tmp_path), keep_last=2, async_save=True, rank=0)
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    saver.save(engine, {**checkpoint.TRAINER_FIELDS, "step": 1})  # returns with the write held
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next optimizer step
+    release.set()
+    saver.close()
+    assert len(saver.save_seconds) == 1 and saver.stalls[0] < saver.save_seconds[0]
+    restored = torch.nn.Linear(4, 4)
+    checkpoint.load_model_weights(checkpoint.list_complete(str(tmp_path))[-1].uri, restored)
+    assert all(torch.equal(restored.state_dict()[k], at_save[k]) for k in at_save)
 
 
 def test_checkpoint_of_two_ranks_resumes_on_one_and_back(
@@ -267,7 +297,8 @@ def test_mlflow_run_per_dag_run_with_metrics_curve_and_model(stack_env: dict[str
     run = client.get_run(str(again["mlflow_run_id"]))
     assert run.data.tags["dag_run"] == tag and run.data.params["engine"] == "fsdp2"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10, 15, 20]
-    for metric in ("tokens_per_s", "data_loading_share", "checkpoint_time_s", "val_loss", "step_time_s"):
+    for metric in ("tokens_per_s", "data_loading_share", "checkpoint_time_s", "val_loss", "step_time_s",
+                   "checkpoint_stall_s", "checkpoint_save_s", "eval_share", "mfu"):
         assert metric in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"model", "loss_curve.png"} <= artifacts
