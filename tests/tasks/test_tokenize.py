@@ -18,10 +18,16 @@ def test_token_dtype(vocab: int, dtype: type) -> None:
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 7, 50])
-def test_shards_cover_every_record_once(num_shards: int) -> None:
-    ranges = [tokens.shard_range(23, i, num_shards) for i in range(num_shards)]
+def test_shards_cover_every_record_once_with_even_bytes(num_shards: int) -> None:
+    # 23 records: short ones first, then long ones (as when a day of long documents follows)
+    lengths = np.array([10] * 12 + [1000] * 11)
+    offsets = tokens.offsets_from_lengths(lengths)
+    ranges = [tokens.shard_range(offsets, i, num_shards) for i in range(num_shards)]
     covered = [i for start, end in ranges for i in range(start, end)]
     assert covered == list(range(23))
+    share = lengths.sum() / num_shards
+    if num_shards <= 11:  # fewer shards than long records: each within one record of an even share
+        assert all(abs(int(offsets[end] - offsets[start]) - share) <= 1000 for start, end in ranges)
 
 
 def test_split_depends_only_on_document_hash() -> None:
@@ -87,7 +93,7 @@ def test_each_shard_reads_only_its_byte_range(snapshot: Path, tokenizer_uri: str
     for name in ("train.bin", "val.bin", "train.offsets.npy", "val.offsets.npy"):  # index.json names its snapshot
         assert (tmp_path / "r/dataset" / name).read_bytes() == (tmp_path / "w/dataset" / name).read_bytes(), name
     # the other shards' bytes overwritten with garbage (same length): shard 1 never sees them
-    start, end = tokens.shard_range(len(kept), 1, 3)
+    start, end = tokens.shard_range(offsets, 1, 3)
     data = bytearray((ranged / "snapshot.jsonl").read_bytes())
     data[: offsets[start]] = b"#" * int(offsets[start])
     data[offsets[end]:] = b"#" * (len(data) - int(offsets[end]))
