@@ -46,6 +46,8 @@ help:
 	@command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 	@# nginx: the router in front of Triton (split_clients between the stable and canary version)
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
+	@# Prometheus and its Pushgateway: the local stack's metrics (observability/), promtool checks the alert rules
+	@command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus prometheus-pushgateway)
 	@mkdir -p .venvs && touch $@
 
 # Runtime environment: what the step images hold. deepspeed builds against the installed torch,
@@ -122,11 +124,11 @@ repro: env
 # Both environments run their half of the suite: tasks/ and the stack in the runtime env,
 # dags/ and plugins/ (including the end-to-end DAG run) in the orchestrator env.
 test: env
-	$(RT_PY) -m pytest tests/tasks tests/stack tests/containers
+	$(RT_PY) -m pytest tests/tasks tests/stack tests/containers tests/observability
 	$(ORCH_PY) -m pytest tests/dags tests/plugins
 
 test-unit: env
-	$(RT_PY) -m pytest -m "not integration" tests/tasks tests/stack tests/containers
+	$(RT_PY) -m pytest -m "not integration" tests/tasks tests/stack tests/containers tests/observability
 	$(ORCH_PY) -m pytest -m "not integration" tests/dags tests/plugins
 
 lint: env

@@ -58,7 +58,8 @@ SECRET_VARIABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "llm-pipeline-storage": (("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
                              ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "DVC_REGISTRY_GIT_REMOTE")),
     "llm-pipeline-mlflow": (("MLFLOW_TRACKING_URI", "ROUTER_URL"),
-                            ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")),
+                            ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                             "PUSHGATEWAY_URL")),  # the run report pushes each run's figures there
 }
 
 

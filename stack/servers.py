@@ -81,6 +81,9 @@ def client_env() -> dict[str, str]:
         "TRITON_REPOSITORY": str(triton_repository()),
         "ROUTER_URL": f"http://127.0.0.1:{port['router']}",
         "ROUTER_DIR": str(router_dir()),
+        # observability: steps push run figures, people and tests query Prometheus
+        "PUSHGATEWAY_URL": f"http://127.0.0.1:{port['pushgateway']}",
+        "PROMETHEUS_URL": f"http://127.0.0.1:{port['prometheus']}",
     }
 
 
@@ -348,6 +351,7 @@ def _triton_command() -> list[str]:
         "--grpc-address=127.0.0.1", f"--grpc-port={port['triton_grpc']}",
         "--metrics-address=127.0.0.1", f"--metrics-port={port['triton_metrics']}",
         "--allow-gpu-metrics=false",
+        "--metrics-config=summary_latencies=true",  # latency quantiles per version (the p99 of the dashboard)
         "--log-verbose=0",
     ]
 
@@ -434,6 +438,44 @@ def create_airflow_pools() -> None:
     subprocess.run([airflow, "pools", "import", str(path)], env={**os.environ, **_airflow_env()}, check=True,
                    stdout=subprocess.DEVNULL)
 
+def _debian_bin(name: str) -> str:
+    """A server from a Debian package (the Makefile installs it with apt-get when missing)."""
+    found = shutil.which(name) or f"/usr/bin/{name}"
+    if not Path(found).exists():
+        raise RuntimeError(f"{name} is not installed: run `make env` (it installs the Debian package)")
+    return found
+
+
+def _pushgateway_command() -> list[str]:
+    return [_debian_bin("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{ports()['pushgateway']}"]
+
+
+def write_prometheus_config() -> Path:
+    """Scrape Triton (per-version request counters and latencies) and the Pushgateway (each run's
+    figures, labels kept as pushed); evaluate the alert rules of observability/alerts.yml."""
+    port = ports()
+    config = {
+        "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
+        "rule_files": [str(REPO_ROOT / "observability" / "alerts.yml")],
+        "scrape_configs": [
+            {"job_name": "prometheus", "static_configs": [{"targets": [f"127.0.0.1:{port['prometheus']}"]}]},
+            {"job_name": "pushgateway", "honor_labels": True,
+             "static_configs": [{"targets": [f"127.0.0.1:{port['pushgateway']}"]}]},
+            {"job_name": "triton", "static_configs": [{"targets": [f"127.0.0.1:{port['triton_metrics']}"]}]},
+        ],
+    }
+    path = state_dir() / "prometheus" / "prometheus.yml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _prometheus_command() -> list[str]:
+    return [_debian_bin("prometheus"), f"--config.file={write_prometheus_config()}",
+            f"--storage.tsdb.path={state_dir() / 'prometheus' / 'data'}",
+            f"--web.listen-address=127.0.0.1:{ports()['prometheus']}"]
+
+
 SERVERS = (
     Server("seaweedfs", _seaweedfs_command, dict, _s3_healthy, start_timeout_s=60),
     Server(
@@ -447,6 +489,10 @@ SERVERS = (
            lambda: _http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60),
     Server("router", _router_command, dict, lambda: _http_ok(f"{client_env()['ROUTER_URL']}/router/state"),
            start_timeout_s=20),
+    Server("pushgateway", _pushgateway_command, dict,
+           lambda: _http_ok(f"{client_env()['PUSHGATEWAY_URL']}/-/ready"), start_timeout_s=20),
+    Server("prometheus", _prometheus_command, dict,
+           lambda: _http_ok(f"{client_env()['PROMETHEUS_URL']}/-/ready"), start_timeout_s=30),
 )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tasks.lib import storage
+from tasks.lib import metrics, storage
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_params
 from tasks.lib.step import log, run_step, step_parser
@@ -253,11 +253,45 @@ def write(args: argparse.Namespace) -> dict[str, Any]:
         (out / "report.html").write_text(page, encoding="utf-8")
         if run_id:
             log_to_mlflow(run_id, out, report, scratch)
+    if metrics.push({"dag_id": args.dag_id, "run_id": args.run_id}, run_figures(report), FIGURE_HELP):
+        log.info("run figures pushed to %s", os.environ["PUSHGATEWAY_URL"])
     for line in lines:
         log.info("%s", line)
     log.info("run report: %s", storage.join(args.output, "report.html"))
     return {"verdict": report["verdict"], "report_uri": storage.join(args.output, "report.html"),
             "summary_uri": storage.join(args.output, "summary.txt"), "mlflow_run": mlflow_url}
+
+
+# what Prometheus gets of a run (observability/alerts.yml and the Grafana dashboard read these)
+FIGURE_HELP = {
+    "llm_pipeline_run_success": "1 when the run trained, registered and (unless skipped) deployed its model",
+    "llm_pipeline_run_failed": "1 when a step of the run failed (not a gate rejection, not a rollback)",
+    "llm_pipeline_run_rejected": "1 when the evaluation gate rejected the challenger",
+    "llm_pipeline_canary_rolled_back": "1 when the canary was rolled back",
+    "llm_pipeline_train_tokens_per_second": "training throughput over the whole loop, all processes",
+    "llm_pipeline_train_mfu_ratio": "model FLOPs utilization of one training process",
+    "llm_pipeline_train_final_loss": "training loss of the last step",
+    "llm_pipeline_train_val_loss": "validation loss at the end of training",
+    "llm_pipeline_registered_version": "the model version the run registered",
+    "llm_pipeline_report_timestamp_seconds": "when the run report was written",
+}
+
+
+def run_figures(report: dict[str, Any]) -> dict[str, float | None]:
+    verdict, train = report["verdict"], report["training"]
+    version = report["registered"].get("version")
+    return {
+        "llm_pipeline_run_success": float(verdict in ("success", "deploy skipped")),
+        "llm_pipeline_run_failed": float(verdict == "failed"),
+        "llm_pipeline_run_rejected": float(verdict == "rejected"),
+        "llm_pipeline_canary_rolled_back": float(verdict == "rolled back"),
+        "llm_pipeline_train_tokens_per_second": train.get("tokens_per_s"),
+        "llm_pipeline_train_mfu_ratio": train.get("mfu"),
+        "llm_pipeline_train_final_loss": train.get("final_loss"),
+        "llm_pipeline_train_val_loss": train.get("val_loss"),
+        "llm_pipeline_registered_version": float(version) if str(version or "").isdigit() else None,
+        "llm_pipeline_report_timestamp_seconds": dt.datetime.fromisoformat(report["written_at"]).timestamp(),
+    }
 
 
 def log_to_mlflow(run_id: str, out: Path, report: dict[str, Any], scratch: Path) -> None:

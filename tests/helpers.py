@@ -29,6 +29,8 @@ TEST_PORTS = {
         "triton_grpc": 8201,
         "triton_metrics": 8202,
         "router": 8290,
+        "prometheus": 9190,
+        "pushgateway": 9191,
     }.items()
 }
 

@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 import threading
+import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -204,6 +206,24 @@ def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -
     for label in ("data ", "validation ", "tokens ", "training ", "evaluation ", "registered ", "canary ", "try it"):
         assert f"  {label}" in shown, (label, shown)
     assert "make predict" in shown and report["report_uri"] in shown and report["mlflow_run"] in shown
+    # Prometheus: the run's figures (pushed by the report) and Triton's latency quantiles per version
+    assert prometheus_value(f'llm_pipeline_run_success{{dag_id="llm_retrain", run_id="{run.run_id}"}}') == 1.0
+    assert prometheus_value(f'llm_pipeline_registered_version{{run_id="{run.run_id}"}}') == float(registered["version"])
+    p99 = f'nv_inference_request_summary_us{{model="llm", version="{registered["version"]}", quantile="0.99"}}'
+    assert prometheus_value(f"count({p99})") >= 1.0
+
+
+def prometheus_value(expr: str, timeout_s: float = 60) -> float:
+    """The value of a one-series query, waiting for the next scrape (every 5 s locally)."""
+    deadline = time.monotonic() + timeout_s
+    query = urllib.parse.urlencode({"query": expr})
+    while True:
+        with urllib.request.urlopen(f"{os.environ['PROMETHEUS_URL']}/api/v1/query?{query}", timeout=10) as resp:
+            result = json.loads(resp.read())["data"]["result"]
+        if result:
+            return float(result[0]["value"][1])
+        assert time.monotonic() < deadline, f"Prometheus has no {expr}"
+        time.sleep(1)
 
 
 def test_rollback_dag_takes_a_target_param() -> None:

@@ -1,4 +1,5 @@
-"""The local stack: real SeaweedFS and MLflow servers, started once per session."""
+"""The local stack: real SeaweedFS, MLflow, Triton, nginx, Pushgateway and Prometheus servers, started once per
+session."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ def pids(stack_dir: str) -> dict[str, str]:
 
 def test_up_is_idempotent_and_reuses_healthy_servers(stack_env: dict[str, str]) -> None:
     before = pids(stack_env["STACK_DIR"])
-    assert set(before) == {"seaweedfs", "mlflow", "triton", "router"}
+    assert set(before) == {"seaweedfs", "mlflow", "triton", "router", "pushgateway", "prometheus"}
     proc = run_module("stack", "up")
     assert proc.returncode == 0, proc.stderr
     assert pids(stack_env["STACK_DIR"]) == before
     status = run_module("stack", "status")
-    assert status.returncode == 0 and status.stdout.count("healthy") == 4
+    assert status.returncode == 0 and status.stdout.count("healthy") == 6
 
 
 def test_generated_credentials_are_required(stack_env: dict[str, str]) -> None:

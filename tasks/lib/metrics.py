@@ -1,0 +1,55 @@
+"""A run's figures as Prometheus metrics, pushed to a Pushgateway (``PUSHGATEWAY_URL``).
+
+Batch work cannot be scraped while it runs, so the run report pushes what it gathered (verdict,
+training throughput and loss, evaluation, the deployed version) once per DAG run, in the
+Pushgateway's text format. The group is ``job/llm_pipeline/dag_id/<dag>/run_id/<run>``: runs never
+overwrite each other, and Prometheus (``honor_labels``) keeps those labels on every series. A
+Pushgateway outage is logged and does not fail the step: monitoring must not undo a finished run.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+
+from tasks.lib.step import log
+
+JOB = "llm_pipeline"
+
+
+def exposition(figures: Mapping[str, float | None], help_texts: Mapping[str, str]) -> str:
+    """Gauges in Prometheus' text format; None and non-finite figures are left out."""
+    lines = []
+    for name, value in figures.items():
+        if value is None or not math.isfinite(float(value)):
+            continue
+        lines += [f"# HELP {name} {help_texts.get(name, name)}", f"# TYPE {name} gauge", f"{name} {float(value)!r}"]
+    return "\n".join(lines) + "\n"
+
+
+def group_path(grouping: Mapping[str, str]) -> str:
+    """``/metrics/job/<job>/<label>@base64/<value>...``: base64 (URL alphabet) lets a value hold '/'."""
+    parts = [f"/metrics/job/{JOB}"]
+    for label, value in grouping.items():
+        encoded = base64.urlsafe_b64encode(value.encode()).decode().rstrip("=") or "="
+        parts.append(f"/{label}@base64/{encoded}")
+    return "".join(parts)
+
+
+def push(grouping: Mapping[str, str], figures: Mapping[str, float | None], help_texts: Mapping[str, str]) -> bool:
+    """Replace this group's metrics (HTTP PUT); False when not configured or not reachable."""
+    url = os.environ.get("PUSHGATEWAY_URL", "").rstrip("/")
+    if not url:
+        return False
+    request = urllib.request.Request(url + group_path(grouping), data=exposition(figures, help_texts).encode(),
+                                     method="PUT", headers={"Content-Type": "text/plain; version=0.0.4"})
+    try:
+        with urllib.request.urlopen(request, timeout=10):
+            return True
+    except (urllib.error.URLError, OSError) as exc:
+        log.warning("metrics not pushed to %s: %s", url, exc)
+        return False

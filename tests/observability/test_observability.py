@@ -1,0 +1,102 @@
+"""Observability: the alert rules (promtool: checked and unit-tested on series), the Grafana
+dashboard (every query accepted by the real Prometheus), and a run's figures pushed by the run
+report reaching Prometheus through the real Pushgateway."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from typing import Any
+
+import pytest
+from helpers import REPO_ROOT
+
+from tasks import report
+from tasks.lib import metrics
+
+OBSERVABILITY = REPO_ROOT / "observability"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PROMTOOL, *args], cwd=OBSERVABILITY, capture_output=True, text=True)
+
+
+def prometheus_query(url: str, expr: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}", timeout=10) as resp:
+        loaded: dict[str, Any] = json.loads(resp.read())
+    return loaded
+
+
+def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
+    checked = promtool("check", "rules", "alerts.yml")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = promtool("test", "rules", "alerts_test.yml")  # series in, expected alerts out
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_alert_rules_read_the_figures_the_report_pushes() -> None:
+    """A renamed figure would leave an alert silently never firing."""
+    rules = (OBSERVABILITY / "alerts.yml").read_text()
+    used = {word for word in rules.replace("(", " ").replace(")", " ").split() if word.startswith("llm_pipeline_")}
+    assert used and used <= set(report.FIGURE_HELP)
+    dashboard = (OBSERVABILITY / "grafana-dashboard.json").read_text()
+    assert set(re.findall(r"llm_pipeline_\w+", dashboard)) <= set(report.FIGURE_HELP)
+
+
+def test_exposition_and_group_path() -> None:
+    text = metrics.exposition({"a_ratio": 0.5, "b": None, "c": float("nan"), "d_total": 3}, {"a_ratio": "a share"})
+    assert text == "# HELP a_ratio a share\n# TYPE a_ratio gauge\na_ratio 0.5\n# HELP d_total d_total\n" \
+                   "# TYPE d_total gauge\nd_total 3.0\n"
+    path = metrics.group_path({"dag_id": "llm_retrain", "run_id": "manual__2026-11-22T00:00:00+00:00/x"})
+    encoded = path.rsplit("/", 1)[1]
+    assert path.startswith("/metrics/job/llm_pipeline/dag_id@base64/")
+    assert base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode().endswith("+00:00/x")
+
+
+def test_push_without_a_gateway_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PUSHGATEWAY_URL", raising=False)
+    assert metrics.push({"dag_id": "d"}, {"x": 1.0}, {}) is False
+    monkeypatch.setenv("PUSHGATEWAY_URL", "http://127.0.0.1:9")  # nothing listens: logged, not raised
+    assert metrics.push({"dag_id": "d"}, {"x": 1.0}, {}) is False
+
+
+@pytest.mark.integration
+def test_dashboard_queries_are_valid_promql(stack_env: dict[str, str]) -> None:
+    dashboard = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels) and dashboard["uid"]
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource"}
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+        assert set(panel["gridPos"]) == {"x", "y", "w", "h"} and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+        for target in panel["targets"]:
+            answer = prometheus_query(stack_env["PROMETHEUS_URL"], target["expr"])  # 400 on a syntax error
+            assert answer["status"] == "success", (panel["title"], answer)
+
+
+@pytest.mark.integration
+def test_a_runs_figures_reach_prometheus_through_the_pushgateway(stack_env: dict[str, str]) -> None:
+    run_id = f"manual__{time.time_ns()}"
+    figures = {"llm_pipeline_run_success": 1.0, "llm_pipeline_train_tokens_per_second": 4321.0}
+    assert metrics.push({"dag_id": "llm_retrain", "run_id": run_id}, figures, report.FIGURE_HELP)
+    deadline = time.monotonic() + 60  # the next scrape (every 5 s)
+    while True:
+        result = prometheus_query(stack_env["PROMETHEUS_URL"],
+                                  f'llm_pipeline_train_tokens_per_second{{run_id="{run_id}"}}')["data"]["result"]
+        if result or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert result, "the pushed figure never reached Prometheus"
+    assert result[0]["metric"]["dag_id"] == "llm_retrain" and result[0]["metric"]["job"] == "llm_pipeline"
+    assert float(result[0]["value"][1]) == 4321.0
+    # the alert rules are loaded and evaluated
+    with urllib.request.urlopen(f"{stack_env['PROMETHEUS_URL']}/api/v1/rules", timeout=10) as resp:
+        groups = json.loads(resp.read())["data"]["groups"]
+    assert {rule["name"] for g in groups for rule in g["rules"]} >= {"LLMPipelineRunFailed", "LLMCanaryRolledBack"}
