@@ -49,7 +49,6 @@ class Shards:
     """One run of the encode workers and the merge over the same snapshot."""
 
     wall: float  # from the first worker's start to the merged dataset
-    encode_wall: float  # until the last worker exited
     busiest_encode: float  # the slowest worker's own encode seconds
     read: float  # the slowest worker's record read
     merge: float  # the merge process, start-up included
@@ -102,7 +101,7 @@ def shards(snapshot: Path, tokenizer_file: Path, workers: int, out: Path, pinned
     done = time.perf_counter()
     result = json.loads(next(x for x in reversed(merge.stderr.splitlines()) if " result {" in x).split(" result ", 1)[1])
     stats = [json.loads((out / "shards" / f"{i:05d}" / "stats.json").read_text()) for i in range(workers)]
-    return Shards(wall=done - started, encode_wall=encoded - started, busiest_encode=max(s["seconds"] for s in stats),
+    return Shards(wall=done - started, busiest_encode=max(s["seconds"] for s in stats),
                   read=max(s["read_seconds"] for s in stats), merge=done - encoded, tokens=sum(result["tokens"].values()))
 
 
@@ -142,7 +141,6 @@ def main() -> None:
                   for n in range(1, cpus + 1)}
         merges = {n: best([shards(snapshot, tokenizer_file, n, root / f"m{n}-{r}", True) for r in range(2)]).merge
                   for n in (4, 8, 16)}
-        merges.update({n: r.merge for n, r in pinned.items()})
         start_up = start_up_seconds(args.repeats)
     for run in [*step.values(), *pinned.values()]:
         assert run.tokens == base_tokens, f"{run.tokens} tokens, baseline {base_tokens}"

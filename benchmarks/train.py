@@ -153,7 +153,7 @@ def main() -> None:
               f"{r['steady_tokens_per_s']:>8,.0f}{100 * r['mfu']:>7.1f}{100 * r['data_loading_share']:>7.1f}"
               f"{100 * r['eval_share']:>7.1f}{100 * r['checkpoint_share']:>7.1f}{1000 * r['checkpoint_stall_s']:>9.0f}"
               f"{1000 * r['checkpoint_save_s']:>8.0f}{100 * at_cadence:>11.2f}")
-    print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {rows[next(iter(rows))]['peak_source']}")
+    print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {next(iter(rows.values()))['peak_source']}")
 
 
 if __name__ == "__main__":

@@ -438,6 +438,7 @@ def create_airflow_pools() -> None:
     subprocess.run([airflow, "pools", "import", str(path)], env={**os.environ, **_airflow_env()}, check=True,
                    stdout=subprocess.DEVNULL)
 
+
 def _debian_bin(name: str) -> str:
     """A server from a Debian package (the Makefile installs it with apt-get when missing)."""
     found = shutil.which(name) or f"/usr/bin/{name}"

@@ -109,12 +109,13 @@ class Checkpointer:
         info = CheckpointInfo(step_uri(self.root, trainer["step"]), trainer["step"], dict(trainer))
         if engine.deepspeed is not None:
             self._save_deepspeed(engine, info)
-            self.save_seconds.append(time.perf_counter() - started)
         else:
             self._save_dcp(engine, info, started)
         stall = time.perf_counter() - started
         self.stalls.append(stall)
         self.blocking_seconds += stall
+        if self._pending is None:  # saved in the loop: complete when the stall ended
+            self.save_seconds.append(stall)
 
     def _save_dcp(self, engine: Engine, info: CheckpointInfo, started: float) -> None:
         model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
@@ -123,12 +124,11 @@ class Checkpointer:
         if not self.async_save:
             dcp.save(state, storage_writer=_writer(info.uri))
             self._finish(info)
-            self.save_seconds.append(time.perf_counter() - started)
             return
         # async_save stages through the writer (FileSystemWriter and FsspecWriter are blocking
         # stagers): every tensor, CPU or GPU, is copied to new CPU memory before save returns, so
-        # the next optimizer steps may update the weights in place (a test holds the write back)
-        # a blocking stager makes async_save return the write's own Future (not an AsyncSaveResponse)
+        # the next optimizer steps may update the weights in place (a test holds the write back);
+        # with a blocking stager it returns the write's own Future (not an AsyncSaveResponse)
         written = cast("Future[Any]", dcp.async_save(state, storage_writer=_writer(info.uri), process_group=self._group,
                                                      no_dist=not dist.is_initialized()))
 
