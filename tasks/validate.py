@@ -3,6 +3,8 @@
 The suite is defined in code (:func:`build_suite`) with thresholds from params.yaml ``validate``;
 each day of the window is also checked on its own (:func:`check_partitions`, from the
 snapshot's per-partition counts), so one bad day among good ones cannot hide in the totals.
+The suite runs as SQL on an on-disk SQLite copy of the snapshot (:func:`load_snapshot`), so
+the step's memory does not grow with the corpus.
 The Data Docs report and a JSON summary are written to ``--output`` whether the gate passes
 or not; on failure the step exits 2 with one line naming the failed expectations and their
 counts, so the DAG stops before tokenization.
@@ -25,7 +27,7 @@ from tasks.lib.step import log, run_step, step_parser
 SNAPSHOT_COLUMNS = ["id", "text", "source", "created_at", "content_hash", "copies"]
 EMAIL_RE = r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"
 # U+FFFD means text was decoded lossily upstream; C0 controls should be gone after normalization.
-# Literal characters, not escapes: pandas hands the pattern to Arrow's RE2, which lacks \\u.
+# SQLite evaluates the patterns with Python's re (the REGEXP function SQLAlchemy registers).
 BROKEN_CHARS_RE = "[\ufffd\x00-\x08\x0b-\x1f\x7f]"
 ISO_TIMESTAMP_RE = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}"
 
@@ -88,7 +90,7 @@ def failure_line(failed: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def run_suite(df: Any, params: dict[str, Any], docs_dir: Path) -> tuple[bool, list[dict[str, Any]]]:
+def run_suite(database: Path, params: dict[str, Any], docs_dir: Path) -> tuple[bool, list[dict[str, Any]]]:
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     import great_expectations as gx  # 8-11 s to import: only this step pays for it
 
@@ -102,11 +104,12 @@ def run_suite(df: Any, params: dict[str, Any], docs_dir: Path) -> tuple[bool, li
             "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
         },
     )
-    batch = context.data_sources.add_pandas("snapshot").add_dataframe_asset("records")
+    table = context.data_sources.add_sqlite("snapshot", connection_string=f"sqlite:///{database}").add_table_asset(
+        "records", table_name="records")
     definition = context.validation_definitions.add(
         gx.ValidationDefinition(
             name="snapshot_contract",
-            data=batch.add_batch_definition_whole_dataframe("all"),
+            data=table.add_batch_definition_whole_table("all"),
             suite=context.suites.add(build_suite(gx, params)),
         )
     )
@@ -118,7 +121,7 @@ def run_suite(df: Any, params: dict[str, Any], docs_dir: Path) -> tuple[bool, li
             result_format={"result_format": "SUMMARY", "partial_unexpected_count": 3},
         )
     )
-    outcome = checkpoint.run(batch_parameters={"dataframe": df})
+    outcome = checkpoint.run()
     results = [describe(r) for run in outcome.run_results.values() for r in run.results]
     return bool(outcome.success), results
 
@@ -153,21 +156,80 @@ def check_partitions(partitions: dict[str, dict[str, int]], params: dict[str, An
     return failed
 
 
-def load_snapshot(uri: str, scratch: Path) -> Any:
-    import pandas as pd
+# Declared types for the contract's columns; any other key of a record becomes an untyped column
+# (so the column-set expectation sees it), added the first time a record carries it.
+COLUMN_TYPES = {"id": "TEXT", "text": "TEXT", "source": "TEXT", "created_at": "TEXT", "content_hash": "TEXT",
+                "copies": "INTEGER"}
+LOAD_BATCH_ROWS = 5_000
+
+
+def sql_value(value: Any) -> Any:
+    return json.dumps(value) if isinstance(value, (dict, list)) else value
+
+
+def quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def add_columns(db: Any, keys: set[str], columns: list[str]) -> None:
+    """Creates the table with its first keys, then adds a column for each key not seen before."""
+    for key in sorted(keys - set(columns)):
+        definition = f"{quoted(key)} {COLUMN_TYPES.get(key, '')}"
+        db.execute(f"ALTER TABLE records ADD COLUMN {definition}" if columns else f"CREATE TABLE records ({definition})")
+        columns.append(key)
+
+
+def insert_rows(db: Any, batch: list[dict[str, Any]], columns: list[str]) -> None:
+    add_columns(db, {key for record in batch for key in record}, columns)
+    db.executemany(f"INSERT INTO records ({', '.join(map(quoted, columns))}) VALUES ({', '.join('?' * len(columns))})",
+                   ([sql_value(record.get(c)) for c in columns] for record in batch))
+    batch.clear()
+
+
+def load_snapshot(uri: str, scratch: Path) -> tuple[Path, int]:
+    """The snapshot as an on-disk SQLite table ``records``, filled a batch of lines at a time:
+    Great Expectations then validates it with SQL, so the step's memory does not grow with the
+    corpus (a pandas frame held every record). Returns the database and its row count."""
+    import sqlite3
 
     local = storage.download(uri, scratch / "snapshot.jsonl")
+    database = scratch / "snapshot.sqlite"
+    database.unlink(missing_ok=True)  # a retry starts over
+    columns: list[str] = []
+    batch: list[dict[str, Any]] = []
+    rows = 0
+    db = sqlite3.connect(database)
     try:
-        return pd.read_json(local, lines=True, dtype={"id": str, "content_hash": str, "created_at": str})
-    except ValueError as exc:
-        raise StepError(f"{uri}: cannot be read as JSON Lines ({exc})") from None
+        db.execute("PRAGMA journal_mode=OFF")  # scratch, rebuilt from the snapshot by a retry
+        db.execute("PRAGMA synchronous=OFF")
+        with local.open("rb") as lines:
+            for lineno, raw in enumerate(lines, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw)
+                except ValueError as exc:
+                    raise StepError(f"{uri}:{lineno}: cannot be read as JSON Lines ({exc})") from None
+                if not isinstance(record, dict):
+                    raise StepError(f"{uri}:{lineno}: expected a JSON object, got {type(record).__name__}")
+                batch.append(record)
+                rows += 1
+                if len(batch) == LOAD_BATCH_ROWS:
+                    insert_rows(db, batch, columns)
+        insert_rows(db, batch, columns)
+        if not columns:  # no records: the contract's columns, so the row count is what fails
+            add_columns(db, set(COLUMN_TYPES), columns)
+        db.commit()
+    finally:
+        db.close()
+    return database, rows
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     params = step_params("validate", args.overrides)
     with storage.staged_output(args.output) as out_dir, storage.scratch() as scratch:
-        df = load_snapshot(args.snapshot, scratch)
-        success, results = run_suite(df, params, out_dir / "report")
+        database, records = load_snapshot(args.snapshot, scratch)
+        success, results = run_suite(database, params, out_dir / "report")
         stats_uri = storage.sibling(args.snapshot, "stats.json")  # the snapshot step's, beside it
         partitions = storage.read_json(stats_uri).get("partitions", {}) if storage.exists(stats_uri) else {}
         partition_failures = check_partitions(partitions, params)
@@ -176,7 +238,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         failed = [r for r in results if not r["success"]]
         summary = {
             "snapshot_uri": args.snapshot,
-            "records": len(df),
+            "records": records,
             "success": success,
             "evaluated": len(results),
             "partitions": partitions,
@@ -190,13 +252,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             f"validation of {args.snapshot} failed {len(failed)}/{len(results)} expectations: "
             f"{failure_line(failed)} (report: {report_uri})"
         )
-    log.info("validation passed: %d expectations on %d records; report %s", len(results), len(df), report_uri)
+    log.info("validation passed: %d expectations on %d records; report %s", len(results), records, report_uri)
     return {
         "success": True,
         "report_uri": report_uri,
         "summary_uri": storage.join(args.output, "summary.json"),
         "evaluated": len(results),
-        "records": len(df),
+        "records": records,
     }
 
 

@@ -128,6 +128,17 @@ def test_validation_passes_on_real_text_and_saves_report(seeded_raw: str) -> Non
     assert b"<html" in storage.read_bytes(str(result["report_uri"]))[:2000].lower()
 
 
+def test_a_broken_snapshot_line_fails_validation_naming_it(stack_env: dict[str, str], tmp_path: Path) -> None:
+    snapshot_file = tmp_path / "snapshot.jsonl"
+    snapshot_file.write_text(json.dumps({"id": "1", "text": "a fine record", **GOOD}) + "\n{not json\n")
+    output = out_uri("validate")
+    proc = run_module("tasks.validate", "--snapshot", str(snapshot_file), "--output", output)
+    assert proc.returncode == 2
+    errors = error_lines(proc)
+    assert len(errors) == 1 and f"{snapshot_file}:2: cannot be read as JSON Lines" in errors[0], errors
+    assert storage.list_files(output) == []
+
+
 def test_mostly_duplicates_fail_validation_and_stop_the_data_half(stack_env: dict[str, str], tmp_path: Path) -> None:
     source = f"s3://raw/dups-{uuid.uuid4().hex[:8]}"
     lines = [json.dumps({"id": str(i), "text": f"distinct document number {i} with some text", **GOOD})
@@ -268,10 +279,10 @@ def test_snapshot_runs_on_a_read_only_root_like_a_pod(seeded_raw: str, tmp_path:
 
 
 def write_corpus(root: Path, megabytes: int, days: list[str]) -> None:
-    """Distinct ~1 KB records, ``megabytes`` in all, in 4 MB files spread over ``days``."""
+    """Distinct ~1 KB records, ``megabytes`` in all, in 1 MB files spread evenly over ``days``."""
     filler = "lorem ipsum dolor sit amet " * 40
-    per_file, index = 4_000, 0
-    for file_no in range(megabytes // 4):
+    per_file, index = 1_000, 0
+    for file_no in range(megabytes):
         day = days[file_no % len(days)]
         folder = root / f"date={day}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -281,26 +292,40 @@ def write_corpus(root: Path, megabytes: int, days: list[str]) -> None:
                 index += 1
 
 
+def run_measuring_peak_rss(module: str, *args: str, peak: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` whose peak RSS (KiB) is written to ``peak`` when it exits."""
+    code = ("import atexit, resource, runpy, sys\n"
+            f"atexit.register(lambda: open({str(peak)!r}, 'w').write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))\n"
+            f"sys.argv = [{module!r}, *{list(args)!r}]\n"
+            f"runpy.run_module({module!r}, run_name='__main__')")
+    proc = subprocess.run([str(RUNTIME_PY), "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 @pytest.mark.integration
-def test_snapshot_memory_does_not_grow_with_the_corpus(stack_env: dict[str, str], tmp_path: Path) -> None:
-    """Records are de-duplicated through a spill file and an on-disk index, not held in memory:
-    the peak RSS of the snapshot process for a 5x larger window grows by a small fraction of the
-    extra data (holding the records grew it by more than the extra data itself)."""
+def test_data_steps_memory_does_not_grow_with_the_corpus(stack_env: dict[str, str], tmp_path: Path) -> None:
+    """Snapshot de-duplicates through a spill file and an on-disk index; validation runs its
+    suite as SQL over an on-disk SQLite copy: for a 5x larger window the peak RSS of each step
+    grows by a small fraction of the extra data (holding the records, in a dict or a pandas
+    frame, grew it by more than the extra data itself)."""
     days = [f"2026-10-0{d}" for d in range(1, 8)]
 
-    def peak_rss_mb(megabytes: int) -> float:
+    def peak_rss_mb(megabytes: int) -> tuple[float, float]:
         raw = tmp_path / f"raw-{megabytes}"
         write_corpus(raw, megabytes, days)
-        peak = tmp_path / f"peak-{megabytes}"
-        code = ("import atexit, resource, runpy, sys\n"
-                f"atexit.register(lambda: open({str(peak)!r}, 'w').write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))\n"
-                f"sys.argv = ['snapshot', '--source', {str(raw)!r}, '--end-date', '2026-10-08', '--output', {out_uri('snapshot')!r}]\n"
-                "runpy.run_module('tasks.snapshot', run_name='__main__')")
-        proc = subprocess.run([str(RUNTIME_PY), "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
-                              env={**os.environ})
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert step_result(proc)["data_version"]["records"] == megabytes // 4 * 4000  # type: ignore[index]
-        return int(peak.read_text()) / 1024
+        peaks = tmp_path / f"snapshot-{megabytes}", tmp_path / f"validate-{megabytes}"
+        snap = step_result(run_measuring_peak_rss(
+            "tasks.snapshot", "--source", str(raw), "--end-date", "2026-10-08", "--output", out_uri("snapshot"),
+            peak=peaks[0]))
+        assert snap["data_version"]["records"] == megabytes * 1000  # type: ignore[index]
+        validated = step_result(run_measuring_peak_rss(
+            "tasks.validate", "--snapshot", str(snap["snapshot_uri"]), "--output", out_uri("validate"),
+            peak=peaks[1]))
+        assert validated["records"] == megabytes * 1000
+        return int(peaks[0].read_text()) / 1024, int(peaks[1].read_text()) / 1024
 
     small, large = peak_rss_mb(16), peak_rss_mb(80)
-    assert large - small < 0.25 * (80 - 16), (small, large)
+    for step, before, after in zip(["snapshot", "validate"], small, large, strict=True):
+        assert after - before < 0.25 * (80 - 16), (step, before, after)
