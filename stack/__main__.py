@@ -6,6 +6,7 @@
     python -m stack status   one line per server
     python -m stack env      ``export`` lines for a shell: endpoints and generated keys
     python -m stack predict "PROMPT"   a completion from the serving model, through the router
+    python -m stack compose-init   docker-compose.yaml's set-up (buckets, router config, pools), in its container
 
 Runs in the runtime environment (it holds ``weed`` and ``mlflow``). State lives in
 ``.stack/`` (or ``$STACK_DIR``): data, logs, PIDs, the generated S3 keys and ``stack.env``.
@@ -20,7 +21,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from stack.servers import client_env, down, ports, status, up, write_env_file
+from stack.servers import client_env, down, init_compose_stack, ports, status, up, write_env_file
 
 
 def predict(prompt: str, max_tokens: int) -> int:
@@ -44,7 +45,7 @@ def predict(prompt: str, max_tokens: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "down", "status", "env", "predict"])
+    parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "compose-init"])
     parser.add_argument("prompt", nargs="?", default="", help="with `predict`: the text to continue")
     parser.add_argument("--airflow", action="store_true", help="with `up`: also start Airflow (needs its venv)")
     parser.add_argument("--max-tokens", type=int, default=24, help="with `predict`: tokens to generate")
@@ -53,6 +54,9 @@ def main() -> int:
         if not args.prompt:
             parser.error("predict needs a PROMPT")
         return predict(args.prompt, args.max_tokens)
+    if args.command == "compose-init":
+        init_compose_stack()
+        return 0
     if args.command == "up":
         env = up(with_airflow=args.airflow)
         print(f"stack up: S3 {env['AWS_ENDPOINT_URL']}, MLflow {env['MLFLOW_TRACKING_URI']}")

@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -261,10 +262,10 @@ def _buckets_reachable() -> bool:
         return False
 
 
-def _s3_client() -> Any:
+def _s3_client(env: Mapping[str, str] | None = None) -> Any:
     import boto3
 
-    env = client_env()
+    env = env or client_env()
     return boto3.client(
         "s3",
         endpoint_url=env["AWS_ENDPOINT_URL"],
@@ -274,8 +275,8 @@ def _s3_client() -> Any:
     )
 
 
-def create_buckets() -> None:
-    client = _s3_client()
+def create_buckets(env: Mapping[str, str] | None = None) -> None:
+    client = _s3_client(env)
     existing = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
     for bucket in BUCKETS:
         if bucket not in existing:
@@ -425,7 +426,7 @@ def _airflow_component(component: str) -> Server:
 AIRFLOW_SERVERS = tuple(_airflow_component(c) for c in ("api-server", "scheduler", "dag-processor", "triggerer"))
 
 
-def create_airflow_pools() -> None:
+def create_airflow_pools(airflow: str | None = None, env: Mapping[str, str] | None = None) -> None:
     """The pools the retrain DAG's steps queue in (params.yaml ``pipeline.pools``), created or
     resized before the scheduler starts: the scheduler never runs a task of a missing pool."""
     pools = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["pipeline"]["pools"]
@@ -434,9 +435,24 @@ def create_airflow_pools() -> None:
     path = state_dir() / "airflow-pools.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec, indent=1))
-    airflow = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
-    subprocess.run([airflow, "pools", "import", str(path)], env={**os.environ, **_airflow_env()}, check=True,
-                   stdout=subprocess.DEVNULL)
+    airflow = airflow or str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
+    subprocess.run([airflow, "pools", "import", str(path)], env={**os.environ, **(env or _airflow_env())},
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def init_compose_stack() -> None:
+    """docker-compose.yaml's one-shot set-up (its airflow-init service, after ``airflow db
+    migrate``), from that container's environment: the buckets, the router's config (listening
+    on the compose network, Triton by service name), the model repository folder, the pools."""
+    env = dict(os.environ)
+    create_buckets(env)
+    router, triton = urllib.parse.urlsplit(env["ROUTER_URL"]), urllib.parse.urlsplit(env["TRITON_URL"])
+    from tasks.lib.router import write_router_config
+
+    write_router_config(Path(env["ROUTER_DIR"]), router.port or 80, triton.port or 80, listen_host="0.0.0.0",
+                        triton_host=triton.hostname or "triton")
+    Path(env["TRITON_REPOSITORY"]).mkdir(parents=True, exist_ok=True)
+    create_airflow_pools(shutil.which("airflow") or "airflow", env)
 
 
 def _debian_bin(name: str) -> str:
@@ -451,20 +467,28 @@ def _pushgateway_command() -> list[str]:
     return [_debian_bin("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{ports()['pushgateway']}"]
 
 
-def write_prometheus_config() -> Path:
+def prometheus_config(targets: dict[str, str], rule_file: str) -> dict[str, Any]:
     """Scrape Triton (per-version request counters and latencies) and the Pushgateway (each run's
-    figures, labels kept as pushed); evaluate the alert rules of observability/alerts.yml."""
-    port = ports()
-    config = {
+    figures, labels kept as pushed); evaluate the alert rules. ``targets``: host:port of
+    ``prometheus``, ``pushgateway`` and ``triton`` (its metrics port)."""
+    return {
         "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
-        "rule_files": [str(REPO_ROOT / "observability" / "alerts.yml")],
+        "rule_files": [rule_file],
         "scrape_configs": [
-            {"job_name": "prometheus", "static_configs": [{"targets": [f"127.0.0.1:{port['prometheus']}"]}]},
+            {"job_name": "prometheus", "static_configs": [{"targets": [targets["prometheus"]]}]},
             {"job_name": "pushgateway", "honor_labels": True,
-             "static_configs": [{"targets": [f"127.0.0.1:{port['pushgateway']}"]}]},
-            {"job_name": "triton", "static_configs": [{"targets": [f"127.0.0.1:{port['triton_metrics']}"]}]},
+             "static_configs": [{"targets": [targets["pushgateway"]]}]},
+            {"job_name": "triton", "static_configs": [{"targets": [targets["triton"]]}]},
         ],
     }
+
+
+def write_prometheus_config() -> Path:
+    port = ports()
+    config = prometheus_config(
+        {"prometheus": f"127.0.0.1:{port['prometheus']}", "pushgateway": f"127.0.0.1:{port['pushgateway']}",
+         "triton": f"127.0.0.1:{port['triton_metrics']}"},
+        str(REPO_ROOT / "observability" / "alerts.yml"))
     path = state_dir() / "prometheus" / "prometheus.yml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -53,8 +53,11 @@ def nginx_binary() -> str:
     return found
 
 
-def nginx_conf(prefix: Path, listen_port: int, triton_port: int) -> str:
-    """The router's static configuration; the split itself lives in ``split.conf``."""
+def nginx_conf(prefix: Path, listen_port: int, triton_port: int, listen_host: str = "127.0.0.1",
+               triton_host: str = "127.0.0.1") -> str:
+    """The router's static configuration; the split itself lives in ``split.conf``. The hosts
+    are loopback on the local stack; docker-compose.yaml's router listens on its network and
+    reaches Triton by service name."""
     models = "|".join(ROUTED_MODELS)
     temp = "\n".join(f"    {kind}_temp_path {prefix / 'tmp' / kind};" for kind in
                      ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
@@ -69,9 +72,9 @@ http {{
 {temp}
     client_max_body_size 16m;
     include {prefix / 'split.conf'};
-    upstream triton {{ server 127.0.0.1:{triton_port}; keepalive 32; }}
+    upstream triton {{ server {triton_host}:{triton_port}; keepalive 32; }}
     server {{
-        listen 127.0.0.1:{listen_port};
+        listen {listen_host}:{listen_port};
         location = /router/state {{ default_type application/json; return 200 $route_state; }}
         location ~ ^/v2/models/(?<model>{models})/infer$ {{
             if ($model_version = "") {{ return 503; }}
@@ -103,12 +106,13 @@ def split_conf(route: Route) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_router_config(prefix: Path, listen_port: int, triton_port: int) -> Path:
+def write_router_config(prefix: Path, listen_port: int, triton_port: int, listen_host: str = "127.0.0.1",
+                        triton_host: str = "127.0.0.1") -> Path:
     """nginx.conf (always) and an empty split (only where none exists yet)."""
     for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (prefix / "tmp" / kind).mkdir(parents=True, exist_ok=True)
     conf = prefix / "nginx.conf"
-    conf.write_text(nginx_conf(prefix, listen_port, triton_port))
+    conf.write_text(nginx_conf(prefix, listen_port, triton_port, listen_host, triton_host))
     if not (prefix / "split.conf").exists():
         (prefix / "split.conf").write_text(split_conf(Route(stable=None)))
     return conf

@@ -1,30 +1,47 @@
-"""Offline checks of what cannot be built here (no Docker engine): the Dockerfiles copy files
-that exist and install the locked environments; docker-compose.yaml is well-formed."""
+"""Offline checks of what cannot be built or run here (no Docker engine): the Dockerfiles copy
+files that exist and install the locked environments; docker-compose.yaml parses under the
+Compose Specification, its services reference what exists, and its ports, endpoints and
+Prometheus config agree with params.yaml and the local stack."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
 from helpers import REPO_ROOT
 
 from tasks.lib.params import load_params
 
 
+def copied_sources(dockerfile: str) -> list[str]:
+    """The build-context paths of every COPY (not those copied from another stage)."""
+    sources = []
+    for line in re.findall(r"^COPY (.+)$", dockerfile, flags=re.M):
+        tokens = line.split()
+        if any(t.startswith("--from=") for t in tokens):
+            continue
+        sources += [t for t in tokens if not t.startswith("--")][:-1]
+    return sources
+
+
 def test_dockerfiles_copy_existing_paths_and_use_the_locks() -> None:
     for dockerfile in sorted((REPO_ROOT / "containers").glob("Dockerfile.*")):
         text = dockerfile.read_text()
-        for src in re.findall(r"^COPY (?:--chown=\S+ )?(\S+) ", text, flags=re.M):
+        for src in copied_sources(text):
             assert (REPO_ROOT / src).exists(), f"{dockerfile.name}: COPY {src} does not exist"
         assert re.search(r"requirements/(runtime|orchestrator)\.txt", text), dockerfile.name
     runtime = (REPO_ROOT / "containers" / "Dockerfile.runtime").read_text()
     assert "USER 1000" in runtime  # the pods' securityContext runs as uid 1000, non-root
     # an image has no .git: the commit its models are tagged with is baked in at build time
     assert "ARG GIT_COMMIT" in runtime and "ENV PIPELINE_GIT_COMMIT=${GIT_COMMIT}" in runtime
+    assert copied_sources("COPY --chown=a:b x y /z/\nCOPY --from=runtime /opt/venv /opt/venv\n") == ["x", "y"]
 
 
 def test_image_kinds_in_params_have_a_dockerfile() -> None:
@@ -51,22 +68,127 @@ def test_dockerfiles_pass_hadolint() -> None:
 
 def test_serving_image_installs_what_the_python_backend_models_import() -> None:
     """In a cluster `llm` runs on Triton's own ONNX Runtime (or TensorRT) backend and only
-    `llm_generate` on the python backend: its imports beyond Triton's come from the runtime lock."""
-    model = (REPO_ROOT / "tasks" / "triton_models" / "llm_generate" / "model.py").read_text()
-    imported = set(re.findall(r"^(?:import|from) (\w+)", model, flags=re.M))
+    `llm_generate` on the python backend; the compose stack serves the local variant, `llm` on
+    the python backend too: their imports beyond Triton's come from the runtime lock."""
+    imported: set[str] = set()
+    for model in sorted((REPO_ROOT / "tasks" / "triton_models").glob("*/model.py")):
+        imported |= set(re.findall(r"^(?:import|from) (\w+)", model.read_text(), flags=re.M))
     provided = {"__future__", "json", "os", "typing", "triton_python_backend_utils"}
     serving = (REPO_ROOT / "containers" / "Dockerfile.serving").read_text()
     installed = set(re.search(r"-c /tmp/runtime.txt ([\w ]+)", serving).group(1).split())  # type: ignore[union-attr]
-    assert imported - provided == installed == {"numpy", "tokenizers"}
+    assert imported - provided == installed == {"numpy", "onnxruntime", "tokenizers"}
     assert "USER 1000" in serving
 
 
-def test_compose_file_is_well_formed() -> None:
-    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())
-    assert set(compose["services"]) == {"seaweedfs", "mlflow"}
+def load_compose() -> dict[str, Any]:
+    """docker-compose.yaml with its YAML merge keys resolved, as Compose reads it."""
+    loaded: dict[str, Any] = yaml.safe_load((REPO_ROOT / "docker-compose.yaml").read_text())
+    return loaded
+
+
+COMPOSE_SERVICES = {"postgres", "seaweedfs", "mlflow", "airflow-init", "airflow-apiserver", "airflow-scheduler",
+                    "airflow-dag-processor", "airflow-triggerer", "triton", "router", "pushgateway", "prometheus",
+                    "grafana"}
+ONE_SHOT = {"airflow-init"}
+
+
+def test_compose_file_parses_under_the_compose_specification() -> None:
+    from compose_spec import PyCompose
+
+    compose = PyCompose.from_json(json.dumps(load_compose()))
+    compose.validate()
+    assert set(compose.service_names()) == COMPOSE_SERVICES
+    with pytest.raises(ValueError, match="portz"):  # the parser is strict: the check is real
+        PyCompose.from_json(json.dumps({"services": {"a": {"image": "x", "portz": ["80:80"]}}}))
+
+
+def test_compose_services_reference_what_exists() -> None:
+    compose = load_compose()
+    services, volumes = compose["services"], set(compose["volumes"])
+    for name, service in services.items():
+        for needed, condition in ((k, v["condition"]) for k, v in service.get("depends_on", {}).items()):
+            assert needed in services, (name, needed)
+            if condition == "service_healthy":
+                assert "healthcheck" in services[needed], f"{name} waits for {needed}, which has no healthcheck"
+            else:
+                assert condition == "service_completed_successfully" and needed in ONE_SHOT, (name, needed)
+        for key in ("pid", "network_mode"):
+            if str(service.get(key, "")).startswith("service:"):
+                assert service[key].split(":", 1)[1] in services, (name, key)
+        for mount in service.get("volumes", []):
+            source = mount.split(":", 1)[0]
+            if source.startswith("./"):
+                assert (REPO_ROOT / source).exists(), (name, mount)
+            else:
+                assert source in volumes, (name, mount)
+        if "build" in service:
+            dockerfile = (REPO_ROOT / service["build"]["dockerfile"]).read_text()
+            if "target" in service["build"]:
+                assert re.search(rf"^FROM \S+ AS {service['build']['target']}$", dockerfile, flags=re.M), name
+        assert name in ONE_SHOT or "healthcheck" in service, f"{name} has no healthcheck"
+    # deploy signals the router's nginx from the scheduler: same PID namespace, same user
+    scheduler, router = services["airflow-scheduler"], services["router"]
+    assert scheduler["pid"] == "service:router" and scheduler["user"] == router["user"]
+    assert "stack:/stack" in scheduler["volumes"] and "stack:/stack" in router["volumes"]
+
+
+def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every server publishes its params.yaml port on loopback only; the steps get every endpoint
+    the local stack gives them (client_env), each naming the service and port that serves it."""
+    monkeypatch.setenv("STACK_DIR", str(tmp_path))
+    from stack.servers import client_env
+
     ports = load_params()["stack"]["ports"]
-    assert compose["services"]["seaweedfs"]["ports"] == [f"127.0.0.1:{ports['s3']}:{ports['s3']}"]
-    assert compose["services"]["mlflow"]["ports"] == [f"127.0.0.1:{ports['mlflow']}:{ports['mlflow']}"]
+    services = load_compose()["services"]
+    published = {
+        "seaweedfs": ["s3"], "mlflow": ["mlflow"], "airflow-apiserver": ["airflow"],
+        "triton": ["triton_http", "triton_grpc", "triton_metrics"], "router": ["router"],
+        "pushgateway": ["pushgateway"], "prometheus": ["prometheus"], "grafana": ["grafana"],
+    }
+    for name, service in services.items():
+        expected = [f"127.0.0.1:{ports[p]}:{ports[p]}" for p in published.get(name, [])]
+        assert service.get("ports", []) == expected, name
+    triton = " ".join(services["triton"]["command"])
+    for flag, port in (("http-port", "triton_http"), ("grpc-port", "triton_grpc"), ("metrics-port", "triton_metrics")):
+        assert f"--{flag}={ports[port]}" in triton
+
+    env = services["airflow-scheduler"]["environment"]
+    assert set(client_env()) <= set(env), set(client_env()) - set(env)
+    serving = {"AWS_ENDPOINT_URL": ("seaweedfs", "s3"), "MLFLOW_TRACKING_URI": ("mlflow", "mlflow"),
+               "TRITON_URL": ("triton", "triton_http"), "TRITON_METRICS_URL": ("triton", "triton_metrics"),
+               "ROUTER_URL": ("router", "router"), "PUSHGATEWAY_URL": ("pushgateway", "pushgateway"),
+               "PROMETHEUS_URL": ("prometheus", "prometheus")}
+    for key, (service, port) in serving.items():
+        assert env[key].startswith(f"http://{service}:{ports[port]}"), (key, env[key])
+    assert all(env[k].startswith("/stack/") for k in ("TRITON_REPOSITORY", "ROUTER_DIR", "DVC_REGISTRY_DIR"))
+
+
+def test_compose_prometheus_is_the_local_config_by_service_name(tmp_path: Path) -> None:
+    from stack.servers import prometheus_config
+
+    ports = load_params()["stack"]["ports"]
+    committed = yaml.safe_load((REPO_ROOT / "observability" / "prometheus-compose.yml").read_text())
+    assert committed == prometheus_config(
+        {"prometheus": f"127.0.0.1:{ports['prometheus']}", "pushgateway": f"pushgateway:{ports['pushgateway']}",
+         "triton": f"triton:{ports['triton_metrics']}"}, "/etc/prometheus/alerts.yml")
+    mounts = load_compose()["services"]["prometheus"]["volumes"]
+    assert "./observability/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
+    local = tmp_path / "prometheus.yml"  # the same config, its rule file where promtool can read it
+    local.write_text(yaml.safe_dump({**committed, "rule_files": [str(REPO_ROOT / "observability" / "alerts.yml")]}))
+    proc = subprocess.run(["promtool", "check", "config", str(local)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard() -> None:
+    ports = load_params()["stack"]["ports"]
+    grafana = load_compose()["services"]["grafana"]
+    provisioning = REPO_ROOT / "observability" / "grafana" / "provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == f"http://prometheus:{ports['prometheus']}"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "llm-pipeline.yaml").read_text())["providers"]
+    dashboard_mount = next(m for m in grafana["volumes"] if "grafana-dashboard.json" in m)
+    assert Path(dashboard_mount.split(":")[1]).parent == Path(provider["options"]["path"])
+    assert "./observability/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
 
 
 def test_locks_pin_only_versions_an_index_hosts() -> None:
@@ -78,19 +200,23 @@ def test_locks_pin_only_versions_an_index_hosts() -> None:
         assert local == [], f"{lock.name}: local versions no index serves: {local}"
 
 
-def test_torch_comes_from_its_own_index_in_the_makefile_and_the_image() -> None:
-    """Both installers take the lock's torch pin from TORCH_INDEX_URL alone (no deps, so the
+def test_torch_comes_from_its_own_index_in_the_makefile_and_the_images() -> None:
+    """Both installers (the Makefile for the dev venv, install-runtime.sh for the images that
+    hold the runtime) take the lock's torch pin from TORCH_INDEX_URL alone (no deps, so the
     extra index is asked for one page only) and the rest of the lock from the default index."""
     makefile = (REPO_ROOT / "Makefile").read_text()
-    dockerfile = (REPO_ROOT / "containers" / "Dockerfile.runtime").read_text()
-    for name, text in (("Makefile", makefile), ("Dockerfile.runtime", dockerfile)):
+    script = (REPO_ROOT / "containers" / "install-runtime.sh").read_text()
+    for name, text in (("Makefile", makefile), ("install-runtime.sh", script)):
         torch_install = [line for line in text.splitlines() if "--index-url" in line]
         assert len(torch_install) == 1 and "--no-deps" in torch_install[0], name
         assert "TORCH_INDEX_URL" in torch_install[0] and "torch.txt" in torch_install[0], name
         assert "grep -v '^torch=='" in text, name
         assert "extra-index-url" not in text, name
     assert "TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu" in makefile
-    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+    for dockerfile in ("Dockerfile.runtime", "Dockerfile.airflow"):
+        text = (REPO_ROOT / "containers" / dockerfile).read_text()
+        assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text, dockerfile
+        assert "/tmp/install-runtime.sh /opt/venv/bin/python /tmp/runtime.txt" in text, dockerfile
 
 
 def test_first_make_step_names_the_interpreter_to_install(tmp_path: Path) -> None:
