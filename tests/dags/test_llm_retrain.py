@@ -164,8 +164,8 @@ def xcom(run: Any, task_id: str) -> Any:
 
 @pytest.mark.integration
 def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -> None:
-    run = dag.test(
-        logical_date=dt.datetime(2026, 11, 22, tzinfo=dt.UTC),
+    run = dag.test(  # 06:00, off the weekly ticks: test_trigger_paths backfills the Sundays at midnight
+        logical_date=dt.datetime(2026, 11, 22, 6, tzinfo=dt.UTC),
         run_conf={"raw_data_uri": SEED_URI, "num_shards": 2, "train_max_steps": 60},
     )
     states = ti_states(run)
@@ -240,7 +240,7 @@ def test_rejected_challenger_ends_the_run_cleanly(dag: Any, airflow_db: None, se
     """A gate that says no (the trigger form's threshold): evaluate and register are skipped,
     the run itself succeeds."""
     run = dag.test(
-        logical_date=dt.datetime(2026, 11, 15, tzinfo=dt.UTC),
+        logical_date=dt.datetime(2026, 11, 15, 6, tzinfo=dt.UTC),
         run_conf={"raw_data_uri": SEED_URI, "train_max_steps": 10, "max_eval_perplexity": 1.5},
     )
     states = ti_states(run)
@@ -258,7 +258,7 @@ def test_bad_data_stops_the_run_before_tokenization(dag: Any, airflow_db: None, 
     with webhook_receiver() as (url, received):
         monkeypatch.setenv("PIPELINE_ALERT_WEBHOOK_URL", url)
         run = dag.test(
-            logical_date=dt.datetime(2026, 11, 8, tzinfo=dt.UTC),
+            logical_date=dt.datetime(2026, 11, 8, 6, tzinfo=dt.UTC),
             run_conf={"raw_data_uri": "s3://raw/no-such-source"},
         )
     # the failed task's alert reached the webhook: one line naming the task and the error

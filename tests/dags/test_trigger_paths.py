@@ -22,17 +22,21 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import REPO_ROOT, SEED_URI
+from helpers import REPO_ROOT, SEED_URI, run_module
 
 pytestmark = pytest.mark.integration
 
 AIRFLOW = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
 DAG_ID = "llm_retrain"
 # a short run: enough to reach register (whose arguments read the run's date), export and deploy
-BACKFILL_DATE = "2026-11-01"  # the DAG's start date: test_llm_retrain's runs are 11-08, 11-15, 11-22
-# one training node: four runs share two cores, and this test is about how runs start
+# one training node: seven runs share two cores, and this test is about how runs start
 CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_nodes": 1,
         "train_max_steps": 12}  # 12: apart from other tests' runs
+# The backfill: four weekly intervals from the DAG's start date (Sundays at midnight; the other
+# DAG tests run at 06:00, so these dates are free) over raw data of its own, 21 days ending
+# 11-21: the first interval's window (10-25..10-31) has no data, the next three have a week each.
+BACKFILL_FROM, BACKFILL_TO = "2026-11-01", "2026-11-22"
+BACKFILL_RAW = "s3://raw/test-backfill"
 SCREENSHOTS = REPO_ROOT / ".test-artifacts" / "ui"
 
 
@@ -169,65 +173,113 @@ def screenshot_run(api: AirflowApi, run_id: str) -> None:
         page.screenshot(path=SCREENSHOTS / "2-finished-run.png")
 
 
-def registered_version(run_id: str) -> dict[str, str]:
-    """Tags of the model version the run registered, as MLflow's REST API reports them."""
+def registered_version(run_id: str) -> tuple[str, dict[str, str]]:
+    """The model version the run registered and its tags, as MLflow's REST API reports them."""
     query = urllib.parse.urlencode({"filter": f"tags.dag_run = '{DAG_ID}/{run_id}'"})
     url = f"{os.environ['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/model-versions/search?{query}"
     with urllib.request.urlopen(url, timeout=10) as resp:
         versions = json.loads(resp.read()).get("model_versions", [])
     assert len(versions) == 1, versions
-    return {t["key"]: t["value"] for t in versions[0]["tags"]}
+    return versions[0]["version"], {t["key"]: t["value"] for t in versions[0]["tags"]}
+
+
+def seed_three_weeks() -> None:
+    proc = run_module("tasks.seed", "--output", BACKFILL_RAW, "--end-date", "2026-11-21",
+                      "--heldout-output", f"{BACKFILL_RAW}-heldout", "--set", "days=21", "--set", "max_documents=4000")
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
+    seed_three_weeks()
+    # README's backfill: the scheduler runs one run per interval, each on its own window. Created
+    # while the DAG is paused: unpausing makes the scheduler create the newest weekly tick's run
+    # unless one exists (it skips a date the backfill holds; the backfill would skip its). On SQLite
+    # `backfill create` can fail with "database is locked" whatever the lock wait: it reads, then
+    # writes in one SAVEPOINT, and a scheduler commit in between makes its snapshot stale
+    # (SQLITE_BUSY_SNAPSHOT, raised at once). Airflow removes the half-made backfill on that error
+    # so that it can be rerun, as README tells users; PostgreSQL does not fail so.
+    airflow_cli("backfill", "create", "--dag-id", DAG_ID, "--from-date", BACKFILL_FROM, "--to-date", BACKFILL_TO,
+                "--dag-run-conf", json.dumps({**CONF, "raw_data_uri": BACKFILL_RAW, "skip_deploy": True}),
+                attempts=3)
     airflow_cli("dags", "unpause", DAG_ID)
-    # a date no other test runs: a backfill skips dates that already have a run (reprocess "none").
-    # On SQLite `backfill create` can fail with "database is locked" whatever the lock wait: it
-    # reads, then writes in one SAVEPOINT, and a scheduler commit in between makes its snapshot
-    # stale (SQLITE_BUSY_SNAPSHOT, raised at once). Airflow removes the half-made backfill on that
-    # error so that it can be rerun, as README tells users; PostgreSQL does not fail so.
-    airflow_cli("backfill", "create", "--dag-id", DAG_ID, "--from-date", BACKFILL_DATE, "--to-date", BACKFILL_DATE,
-                "--dag-run-conf", json.dumps({**CONF, "end_date": "2026-11-20", "skip_deploy": True}), attempts=3)
     # non-default Params typed into the form; the run skips deploy (its form switch)
     from_the_form = trigger_from_the_form(
         airflow_api, {"end_date": "2026-11-19", **{name: str(value) for name, value in CONF.items()}},
         skip_deploy=True)
+    # the two runs without a logical date: the CLI's deploys (deploy's arguments read the run's
+    # date too), the REST API's skips the canary to spare the test's time
     airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "end_date": "2026-11-22"}))
     rest = airflow_api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
-                            {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-21"}})
+                            {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-21", "skip_deploy": True}})
     assert rest["logical_date"] is None
 
     def ours() -> list[dict[str, Any]]:
         runs = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")["dag_runs"]
         return [r for r in runs if r["conf"].get("train_max_steps") == CONF["train_max_steps"]]
 
-    wait_for("the backfill to create its run", lambda: len(ours()) == 4, timeout_s=60)
+    seen: list[tuple[str, str | None, str]] = []
+
+    def all_created() -> bool:
+        seen[:] = [(r["run_type"], r["logical_date"], r["state"]) for r in ours()]
+        return len(seen) == 7
+
+    try:
+        wait_for("the backfill to create its runs", all_created, timeout_s=60)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; runs seen: {seen}") from None
 
     def finished() -> list[dict[str, Any]] | None:
         runs = ours()
         return runs if all(r["state"] in ("success", "failed") for r in runs) else None
 
-    runs = wait_for("four runs to finish", finished, timeout_s=900, every_s=5)
-    by_type = {r["run_type"]: r for r in runs}
-    assert set(by_type) == {"manual", "backfill"} and len(runs) == 4
-    for run in runs:
-        tis = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run['dag_run_id']}/taskInstances")
-        states = {ti["task_id"]: ti["state"] for ti in tis["task_instances"]}
+    runs = wait_for("seven runs to finish", finished, timeout_s=1200, every_s=5)
+    backfill = sorted((r for r in runs if r["run_type"] == "backfill"), key=lambda r: r["logical_date"])
+    manual = [r for r in runs if r["run_type"] == "manual"]
+    assert [r["logical_date"][:10] for r in backfill] == ["2026-11-01", "2026-11-08", "2026-11-15", "2026-11-22"]
+    assert len(manual) == 3 and from_the_form in {r["dag_run_id"] for r in manual}
+    assert sum(r["logical_date"] is None for r in manual) == 2
+
+    # the interval with no raw data fails its first task, once (bad input is not retried), with
+    # one line naming the window; nothing after it ran, and the report says so
+    empty = backfill[0]
+    states = task_states(airflow_api, empty)
+    assert empty["state"] == "failed" and states["snapshot"] == "failed", states
+    assert {states[t] for t in states if t not in ("snapshot", "report")} <= {"upstream_failed"}, states
+    log = json.dumps(airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(empty['dag_run_id'])}"
+                                             "/taskInstances/snapshot/logs/1?full_content=true"))
+    assert f"{BACKFILL_RAW}: no partitions with data for 2026-10-25..2026-10-31 (empty interval)" in log
+    snapshot_try = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(empty['dag_run_id'])}"
+                                           "/taskInstances/snapshot")
+    assert snapshot_try["try_number"] == 1, snapshot_try
+
+    for run in [*backfill[1:], *manual]:
+        states = task_states(airflow_api, run)
         assert run["state"] == "success" and states["register"] == "success", (run["dag_run_id"], states)
-        if run["logical_date"] is None:  # deploy's arguments read the run's date too
-            assert states["deploy"] == "success", (run["dag_run_id"], states)
-        else:  # the form's and the backfill's runs skip the canary (its own tests are elsewhere)
+        if run["dag_run_id"] == rest["dag_run_id"] or run["logical_date"] is not None:
             assert run["conf"]["skip_deploy"] is True and states["deploy"] == "skipped", (run["conf"], states)
+        else:  # deploy's arguments read the run's date too
+            assert states["deploy"] == "success", (run["dag_run_id"], states)
         if run["dag_run_id"] == from_the_form:
             assert run["conf"]["num_shards"] == 1 and run["conf"]["train_nodes"] == 1, run["conf"]
-        tags = registered_version(run["dag_run_id"])
+        _, tags = registered_version(run["dag_run_id"])
         # a run without a logical date is dated by when it was triggered
         when = run["logical_date"] or run["run_after"]
         assert tags["logical_date"] == when[:10], (run["dag_run_id"], tags)
-        assert tags["data_version"].startswith(f"data-{run['conf']['end_date']}-7d-")
-    assert sum(r["logical_date"] is None for r in runs) == 2
-    assert from_the_form in {r["dag_run_id"] for r in runs}
+        end = run["conf"].get("end_date") or run["logical_date"][:10]  # a backfill reads its interval's window
+        assert tags["data_version"].startswith(f"data-{end}-7d-") and tags["data_end"] == end, tags
+    # three intervals, three windows: three data versions and three registered versions
+    backfilled = dict(registered_version(r["dag_run_id"]) for r in backfill[1:])
+    assert len(backfilled) == 3 and len({tags["data_version"] for tags in backfilled.values()}) == 3, backfilled
     screenshot_run(airflow_api, from_the_form)
+
+
+def task_states(api: AirflowApi, run: dict[str, Any]) -> dict[str, str]:
+    tis = api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run['dag_run_id'])}/taskInstances")
+    return {ti["task_id"]: ti["state"] for ti in tis["task_instances"]}
+
+
+def quoted(run_id: str) -> str:
+    return urllib.parse.quote(run_id, safe="")
 
 
 def test_airflow_listens_on_loopback_only(airflow_api: AirflowApi) -> None:
