@@ -469,18 +469,18 @@ def _pushgateway_command() -> list[str]:
 
 def prometheus_config(targets: dict[str, str], rule_file: str) -> dict[str, Any]:
     """Scrape Triton (per-version request counters and latencies) and the Pushgateway (each run's
-    figures, labels kept as pushed); evaluate the alert rules. ``targets``: host:port of
-    ``prometheus``, ``pushgateway`` and ``triton`` (its metrics port)."""
-    return {
-        "global": {"scrape_interval": "5s", "evaluation_interval": "5s"},
-        "rule_files": [rule_file],
-        "scrape_configs": [
-            {"job_name": "prometheus", "static_configs": [{"targets": [targets["prometheus"]]}]},
-            {"job_name": "pushgateway", "honor_labels": True,
-             "static_configs": [{"targets": [targets["pushgateway"]]}]},
-            {"job_name": "triton", "static_configs": [{"targets": [targets["triton"]]}]},
-        ],
-    }
+    figures, labels kept as pushed) and, where one runs, the StatsD exporter holding Airflow's own
+    metrics; evaluate the alert rules. ``targets``: host:port of ``prometheus``, ``pushgateway``,
+    ``triton`` (its metrics port) and optionally ``statsd_exporter`` (docker-compose.yaml only)."""
+    jobs = [
+        {"job_name": "prometheus", "static_configs": [{"targets": [targets["prometheus"]]}]},
+        {"job_name": "pushgateway", "honor_labels": True, "static_configs": [{"targets": [targets["pushgateway"]]}]},
+        {"job_name": "triton", "static_configs": [{"targets": [targets["triton"]]}]},
+    ]
+    if "statsd_exporter" in targets:
+        jobs.append({"job_name": "airflow", "static_configs": [{"targets": [targets["statsd_exporter"]]}]})
+    return {"global": {"scrape_interval": "5s", "evaluation_interval": "5s"}, "rule_files": [rule_file],
+            "scrape_configs": jobs}
 
 
 def write_prometheus_config() -> Path:

@@ -87,8 +87,8 @@ def load_compose() -> dict[str, Any]:
 
 
 COMPOSE_SERVICES = {"postgres", "seaweedfs", "mlflow", "airflow-init", "airflow-apiserver", "airflow-scheduler",
-                    "airflow-dag-processor", "airflow-triggerer", "triton", "router", "pushgateway", "prometheus",
-                    "grafana"}
+                    "airflow-dag-processor", "airflow-triggerer", "triton", "router", "pushgateway", "statsd-exporter",
+                    "prometheus", "grafana"}
 ONE_SHOT = {"airflow-init"}
 
 
@@ -144,6 +144,7 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
         "seaweedfs": ["s3"], "mlflow": ["mlflow"], "airflow-apiserver": ["airflow"],
         "triton": ["triton_http", "triton_grpc", "triton_metrics"], "router": ["router"],
         "pushgateway": ["pushgateway"], "prometheus": ["prometheus"], "grafana": ["grafana"],
+        "statsd-exporter": ["statsd_exporter"],
     }
     for name, service in services.items():
         expected = [f"127.0.0.1:{ports[p]}:{ports[p]}" for p in published.get(name, [])]
@@ -161,6 +162,13 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
     for key, (service, port) in serving.items():
         assert env[key].startswith(f"http://{service}:{ports[port]}"), (key, env[key])
     assert all(env[k].startswith("/stack/") for k in ("TRITON_REPOSITORY", "ROUTER_DIR", "DVC_REGISTRY_DIR"))
+    # Airflow's own metrics go to the exporter's StatsD port, with the prefix its mapping matches
+    exporter = " ".join(services["statsd-exporter"]["command"])
+    assert env["AIRFLOW__METRICS__STATSD_ON"] == "True" and env["AIRFLOW__METRICS__STATSD_HOST"] == "statsd-exporter"
+    assert f"--statsd.listen-udp=:{env['AIRFLOW__METRICS__STATSD_PORT']}" in exporter
+    assert f"--web.listen-address=:{ports['statsd_exporter']}" in exporter
+    mapping = yaml.safe_load((REPO_ROOT / "observability" / "statsd-mapping.yml").read_text())
+    assert all(rule["match"].startswith(env["AIRFLOW__METRICS__STATSD_PREFIX"] + ".") for rule in mapping["mappings"])
 
 
 def test_compose_prometheus_is_the_local_config_by_service_name(tmp_path: Path) -> None:
@@ -170,7 +178,8 @@ def test_compose_prometheus_is_the_local_config_by_service_name(tmp_path: Path) 
     committed = yaml.safe_load((REPO_ROOT / "observability" / "prometheus-compose.yml").read_text())
     assert committed == prometheus_config(
         {"prometheus": f"127.0.0.1:{ports['prometheus']}", "pushgateway": f"pushgateway:{ports['pushgateway']}",
-         "triton": f"triton:{ports['triton_metrics']}"}, "/etc/prometheus/alerts.yml")
+         "triton": f"triton:{ports['triton_metrics']}", "statsd_exporter": f"statsd-exporter:{ports['statsd_exporter']}"},
+        "/etc/prometheus/alerts.yml")
     mounts = load_compose()["services"]["prometheus"]["volumes"]
     assert "./observability/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
     local = tmp_path / "prometheus.yml"  # the same config, its rule file where promtool can read it

@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -72,8 +75,38 @@ def wait_for(what: str, probe: Any, timeout_s: float, every_s: float = 2.0) -> A
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+class StatsdReceiver:
+    """What Airflow's components send to StatsD (UDP on loopback), kept as metric names: the
+    input that docker-compose.yaml's statsd-exporter maps to Prometheus series."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.names: set[str] = set()
+        threading.Thread(target=self._receive, daemon=True).start()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                packet = self.sock.recv(65535)
+            except OSError:  # closed
+                return
+            self.names |= {line.split(":", 1)[0] for line in packet.decode(errors="replace").splitlines() if line}
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 @pytest.fixture(scope="module")
-def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str],
+def statsd() -> Iterator[StatsdReceiver]:
+    receiver = StatsdReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], statsd: StatsdReceiver,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowApi]:
     """Airflow's four components on the session's database and port. Steps get a params file
     whose gate passes a 10-step model (register must run for this test to mean anything) and
@@ -91,6 +124,9 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str],
     relaxed.write_text(yaml.safe_dump(params))
     saved = dict(os.environ)
     os.environ["PIPELINE_PARAMS"] = str(relaxed)  # inherited by the servers and so by every step
+    # Airflow's own metrics, as docker-compose.yaml sends them to its statsd-exporter
+    os.environ.update(AIRFLOW__METRICS__STATSD_ON="True", AIRFLOW__METRICS__STATSD_HOST="127.0.0.1",
+                      AIRFLOW__METRICS__STATSD_PORT=str(statsd.port), AIRFLOW__METRICS__STATSD_PREFIX="airflow")
     try:
         servers.create_airflow_pools()  # as `make up` does: the scheduler runs no task of a missing pool
         for server in servers.AIRFLOW_SERVERS:
@@ -280,6 +316,26 @@ def task_states(api: AirflowApi, run: dict[str, Any]) -> dict[str, str]:
 
 def quoted(run_id: str) -> str:
     return urllib.parse.quote(run_id, safe="")
+
+
+def statsd_exporter_glob(pattern: str) -> re.Pattern[str]:
+    """statsd-exporter's glob match: ``*`` stands for one dot-separated part of the name."""
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+
+
+def test_airflow_metrics_are_what_the_statsd_exporter_mapping_reads(airflow_api: AirflowApi,
+                                                                   statsd: StatsdReceiver) -> None:
+    """After the runs above: every rule of observability/statsd-mapping.yml matches metrics the
+    real scheduler, dag-processor and task runners sent, so each Prometheus series it defines
+    exists in the compose stack (a renamed metric in an Airflow upgrade fails here)."""
+    mapping = yaml.safe_load((REPO_ROOT / "observability" / "statsd-mapping.yml").read_text())["mappings"]
+    names = set(statsd.names)
+    unmatched = [rule["match"] for rule in mapping if not any(statsd_exporter_glob(rule["match"]).fullmatch(n)
+                                                              for n in names)]
+    assert not unmatched, (unmatched, sorted(names)[:80])
+    # the runs' outcomes as the dashboard reads them: successes, and the backfill's empty interval
+    assert f"airflow.dagrun.duration.success.{DAG_ID}" in names and f"airflow.dagrun.duration.failed.{DAG_ID}" in names
+    assert f"airflow.ti.finish.{DAG_ID}.snapshot.failed" in names
 
 
 def test_airflow_listens_on_loopback_only(airflow_api: AirflowApi) -> None:

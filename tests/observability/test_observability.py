@@ -15,6 +15,7 @@ import urllib.request
 from typing import Any
 
 import pytest
+import yaml
 from helpers import REPO_ROOT
 
 from tasks import report
@@ -48,6 +49,10 @@ def test_alert_rules_read_the_figures_the_report_pushes() -> None:
     assert used and used <= set(report.FIGURE_HELP)
     dashboard = (OBSERVABILITY / "grafana-dashboard.json").read_text()
     assert set(re.findall(r"llm_pipeline_\w+", dashboard)) <= set(report.FIGURE_HELP)
+    # Airflow's own series: names the StatsD exporter's mapping produces (histograms add suffixes)
+    mapped = {rule["name"] for rule in yaml.safe_load((OBSERVABILITY / "statsd-mapping.yml").read_text())["mappings"]}
+    airflow = {re.sub(r"_(bucket|sum|count)$", "", name) for name in re.findall(r"airflow_\w+", dashboard)}
+    assert airflow and airflow <= mapped, airflow - mapped
 
 
 def test_exposition_and_group_path() -> None:
