@@ -4,7 +4,6 @@ Airflow database: the one part of the compose stack that runs without a Docker e
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,10 +19,13 @@ from tasks.lib.router import nginx_binary
 @pytest.mark.integration
 def test_compose_init_writes_the_router_config_and_imports_the_pools(
         airflow_db: None, stack_env: dict[str, str], tmp_path: Path) -> None:
+    from airflow.models.pool import Pool
+
     airflow = str(Path(sys.executable).parent / "airflow")
     pools = load_params()["pipeline"]["pools"]
     for name in pools:  # whatever an earlier test created: compose-init must make them
-        subprocess.run([airflow, "pools", "delete", name], capture_output=True)
+        if Pool.get_pool(name) is not None:
+            Pool.delete_pool(name)
     router_dir = tmp_path / "router"
     env = {
         "STACK_DIR": str(tmp_path / "stack"),
@@ -42,6 +44,6 @@ def test_compose_init_writes_the_router_config_and_imports_the_pools(
                              capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
     assert (tmp_path / "triton" / "models").is_dir()
-    listed = subprocess.run([airflow, "pools", "list", "-o", "json"], capture_output=True, text=True, check=True)
-    slots = {pool["pool"]: int(pool["slots"]) for pool in json.loads(listed.stdout)}
-    assert {name: slots.get(name) for name in pools} == {name: int(p["slots"]) for name, p in pools.items()}
+    imported = {name: Pool.get_pool(name) for name in pools}
+    assert {name: pool.slots if pool else None for name, pool in imported.items()} == {
+        name: int(p["slots"]) for name, p in pools.items()}
