@@ -1,19 +1,24 @@
 """Training throughput, side by side in one run, on the same model (params.yaml train preset)
 and the same tokenized data:
 
-  (a) a plain single-process PyTorch loop (model + AdamW + random windows, nothing else)
+  (a) a plain single-process PyTorch loop (model + AdamW + random windows, nothing else; bf16
+      autocast on a GPU, as the step)
   (b) the train step, 1 process (`python -m tasks.train --set engine=single`)
   (b') the same with synchronous checkpoints (`train.async_checkpoint: false`)
-  (c) the train step, 2 local nodes with FSDP2 (two torchrun agents, gloo, 1 thread each)
+  (c) the train step, 2 local nodes with FSDP2 (CPU: two torchrun agents, gloo, 1 thread each;
+      GPU: one agent, a process per GPU, NCCL; needs train.nodes GPUs, else skipped)
+  (c') the same with DDP (GPU only: FSDP2 vs DDP on the same GPUs)
   (d) the train step, 1 process, with `train.compile` (torch.compile of each block, inductor)
 
     .venvs/runtime/bin/python benchmarks/train.py [--steps 60] [--documents 6000]
+    python benchmarks/train.py --preset gpu-125m --micro-batch 16 --steps 200   # on a GPU machine
 
 Both the plain loop and the steps are timed from their first step (warm-up included: the step
 cannot skip it). The steps also evaluate and checkpoint (every steps/3) and log: "same work" is
 their rate with the evaluation and the checkpoint stalls taken out, i.e. the plain loop's work.
-Per checkpoint: the loop's stall and the time until the checkpoint was complete, and the stall as
-a share of the time between two checkpoints at the default cadence (train.checkpoint_every).
+Per checkpoint: the loop's stall (median; "1st": the first save's, which also allocates the
+staging buffers) and the time until the checkpoint was complete, and the median stall as a share
+of the time between two checkpoints at the default cadence (train.checkpoint_every).
 "steady" is the median of the step's logged windows after its first (which holds torch.compile's
 compilation, when on).
 MFU: model FLOPs per token (6N + attention) x tokens/s per process, against the peak a matmul
@@ -51,8 +56,11 @@ BIN = Path(sys.executable).parent
 
 
 def step(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          env={**os.environ, "MLFLOW_TRACKING_URI": "", **(env or {})}, check=True)
+    done = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "MLFLOW_TRACKING_URI": "", **(env or {})})
+    if done.returncode:
+        raise SystemExit(f"{' '.join(args[:2])} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
 
 
 def result_of(text: str) -> dict[str, Any]:
@@ -79,21 +87,26 @@ def build_dataset(root: Path, documents: int) -> Path:
 
 
 def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: int) -> tuple[float, float]:
-    """Tokens/s of the plain loop and its model FLOPs utilization against this process's matmul peak."""
+    """Tokens/s of the plain loop and its model FLOPs utilization against this process's peak."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     split = open_split(dataset, "train")
     config = model_config(params, split.vocab_size)
     torch.manual_seed(0)
-    model = GPT(config)
+    model = GPT(config).to(device)
     optimizer = build_optimizer(model, params)
     sampler = BatchSampler(split.tokens, config.seq_len, micro_batch, 0)
     started = time.perf_counter()
     for i in range(steps):
         x, y = sampler.batch(i * micro_batch, 0, 1)
-        loss_fn(model, x, y).backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(device)):
+            loss = loss_fn(model, x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     rate = steps * micro_batch * config.seq_len / (time.perf_counter() - started)
-    peak, _ = parallel.peak_flops(torch.device("cpu"))
+    peak, _ = parallel.peak_flops(device)
     return rate, rate * config.flops_per_token() / peak
 
 
@@ -107,10 +120,14 @@ def train_step(dataset: Path, out: Path, nodes: int, steps: int, micro_batch: in
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "MLFLOW_TRACKING_URI": "", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nodes))}
-    procs = [subprocess.Popen([str(BIN / "python"), "-m", "tasks.lib.torchrun", f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+    # CPU: one agent per node, as on separate machines; GPU: one agent with a process per GPU
+    # (two agents of one process each would both take cuda:0)
+    agents, per_agent = (1, nodes) if torch.cuda.is_available() else (nodes, 1)
+    procs = [subprocess.Popen([str(BIN / "python"), "-m", "tasks.lib.torchrun", f"--nnodes={agents}",
+                               f"--nproc-per-node={per_agent}", "--rdzv-backend=c10d",
                                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-{port}", "-m", "tasks.train", *args],
                               cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(nodes)]
+             for _ in range(agents)]
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(outputs[0][-3000:])
@@ -121,29 +138,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--documents", type=int, default=6000)
+    parser.add_argument("--preset", help="a train.presets name (default: params.yaml's train.preset)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per process (default: train.micro_batch)")
     args = parser.parse_args()
     params = step_params("train")
+    params["preset"] = args.preset or params["preset"]
+    if params["preset"] not in params["presets"]:
+        raise SystemExit(f"--preset {params['preset']!r}: expected one of {', '.join(params['presets'])}")
+    micro = args.micro_batch or int(params["micro_batch"])
+    nodes = int(params["nodes"])
+    gpus = torch.cuda.device_count()
+    chosen = ["--set", f"preset={params['preset']}", "--set", "compile=false"]  # (d) turns it on
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         root = Path(tmp)
         dataset = build_dataset(root, args.documents)
-        micro = int(params["micro_batch"])
-        nodes = int(params["nodes"])
         # same global batch everywhere: the 1-process variants take all of it
         plain, plain_mfu = plain_loop(dataset, args.steps, params, micro * nodes)
         rows = {
-            "(b) train step, 1 process": train_step(dataset, root / "single", 1, args.steps, micro * nodes),
-            "(b') the same, sync checkpoints": train_step(dataset, root / "sync", 1, args.steps, micro * nodes,
+            "(b) train step, 1 process": train_step(dataset, root / "single", 1, args.steps, micro * nodes, *chosen),
+            "(b') the same, sync checkpoints": train_step(dataset, root / "sync", 1, args.steps, micro * nodes, *chosen,
                                                           "--set", "async_checkpoint=false"),
-            f"(c) train step, {nodes} nodes FSDP2": train_step(dataset, root / "multi", nodes, args.steps, micro),
-            "(d) train step, 1 process, compile": train_step(dataset, root / "compiled", 1, args.steps, micro * nodes,
-                                                             "--set", "compile=true"),
         }
+        if gpus == 0 or gpus >= nodes:
+            rows[f"(c) train step, {nodes} nodes FSDP2"] = train_step(dataset, root / "multi", nodes, args.steps, micro,
+                                                                      *chosen, "--set", "engine=fsdp2")
+        if gpus >= nodes:
+            rows[f"(c') train step, {nodes} GPUs DDP"] = train_step(dataset, root / "ddp", nodes, args.steps, micro,
+                                                                   *chosen, "--set", "engine=ddp")
+        rows["(d) train step, 1 process, compile"] = train_step(dataset, root / "compiled", 1, args.steps, micro * nodes,
+                                                                 *chosen[:2], "--set", "compile=true")
         tokens = int(np.load(dataset / "train.offsets.npy")[-1])
     cadence, seq_len = int(params["checkpoint_every"]), int(params["presets"][params["preset"]]["seq_len"])
-    print(f"\npreset {params['preset']}, {tokens:,} train tokens, global batch {micro * nodes} x seq, "
-          f"{args.steps} steps, {os.cpu_count()} CPUs; checkpoint stall share at the default cadence of {cadence} steps")
+    where = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else f"{os.cpu_count()} CPUs"
+    print(f"\npreset {params['preset']}, {tokens:,} train tokens, global batch {micro * nodes} x {seq_len}, "
+          f"{args.steps} steps, {where}; checkpoint stall share at the default cadence of {cadence} steps")
+    if 0 < gpus < nodes:
+        print(f"(c) FSDP2 and (c') DDP over {nodes} processes need {nodes} GPUs, this machine has {gpus}: not run")
     print(f"{'variant':<36}{'tokens/s':>9}{'ratio':>7}{'same work':>10}{'steady':>8}{'MFU %':>7}{'data %':>7}"
-          f"{'eval %':>7}{'ckpt %':>7}{'stall ms':>9}{'save ms':>8}{'@cadence %':>11}")
+          f"{'eval %':>7}{'ckpt %':>7}{'stall ms':>9}{'1st ms':>8}{'save ms':>8}{'@cadence %':>11}")
     print(f"{'(a) plain PyTorch loop, 1 process':<36}{plain:>9,.0f}{1.0:>7.2f}{1.0:>10.2f}{'':>8}{100 * plain_mfu:>7.1f}")
     for name, r in rows.items():
         same_work = r["tokens_per_s"] / (1 - r["eval_share"] - r["checkpoint_share"])
@@ -152,8 +184,27 @@ def main() -> None:
         print(f"{name:<36}{r['tokens_per_s']:>9,.0f}{r['tokens_per_s'] / plain:>7.2f}{same_work / plain:>10.2f}"
               f"{r['steady_tokens_per_s']:>8,.0f}{100 * r['mfu']:>7.1f}{100 * r['data_loading_share']:>7.1f}"
               f"{100 * r['eval_share']:>7.1f}{100 * r['checkpoint_share']:>7.1f}{1000 * r['checkpoint_stall_s']:>9.0f}"
+              f"{1000 * r['checkpoint_stalls_s'][0]:>8.0f}"
               f"{1000 * r['checkpoint_save_s']:>8.0f}{100 * at_cadence:>11.2f}")
     print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {next(iter(rows.values()))['peak_source']}")
+    if gpus:
+        print(f"measured peak for comparison: {measured_gpu_peak() / 1e12:.0f} TFLOP/s (bf16 8192^3 matmul, median of 20)")
+
+
+def measured_gpu_peak(size: int = 8192, repeats: int = 20) -> float:
+    """What the GPU's bf16 matmul reaches here, beside the data sheet's figure MFU is quoted against."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * size**3 / float(np.median(times))
 
 
 if __name__ == "__main__":

@@ -212,6 +212,8 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         raise StepError(f"train.engine {params['engine']!r}: expected one of {', '.join(parallel.ENGINES)}")
     if params["init_from"] not in ("champion", "scratch"):
         raise StepError(f"train.init_from {params['init_from']!r}: expected champion or scratch")
+    if params["compile"] not in (True, False, "auto"):
+        raise StepError(f"train.compile {params['compile']!r}: expected true, false or auto")
     if params["engine"] == "deepspeed" and "WORLD_SIZE" not in os.environ:
         raise StepError("train.engine deepspeed runs under torchrun (no WORLD_SIZE in the environment)")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
@@ -234,7 +236,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     if start_weights is not None:
         gpt.load_state_dict(start_weights)
     gpt.activation_checkpointing = bool(params["activation_checkpointing"])
-    if params["compile"]:
+    if parallel.compile_wanted(params["compile"], env.device):
         parallel.compile_blocks(gpt)
     engine = parallel.build_engine(gpt, params["engine"], params, env, lambda m: build_optimizer(m, params))
 
@@ -274,6 +276,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
                     loss = loss_fn(engine.model, x, y)
                 engine.backward(loss, accum)
             step_loss += loss.detach() / accum
+        checkpointer.before_update()  # the last save's background copy of the weights must be done
         try:
             grad_norm = engine.step(float(params["grad_clip"]))
         except FloatingPointError as exc:  # retrying from the last checkpoint would diverge again
@@ -344,7 +347,9 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         eval_share=eval_seconds / seconds,
         checkpoint_share=checkpointer.blocking_seconds / seconds,
         # per save: how long the loop waited, and how long until the checkpoint was complete
-        checkpoint_stall_s=float(np.mean(checkpointer.stalls)) if checkpointer.stalls else 0.0,
+        # per save: the median (the first save also allocates the staging buffers), and each one
+        checkpoint_stall_s=float(np.median(checkpointer.stalls)) if checkpointer.stalls else 0.0,
+        checkpoint_stalls_s=[round(s, 4) for s in checkpointer.stalls],
         checkpoint_save_s=float(np.mean(checkpointer.save_seconds)) if checkpointer.save_seconds else 0.0,
         checkpoints=[c.uri for c in list_complete(args.checkpoints)],
         resumed_from=latest.uri if latest else None,

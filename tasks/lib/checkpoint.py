@@ -6,7 +6,10 @@ run-scoped checkpoint URI (S3 through fsspec, or a local folder).
   one; a half-written one is ignored (and later deleted by retention).
 - Asynchronous saves (the default, in one process as in many) copy the state to CPU memory,
   then write it and finish the checkpoint (completion record, retention) in the background: the
-  training loop stalls only for the copy. Across processes they run on a process group of their
+  training loop stalls only for the copy. The CPU buffers are allocated once and reused by every
+  save; on a GPU they are pinned and the copy itself runs on a side stream while the next step's
+  forward and backward run, so the loop waits only if the copy is not done by that step's
+  optimizer update (``before_update``). Across processes saves run on a process group of their
   own (``dcp.async_save`` on the default group mismatches gloo collectives with the loop's).
 - Retention keeps the last ``keep_last`` complete checkpoints plus the best by validation loss.
 - DCP reshards on load: a checkpoint saved by 2 ranks loads on 1 (or without any process group)
@@ -32,7 +35,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tasks.lib import storage
 from tasks.lib.parallel import Engine
@@ -88,10 +94,54 @@ def step_uri(root: str, step: int) -> str:
     return storage.join(root, f"step-{step:08d}")
 
 
+class PinnedStager(AsyncStager):
+    """DCP's AsyncStager: copies a save's tensors into CPU buffers that the first save allocates
+    and every later save reuses (a GPU save used to allocate and fill fresh pageable memory: 0.73 s
+    per checkpoint of the gpu-125m preset on an H100). On a GPU the buffers are pinned and filled
+    on a side stream from a background thread, overlapping the next step's forward and backward;
+    the loop waits for the copy before its optimizer update (``Checkpointer.before_update``).
+    Built on the helpers of DCP's own caching stager (DefaultStager's deep copy of our training
+    state failed on the H100 here, torch 2.11: KeyError <class 'type'>)."""
+
+    _synchronize_after_execute = False  # the caller waits, through the returned Future
+
+    def __init__(self) -> None:
+        self.on_gpu = torch.cuda.is_available()
+        self._buffers: dict[str, Any] | None = None
+        self._stream = torch.cuda.Stream() if self.on_gpu else None
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-stage") if self.on_gpu else None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future[dict[str, Any]]:
+        if self._stream is None or self._copier is None:
+            return self._copy(state_dict)
+        self._stream.wait_stream(torch.cuda.current_stream())  # after the kernels of the last update
+        return self._copier.submit(self._copy, state_dict)
+
+    def _copy(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self._buffers is None:
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self.on_gpu)
+        if self._stream is None:
+            return cast("dict[str, Any]", _copy_state_dict(state_dict, self._buffers))
+        with torch.cuda.stream(self._stream):
+            staged = _copy_state_dict(state_dict, self._buffers, non_blocking=True)
+        self._stream.synchronize()
+        return cast("dict[str, Any]", staged)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to do: stage's Future says when the copy is done."""
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown()
+        self._buffers = None
+
+
 class Checkpointer:
     def __init__(self, root: str, keep_last: int, async_save: bool, rank: int) -> None:
         self.root, self.keep_last, self.rank, self.async_save = root, keep_last, rank, async_save
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self._stager = PinnedStager() if async_save else None
+        self._staging: Future[None] | None = None  # the copy of the last save, when in the background
         # the background half of an asynchronous save: its write, then _finish (one at a time)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending: Future[None] | None = None
@@ -104,6 +154,7 @@ class Checkpointer:
         return complete[-1] if complete else None
 
     def save(self, engine: Engine, trainer: dict[str, Any]) -> None:
+        self.before_update()  # (the loop has already waited for it)
         started = time.perf_counter()
         self.wait()  # one save in flight at a time
         info = CheckpointInfo(step_uri(self.root, trainer["step"]), trainer["step"], dict(trainer))
@@ -125,12 +176,15 @@ class Checkpointer:
             dcp.save(state, storage_writer=_writer(info.uri))
             self._finish(info)
             return
-        # async_save stages through the writer (FileSystemWriter and FsspecWriter are blocking
-        # stagers): every tensor, CPU or GPU, is copied to new CPU memory before save returns, so
-        # the next optimizer steps may update the weights in place (a test holds the write back);
-        # with a blocking stager it returns the write's own Future (not an AsyncSaveResponse)
-        written = cast("Future[Any]", dcp.async_save(state, storage_writer=_writer(info.uri), process_group=self._group,
-                                                     no_dist=not dist.is_initialized()))
+        # every tensor is copied to the stager's CPU buffers before the next optimizer update may
+        # change the weights in place (a test holds the write back): in the loop on a CPU, in
+        # the background on a GPU (an AsyncSaveResponse then; the loop calls before_update)
+        response = dcp.async_save(state, storage_writer=_writer(info.uri), process_group=self._group,
+                                  async_stager=self._stager, no_dist=not dist.is_initialized())
+        if isinstance(response, AsyncSaveResponse):
+            self._staging, written = response.staging_completion, response.upload_completion
+        else:
+            written = cast("Future[Any]", response)
 
         def complete() -> None:
             written.result()
@@ -161,8 +215,21 @@ class Checkpointer:
             storage.write_bytes(storage.join(info.uri, METADATA), json.dumps({"format": "deepspeed", "tag": tag}).encode())
         self._finish(info)
 
+    def before_update(self) -> None:
+        """Before the optimizer changes the weights: the last save's copy of them must be done
+        (only a background copy can still be running). Its wait counts as that save's stall."""
+        if self._staging is None:
+            return
+        started = time.perf_counter()
+        staging, self._staging = self._staging, None
+        staging.result()
+        waited = time.perf_counter() - started
+        self.stalls[-1] += waited
+        self.blocking_seconds += waited
+
     def wait(self) -> None:
         """Until the save in flight is complete; raises what it raised."""
+        self.before_update()
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
@@ -170,10 +237,13 @@ class Checkpointer:
     def close(self) -> None:
         """At the end of training: the last save must be complete before the run ends, so the
         wait counts as blocking time."""
+        self.before_update()
         started = time.perf_counter()
         self.wait()
         self.blocking_seconds += time.perf_counter() - started
         self._background.shutdown()
+        if self._stager is not None:
+            self._stager.close()
 
     def _finish(self, info: CheckpointInfo) -> None:
         if self.rank != 0:

@@ -138,8 +138,10 @@ def test_killed_worker_restarts_and_resumes_to_the_same_result(
     assert max((ref[k] - new[k]).abs().max().item() for k in ref) < 1e-5
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU: run on a GPU machine (pinned buffers, background copy)"))])
 def test_a_save_returns_before_its_write_and_holds_the_state_of_its_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
     """In one process (no process group) as in many, a save only copies the state and returns:
     the write happens while the next steps update the weights in place, and must not see them."""
@@ -151,17 +153,19 @@ def test_a_save_returns_before_its_write_and_holds_the_state_of_its_step(
             return super().write_data(plan, planner)
 
     monkeypatch.setattr(checkpoint, "_writer", HeldWriter)
-    model = torch.nn.Linear(4, 4)
+    size = 2048 if device == "cuda" else 4  # on a GPU: big enough for the background copy to take time
+    model = torch.nn.Linear(size, size).to(device)
     engine = parallel.Engine("single", model, torch.optim.AdamW(model.parameters()))
     saver = checkpoint.Checkpointer(str(tmp_path), keep_last=2, async_save=True, rank=0)
-    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    at_save = {k: v.cpu().clone() for k, v in model.state_dict().items()}
     saver.save(engine, {**checkpoint.TRAINER_FIELDS, "step": 1})  # returns with the write held
+    saver.before_update()  # as the loop does before its next optimizer step
     with torch.no_grad():
         model.weight.add_(1.0)  # the next optimizer step
     release.set()
     saver.close()
     assert len(saver.save_seconds) == 1 and saver.stalls[0] < saver.save_seconds[0]
-    restored = torch.nn.Linear(4, 4)
+    restored = torch.nn.Linear(size, size)
     checkpoint.load_model_weights(checkpoint.list_complete(str(tmp_path))[-1].uri, restored)
     assert all(torch.equal(restored.state_dict()[k], at_save[k]) for k in at_save)
 
