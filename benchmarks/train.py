@@ -148,7 +148,8 @@ def main() -> None:
     micro = args.micro_batch or int(params["micro_batch"])
     nodes = int(params["nodes"])
     gpus = torch.cuda.device_count()
-    chosen = ["--set", f"preset={params['preset']}", "--set", "compile=false"]  # (d) turns it on
+    preset = ["--set", f"preset={params['preset']}"]
+    chosen = [*preset, "--set", "compile=false"]  # eager, but (d)
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         root = Path(tmp)
         dataset = build_dataset(root, args.documents)
@@ -166,7 +167,7 @@ def main() -> None:
             rows[f"(c') train step, {nodes} GPUs DDP"] = train_step(dataset, root / "ddp", nodes, args.steps, micro,
                                                                    *chosen, "--set", "engine=ddp")
         rows["(d) train step, 1 process, compile"] = train_step(dataset, root / "compiled", 1, args.steps, micro * nodes,
-                                                                 *chosen[:2], "--set", "compile=true")
+                                                                 *preset, "--set", "compile=true")
         tokens = int(np.load(dataset / "train.offsets.npy")[-1])
     cadence, seq_len = int(params["checkpoint_every"]), int(params["presets"][params["preset"]]["seq_len"])
     where = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else f"{os.cpu_count()} CPUs"
@@ -187,24 +188,9 @@ def main() -> None:
               f"{1000 * r['checkpoint_stalls_s'][0]:>8.0f}"
               f"{1000 * r['checkpoint_save_s']:>8.0f}{100 * at_cadence:>11.2f}")
     print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {next(iter(rows.values()))['peak_source']}")
-    if gpus:
-        print(f"measured peak for comparison: {measured_gpu_peak() / 1e12:.0f} TFLOP/s (bf16 8192^3 matmul, median of 20)")
-
-
-def measured_gpu_peak(size: int = 8192, repeats: int = 20) -> float:
-    """What the GPU's bf16 matmul reaches here, beside the data sheet's figure MFU is quoted against."""
-    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return 2 * size**3 / float(np.median(times))
+    if gpus:  # what the card reaches here, beside the data sheet's figure MFU is quoted against
+        peak, what = parallel.matmul_probe(torch.device("cuda"), 8192, 20)
+        print(f"measured peak for comparison: {peak / 1e12:.0f} TFLOP/s ({what}, 8192^3, best of 20)")
 
 
 if __name__ == "__main__":

@@ -346,8 +346,8 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         data_loading_share=total_data_seconds / seconds,
         eval_share=eval_seconds / seconds,
         checkpoint_share=checkpointer.blocking_seconds / seconds,
-        # per save: how long the loop waited, and how long until the checkpoint was complete
-        # per save: the median (the first save also allocates the staging buffers), and each one
+        # per save: how long the loop waited (the median, and each: the first save also allocates
+        # the staging buffers), and how long until the checkpoint was complete
         checkpoint_stall_s=float(np.median(checkpointer.stalls)) if checkpointer.stalls else 0.0,
         checkpoint_stalls_s=[round(s, 4) for s in checkpointer.stalls],
         checkpoint_save_s=float(np.mean(checkpointer.save_seconds)) if checkpointer.save_seconds else 0.0,

@@ -228,8 +228,8 @@ class Checkpointer:
         self.blocking_seconds += waited
 
     def wait(self) -> None:
-        """Until the save in flight is complete; raises what it raised."""
-        self.before_update()
+        """Until the save in flight is complete; raises what it raised. (Its callers first wait
+        for the background copy, before_update, which counts that wait as the save's stall.)"""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
