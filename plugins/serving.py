@@ -11,9 +11,10 @@
   Both tracks start at 0 replicas: the first deploy gives them a version.
 - A Service per track (HTTP, gRPC, metrics).
 - A Gateway API ``HTTPRoute``: rule 0 sends requests carrying ``X-Serving-Track: canary`` to
-  the canary track alone (the smoke test before any traffic moves); rule 1 splits everything
-  else between the tracks by ``weight`` (per mille) and each backend stamps ``X-Model-Version``
-  on its responses. Its annotations hold the rollout state and the deploy lock.
+  the canary track alone (the smoke test before any traffic moves), rule 1 those carrying
+  ``X-Serving-Track: stable`` to the stable track (the canary analysis's baseline where the split
+  gives stable too little traffic); rule 2 splits everything else between the tracks by
+  ``weight`` (per mille) and each backend stamps ``X-Model-Version`` on its responses. Its annotations hold the rollout state and the deploy lock.
 - A Role + RoleBinding letting the pipeline's service account get and patch exactly these.
 
 Plain dicts, no Airflow import: tests render them and validate the core objects against the
@@ -32,7 +33,7 @@ from pipeline_params import pipeline_params
 
 TRACKS = ("stable", "canary")
 ANNOTATION = "llm-pipeline/"
-CANARY_HEADER = "X-Serving-Track"
+TRACK_HEADER = "X-Serving-Track"
 VERSION_HEADER = "X-Model-Version"
 NO_VERSION = "none"  # a header value may not be empty
 
@@ -161,8 +162,8 @@ def http_route(params: dict[str, Any]) -> dict[str, Any]:
                             "name": gateway["name"], "namespace": gateway["namespace"]}],
             "hostnames": [settings["hostname"]],
             "rules": [
-                {"matches": [{**models, "headers": [{"type": "Exact", "name": CANARY_HEADER, "value": "canary"}]}],
-                 "backendRefs": [{"name": names["canary"], "port": port}]},
+                *({"matches": [{**models, "headers": [{"type": "Exact", "name": TRACK_HEADER, "value": track}]}],
+                   "backendRefs": [{"name": names[track], "port": port}]} for track in ("canary", "stable")),
                 {"matches": [models], "backendRefs": [backend("stable", 1000), backend("canary", 0)]},
             ],
         },

@@ -34,6 +34,7 @@ import json
 import os
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,33 @@ def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str
     return delta
 
 
+def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any], reference: dict[str, Any],
+                 stable: int | None, version: int, weight: float) -> tuple[list[canary.Sample], list[canary.Sample]]:
+    """One canary step's traffic: windows through the router (repeated, up to ``max_windows``,
+    until the canary has ``min_samples``) and, in the same windows, the stream straight to
+    stable that :func:`canary.baseline_rps` asks for."""
+    inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
+    expected = reference["next_tokens"]
+    routed_url = f"{serving.url}/v2/models/{serve['triton_model']}/infer"
+    rate, duration = float(params["rate_rps"]), float(params["step_duration_s"])
+    concurrency, timeout = int(params["concurrency"]), float(params["request_timeout_s"])
+    direct_rps = canary.baseline_rps(weight, stable, params)
+    samples: list[canary.Sample] = []
+    direct: list[canary.Sample] = []
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        for _ in range(int(params["max_windows"])):  # a small share may need more than one window
+            baseline = None
+            if direct_rps and stable is not None:
+                url, headers = serving.baseline_target(stable)
+                baseline = beside.submit(canary.send_traffic, url, headers, inputs, expected, direct_rps, duration,
+                                         concurrency, timeout, None, stable)
+            samples += canary.send_traffic(routed_url, {}, inputs, expected, rate, duration, concurrency, timeout)
+            direct += baseline.result() if baseline is not None else []
+            if sum(s.version == version for s in samples) >= params["min_samples"]:
+                break
+    return samples, direct
+
+
 def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Serving, serve: dict[str, Any],
                scratch: Path) -> dict[str, Any]:
     version = int(args.model_version)
@@ -101,31 +129,20 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Servin
         serving.roll_back(stable)
         report.update(verdict="rolled back", failed_at=0.0, reason=f"smoke test: {exc}")
         return report
-    inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
     steps = [float(w) for w in params["steps"]] if stable is not None else [100.0]
-    pooled_baseline: list[float] = []
     for weight in steps:
         serving.route(stable, version, weight)
         before = serving.metrics()
         started = time.monotonic()
-        samples: list[canary.Sample] = []
-        for _ in range(int(params["max_windows"])):  # a small share may need more than one window
-            samples += canary.send_traffic(serving.url, serve["triton_model"], inputs, reference["next_tokens"],
-                                           float(params["rate_rps"]), float(params["step_duration_s"]),
-                                           int(params["concurrency"]), float(params["request_timeout_s"]))
-            if sum(s.version == version for s in samples) >= params["min_samples"]:
-                break
-        stable_ms = [s.latency_ms for s in samples if s.version == stable and s.ok]
-        # at 100% stable gets no traffic: compare with what it answered in the earlier steps
-        baseline = stable_ms if len(stable_ms) >= params["min_samples"] else pooled_baseline
-        result = canary.judge_step(samples, stable, version, weight, baseline, params)
+        samples, direct = step_traffic(serving, serve, params, reference, stable, version, weight)
+        result = canary.judge_step(samples, direct, stable, version, weight, params)
         result["seconds"] = round(time.monotonic() - started, 2)
+        result["sent_s"] = {"routed": canary.sent_span(samples, started), "direct": canary.sent_span(direct, started)}
         result["triton"] = metrics_delta(before, serving.metrics())
         report["steps"].append(result)
-        pooled_baseline += stable_ms
-        log.info("canary %g%%: %d requests (stable %d, canary %d), canary p50 %.1f ms vs stable %.1f ms: %s",
-                 weight, len(samples), result["stable"]["requests"], result["canary"]["requests"],
-                 result["canary"]["p50_ms"], result["stable"]["p50_ms"],
+        log.info("canary %g%%: %d requests (stable %d, %d of them direct; canary %d), canary p50 %.1f ms vs "
+                 "stable %.1f ms: %s", weight, len(samples) + len(direct), result["stable"]["requests"], len(direct),
+                 result["canary"]["requests"], result["canary"]["p50_ms"], result["stable"]["p50_ms"],
                  "pass" if result["passed"] else "; ".join(result["failed"]))
         if not result["passed"]:
             serving.roll_back(stable)

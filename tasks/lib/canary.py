@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,36 +37,41 @@ class Sample:
     latency_ms: float
     finite: bool
     agrees: bool
+    sent_s: float  # time.monotonic() when the request left: windows of two streams can be compared
 
 
-def _one_request(url: str, model: str, ids: np.ndarray[Any, Any], expected: list[int], timeout_s: float) -> Sample:
+def _one_request(url: str, headers: dict[str, str], ids: np.ndarray[Any, Any], expected: list[int],
+                 timeout_s: float, version: int | None = None) -> Sample:
+    """POST one inference to ``url`` (a full infer URL); the answering version is the response's
+    ``X-Model-Version``, else ``version`` (a stream sent to one version by its path)."""
     parsed = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=timeout_s)
+    sent = time.monotonic()
     start = time.perf_counter()
     try:
-        conn.request("POST", f"/v2/models/{model}/infer", body=triton.infer_request(ids),
-                     headers={"Content-Type": "application/json"})
+        conn.request("POST", parsed.path, body=triton.infer_request(ids),
+                     headers={"Content-Type": "application/json", **headers})
         resp = conn.getresponse()
         body = resp.read()
         latency = (time.perf_counter() - start) * 1000
         header = resp.getheader("X-Model-Version")
-        version = int(header) if header and header.isdigit() else None
+        answered = int(header) if header and header.isdigit() else version
         if resp.status != 200:
-            return Sample(version, False, resp.status, latency, False, False)
+            return Sample(answered, False, resp.status, latency, False, False, sent)
         length = resp.getheader("Inference-Header-Content-Length")
         logits, next_tokens = triton.parse_infer_response(body, int(length) if length else None)
-        return Sample(version, True, 200, latency, bool(np.isfinite(logits).all()),
-                      next_tokens.tolist() == list(expected))
+        return Sample(answered, True, 200, latency, bool(np.isfinite(logits).all()),
+                      next_tokens.tolist() == list(expected), sent)
     except (OSError, http.client.HTTPException, ValueError, KeyError):
-        return Sample(None, False, 0, (time.perf_counter() - start) * 1000, False, False)
+        return Sample(None, False, 0, (time.perf_counter() - start) * 1000, False, False, sent)
     finally:
         conn.close()
 
 
-def send_traffic(url: str, model: str, inputs: list[np.ndarray[Any, Any]], expected: list[list[int]],
+def send_traffic(url: str, headers: dict[str, str], inputs: list[np.ndarray[Any, Any]], expected: list[list[int]],
                  rate_rps: float, duration_s: float, concurrency: int, timeout_s: float,
-                 stop: threading.Event | None = None) -> list[Sample]:
-    """``rate_rps * duration_s`` requests at a fixed rate (bounded in count and time)."""
+                 stop: threading.Event | None = None, version: int | None = None) -> list[Sample]:
+    """``rate_rps * duration_s`` requests to ``url`` at a fixed rate (bounded in count and time)."""
     total = max(1, int(rate_rps * duration_s))
     start = time.monotonic()
 
@@ -77,11 +82,21 @@ def send_traffic(url: str, model: str, inputs: list[np.ndarray[Any, Any]], expec
         if stop is not None and stop.is_set():
             return None
         pick = index % len(inputs)
-        return _one_request(url, model, inputs[pick], expected[pick], timeout_s)
+        return _one_request(url, headers, inputs[pick], expected[pick], timeout_s, version)
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(pool.map(fire, range(total)))
     return [r for r in results if r is not None]
+
+
+def baseline_rps(weight: float, stable: int | None, params: dict[str, Any]) -> float:
+    """The rate of the stream sent straight to stable during a step, beside the routed traffic:
+    0 where stable's routed share of a window already gives ``min_samples`` latencies. At 100%
+    stable gets no routed traffic, and a baseline taken from earlier steps would read any change
+    of the machine's load between steps as a slower canary: the baseline is measured in the
+    same window instead."""
+    routed = float(params["rate_rps"]) * float(params["step_duration_s"]) * (1 - weight / 100)
+    return float(params["baseline_rps"]) if stable is not None and routed < params["min_samples"] else 0.0
 
 
 def _share(count: int, of: int) -> float:
@@ -108,12 +123,15 @@ def latency_test(canary_ms: list[float], baseline_ms: list[float]) -> dict[str, 
             "median_ratio": float(np.median(canary_ms)) / max(float(np.median(baseline_ms)), 1e-9)}
 
 
-def judge_step(samples: list[Sample], stable: int | None, canary: int, weight: float,
-               baseline_ms: list[float], params: dict[str, Any]) -> dict[str, Any]:
-    """The step's summary and checks; ``passed`` is False when any check failed."""
-    canary_stats, stable_stats = summarize(samples, canary), summarize(samples, stable)
+def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, canary: int, weight: float,
+               params: dict[str, Any]) -> dict[str, Any]:
+    """One step's summary and checks (``passed`` False when any failed): ``samples`` came through
+    the router, ``direct`` went straight to stable in the same window (see :func:`baseline_rps`);
+    the canary's latencies are compared with all of stable's."""
+    canary_stats, stable_stats = summarize(samples, canary), summarize(samples + direct, stable)
     unrouted = [s for s in samples if s.version is None]
     canary_ms = [s.latency_ms for s in samples if s.version == canary and s.ok]
+    baseline_ms = [s.latency_ms for s in samples + direct if s.version == stable and s.ok]
     checks: list[dict[str, Any]] = []
 
     def check(name: str, passed: bool, value: float, limit: float, detail: str) -> None:
@@ -135,8 +153,12 @@ def judge_step(samples: list[Sample], stable: int | None, canary: int, weight: f
         check("latency", not slower, latency["median_ratio"], params["max_latency_ratio"],
               f"median latency {latency['median_ratio']:.2f}x stable's (Mann-Whitney U p={latency['p_value']:.2g}, "
               f"alpha {params['latency_alpha']})")
+    elif stable is not None:
+        check("stable_samples", False, len(baseline_ms), params["min_samples"],
+              f"{len(baseline_ms)} stable latencies at {weight:g}%: no baseline to compare the canary with")
     failed = [c for c in checks if not c["passed"]]
     return {"weight": weight, "canary": canary_stats, "stable": stable_stats, "unrouted": len(unrouted),
+            "direct_to_stable": len(direct),
             "latency_test": latency, "checks": checks, "passed": not failed,
             "failed": [f"{c['check']}: {c['detail']} (limit {c['limit']:g})" for c in failed]}
 
@@ -169,5 +191,8 @@ def plot_report(report: dict[str, Any], path: Any) -> None:
     plt.close(fig)
 
 
-def as_dicts(samples: list[Sample]) -> list[dict[str, Any]]:
-    return [asdict(s) for s in samples]
+def sent_span(samples: list[Sample], since: float) -> list[float]:
+    """When a stream's first and last requests left, in seconds after ``since``: the report shows
+    that a step's streams ran in the same window."""
+    sent = [s.sent_s - since for s in samples]
+    return [round(min(sent), 2), round(max(sent), 2)] if sent else []

@@ -39,8 +39,10 @@ from tasks.lib.router import NginxRouter, Route
 from tasks.lib.step import log
 
 TRACKS = ("stable", "canary")
+WEIGHTED_RULE = 2  # of the HTTPRoute (plugins/serving.py): after the two track-header rules
 WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% steps expressible
 ANNOTATION = "llm-pipeline/"
+TRACK_HEADER = "X-Serving-Track"  # rules of the HTTPRoute: this header picks one track
 NO_VERSION = "none"  # the version header of a backend serving none (a header may not be empty)
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -110,6 +112,11 @@ class Serving(Protocol):
         """Infer URLs (and headers) reaching ``version`` straight and through the router."""
         ...
 
+    def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
+        """An infer URL (and headers) through the router reaching only ``stable``: the canary
+        analysis's baseline stream, on the same path as the routed traffic."""
+        ...
+
     def metrics(self) -> dict[int, dict[str, float]]:
         """Triton's per-version request counters of the logits model."""
         ...
@@ -176,6 +183,9 @@ class LocalServing:
         path = f"/v2/models/{self.serve['triton_model']}/versions/{version}/infer"
         return [(self.client.url + path, {}), (self.router.url + path, {})]
 
+    def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
+        return self.router.url + f"/v2/models/{self.serve['triton_model']}/versions/{stable}/infer", {}
+
     def metrics(self) -> dict[int, dict[str, float]]:
         url = os.environ.get("TRITON_METRICS_URL")
         if not url:
@@ -238,7 +248,7 @@ def route_patch(names: dict[str, str], route: Route) -> list[dict[str, Any]]:
     weights = {"stable": WEIGHT_SCALE - canary, "canary": canary}
     ops: list[dict[str, Any]] = []
     for index, track in enumerate(TRACKS):
-        backend = f"/spec/rules/1/backendRefs/{index}"
+        backend = f"/spec/rules/{WEIGHTED_RULE}/backendRefs/{index}"
         ops += [
             {"op": "test", "path": f"{backend}/name", "value": names[track]},
             {"op": "replace", "path": f"{backend}/weight", "value": weights[track]},
@@ -370,7 +380,11 @@ class KubernetesServing:
         path = f"/v2/models/{self.serve['triton_model']}/versions/{version}/infer"
         direct = f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster['ports']['http']}"
         # the route's first rule sends requests carrying this header to the canary track alone
-        return [(direct + path, {}), (self.url + path, {"X-Serving-Track": "canary"})]
+        return [(direct + path, {}), (self.url + path, {TRACK_HEADER: "canary"})]
+
+    def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
+        # the route's second rule sends requests carrying this header to the stable track alone
+        return self.url + f"/v2/models/{self.serve['triton_model']}/versions/{stable}/infer", {TRACK_HEADER: "stable"}
 
     def metrics(self) -> dict[int, dict[str, float]]:
         merged: dict[int, dict[str, float]] = {}

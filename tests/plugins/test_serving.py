@@ -45,11 +45,13 @@ def test_each_track_stages_its_version_and_is_ready_only_when_triton_is() -> Non
         assert {"name": "shm", "mountPath": "/dev/shm"} in server["volumeMounts"]
 
 
-def test_route_splits_by_weight_and_lets_the_smoke_test_reach_the_canary_alone() -> None:
+def test_route_splits_by_weight_and_a_header_reaches_one_track_alone() -> None:
+    """The smoke test reaches the canary alone, the canary analysis's baseline the stable alone."""
     route = by_kind(serving.serving_manifests(), "HTTPRoute")[0]
-    header_rule, weighted = route["spec"]["rules"]
-    assert header_rule["matches"][0]["headers"][0]["name"] == serving.CANARY_HEADER
-    assert [b["name"] for b in header_rule["backendRefs"]] == ["triton-canary"]
+    *header_rules, weighted = route["spec"]["rules"]
+    for rule, track in zip(header_rules, ("canary", "stable"), strict=True):
+        assert rule["matches"][0]["headers"][0] == {"type": "Exact", "name": serving.TRACK_HEADER, "value": track}
+        assert [b["name"] for b in rule["backendRefs"]] == [f"triton-{track}"]
     assert [(b["name"], b["weight"]) for b in weighted["backendRefs"]] == [("triton-stable", 1000), ("triton-canary", 0)]
 
 
@@ -66,8 +68,8 @@ def test_gateway_schema_check_is_real(tmp_path: Path) -> None:
     """A negative weight and an empty header value are both refused."""
     route = by_kind(serving.serving_manifests(), "HTTPRoute")[0]
     negative, empty = copy.deepcopy(route), copy.deepcopy(route)
-    negative["spec"]["rules"][1]["backendRefs"][0]["weight"] = -1
-    empty["spec"]["rules"][1]["backendRefs"][0]["filters"][0]["responseHeaderModifier"]["set"][0]["value"] = ""
+    negative["spec"]["rules"][-1]["backendRefs"][0]["weight"] = -1
+    empty["spec"]["rules"][-1]["backendRefs"][0]["filters"][0]["responseHeaderModifier"]["set"][0]["value"] = ""
     for bad in (negative, empty):
         proc = validate_objects([bad], tmp_path)
         assert proc.returncode != 0 and "INVALID" in proc.stdout, proc.stdout

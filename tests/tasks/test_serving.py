@@ -94,6 +94,16 @@ def test_tensorrt_is_skipped_visibly_without_a_gpu(tmp_path: Path) -> None:
     assert not (tmp_path / "m.plan").exists()
 
 
+def test_stable_gets_a_direct_stream_where_the_split_leaves_it_too_few_requests() -> None:
+    from tasks.lib.canary import baseline_rps
+
+    params = {**yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["canary"], "min_samples": 10,
+              "rate_rps": 25, "step_duration_s": 8, "baseline_rps": 5}
+    assert baseline_rps(100.0, 3, params) == 5 and baseline_rps(96.0, 3, params) == 5  # 8 routed requests
+    assert baseline_rps(10.0, 3, params) == baseline_rps(50.0, 3, params) == 0
+    assert baseline_rps(100.0, None, params) == 0  # the first model has no stable
+
+
 def test_mann_whitney_flags_a_slower_canary_only() -> None:
     from tasks.lib.canary import latency_test
 
@@ -152,12 +162,12 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
     objects = {o["metadata"]["name"]: o for o in rendered_serving_objects() if o["kind"] != "Service"}
     names = {track: f"triton-{track}" for track in serving.TRACKS}
     route = apply_json_patch(objects["llm-serving"], serving.route_patch(names, Route(4, 5, 12.5, 7)))
-    backends = route["spec"]["rules"][1]["backendRefs"]
+    backends = route["spec"]["rules"][serving.WEIGHTED_RULE]["backendRefs"]
     assert [(b["name"], b["weight"]) for b in backends] == [("triton-stable", 875), ("triton-canary", 125)]
     assert [b["filters"][0]["responseHeaderModifier"]["set"][0]["value"] for b in backends] == ["4", "5"]
     assert json.loads(route["metadata"]["annotations"]["llm-pipeline/route"])["generation"] == 7
     first = apply_json_patch(objects["llm-serving"], serving.route_patch(names, Route(4)))
-    assert [b["weight"] for b in first["spec"]["rules"][1]["backendRefs"]] == [1000, 0]
+    assert [b["weight"] for b in first["spec"]["rules"][serving.WEIGHTED_RULE]["backendRefs"]] == [1000, 0]
     canary = merge_patch(objects["triton-canary"], serving.deployment_patch(5, "s3://pipeline/runs/x/export", 1))
     assert canary["spec"]["replicas"] == 1
     assert canary["spec"]["template"]["metadata"]["annotations"]["llm-pipeline/model-version"] == "5"
@@ -166,7 +176,7 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # a hand-edited route (backends swapped) is refused, not mis-weighted
     swapped = json.loads(json.dumps(objects["llm-serving"]))
-    swapped["spec"]["rules"][1]["backendRefs"].reverse()
+    swapped["spec"]["rules"][serving.WEIGHTED_RULE]["backendRefs"].reverse()
     with pytest.raises(AssertionError, match="test failed"):
         apply_json_patch(swapped, serving.route_patch(names, Route(4, 5, 50.0, 1)))
 
@@ -243,7 +253,7 @@ class StableWatcher:
         from tasks.lib.canary import _one_request
 
         while not self.stop.is_set():
-            sample = _one_request(self.url, "llm", self.ids, [-1], 10.0)
+            sample = _one_request(f"{self.url}/v2/models/llm/infer", {}, self.ids, [-1], 10.0)
             self.answers[f"{sample.version}:{'ok' if sample.ok else sample.status}"] += 1
             time.sleep(0.02)
 
@@ -329,6 +339,13 @@ def test_rollout_promotion_rollbacks_and_restart(
         report = json.loads((tmp_path / "deploy2" / "report.json").read_text())
         assert [s["weight"] for s in report["steps"]] == [10.0, 50.0, 100.0] and all(s["passed"] for s in report["steps"])
         assert report["steps"][0]["canary"]["requests"] > 0 and report["steps"][0]["stable"]["requests"] > 0
+        # at 100% the router gives stable nothing: its latency baseline went straight to it in the
+        # same window as the canary's traffic (not pooled from earlier steps, under another load)
+        assert report["steps"][0]["direct_to_stable"] == 0
+        last = report["steps"][-1]
+        assert last["direct_to_stable"] == last["stable"]["requests"] >= 8 and last["latency_test"], last
+        (routed_from, routed_to), (direct_from, direct_to) = last["sent_s"]["routed"], last["sent_s"]["direct"]
+        assert routed_from - 0.5 < direct_from and direct_to < routed_to + 0.5, last["sent_s"]
         assert (tmp_path / "deploy2" / "canary.png").exists()
         assert aliases(name)["champion"] == v2 and aliases(name)["previous"] == v1
     assert watch.failures(v1) == 0 and watch.failures(v2) == 0, watch.answers
