@@ -95,6 +95,7 @@ def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: i
     model = GPT(config).to(device)
     optimizer = build_optimizer(model, params)
     sampler = BatchSampler(split.tokens, config.seq_len, micro_batch, 0)
+    peak_before = parallel.peak_flops(device)
     started = time.perf_counter()
     for i in range(steps):
         x, y = sampler.batch(i * micro_batch, 0, 1)
@@ -106,7 +107,7 @@ def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: i
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     rate = steps * micro_batch * config.seq_len / (time.perf_counter() - started)
-    peak, _ = parallel.peak_flops(device)
+    peak, _ = parallel.best_peak(peak_before, parallel.peak_flops(device))
     return rate, rate * config.flops_per_token() / peak
 
 

@@ -18,7 +18,8 @@ def params_path() -> Path:
 
 @lru_cache(maxsize=4)
 def _load(path: Path) -> dict[str, Any]:
-    loaded: dict[str, Any] = yaml.safe_load(path.read_text())
+    # libyaml's loader where PyYAML has it: ~8x faster than the pure-Python one
+    loaded: dict[str, Any] = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     return loaded
 
 

@@ -256,6 +256,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         env.device, max_steps, tokens_per_step, state["step"],
         latest.uri if latest else state["initialized_from"] or "a random initialization",
     )
+    peak_before = parallel.peak_flops(env.device)  # MFU's peak: probed before and after the loop
     window_start, window_tokens, data_seconds, window_steps = time.perf_counter(), 0, 0.0, 0
     total_data_seconds = eval_seconds = 0.0
     train_start = time.perf_counter()
@@ -330,7 +331,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     seconds = time.perf_counter() - train_start
     trained_tokens = (state["step"] - started_step) * tokens_per_step
     # model FLOPs utilization of this process: its share of the tokens against its device's peak
-    peak, peak_source = parallel.peak_flops(env.device)
+    peak, peak_source = parallel.best_peak(peak_before, parallel.peak_flops(env.device))
     process_rate = trained_tokens / seconds / env.world if trained_tokens else 0.0
     mfu = process_rate * config.flops_per_token() / peak
     result = export_model(engine, config, train_split, args, state, env, tracker)

@@ -73,6 +73,13 @@ def peak_flops(device: torch.device, probe_size: int = 1024, repeats: int = 8) -
     return matmul_probe(device, probe_size, repeats)
 
 
+def best_peak(*measured: tuple[float, str]) -> tuple[float, str]:
+    """The highest of several peak measurements: on a shared machine a probe that ran while the
+    neighbours were busy reads low (one such read put a step at 111% MFU), and what the cores
+    reached once is what they can do. The train step probes before and after its loop."""
+    return max(measured, key=lambda m: m[0])
+
+
 def matmul_probe(device: torch.device, probe_size: int, repeats: int) -> tuple[float, str]:
     """FLOP/s of the best of ``repeats`` square matmuls (bf16 on GPUs, fp32 on CPUs) and what ran."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

