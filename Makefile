@@ -24,7 +24,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env up down status pipeline report predict repro test test-runtime test-orchestrator test-unit lint benchmark clean
+.PHONY: help env up down status pipeline report predict repro test test-unit lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (embedded default)"
@@ -123,18 +123,9 @@ repro: env
 
 # Both environments run their half of the suite: tasks/ and the stack in the runtime env,
 # dags/ and plugins/ (including the end-to-end DAG run) in the orchestrator env.
-# The two halves run side by side, each with servers of its own (the orchestrator half's ports
-# shifted by TEST_PORT_OFFSET), and so do the two environments' installs: much of each half waits
-# on servers, subprocesses and Airflow's scheduler, so on 2 cores they overlap (27 -> 18 min).
-# Each output line carries its half's name; each half ends with its own pytest summary.
-test:
-	@$(MAKE) --no-print-directory -j2 test-runtime test-orchestrator
-
-test-runtime: env
-	set -o pipefail; $(RT_PY) -m pytest tests/tasks tests/stack tests/containers tests/observability 2>&1 | sed -u 's/^/[runtime] /'
-
-test-orchestrator: env
-	set -o pipefail; TEST_PORT_OFFSET=50 $(ORCH_PY) -m pytest tests/dags tests/plugins 2>&1 | sed -u 's/^/[orchestrator] /'
+test: env
+	$(RT_PY) -m pytest tests/tasks tests/stack tests/containers tests/observability
+	$(ORCH_PY) -m pytest tests/dags tests/plugins
 
 test-unit: env
 	$(RT_PY) -m pytest -m "not integration" tests/tasks tests/stack tests/containers tests/observability
