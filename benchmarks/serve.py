@@ -123,7 +123,7 @@ def throughput(url: str, model: str, ids: np.ndarray[Any, Any], concurrency: int
     def client(index: int) -> None:
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         while time.monotonic() < deadline:
-            conn.request("POST", f"/v2/models/{model}/versions/1/infer", body=body,
+            conn.request("POST", triton.infer_path(model, 1), body=body,
                          headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             resp.read()
@@ -180,7 +180,7 @@ def latencies(url: str, model: str, name: str, version: str, export: Path, input
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
 
     def over_http(ids: np.ndarray[Any, Any]) -> None:
-        conn.request("POST", f"/v2/models/{model}/versions/1/infer", body=triton.infer_request(ids),
+        conn.request("POST", triton.infer_path(model, 1), body=triton.infer_request(ids),
                      headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         resp.read()

@@ -14,7 +14,8 @@
   the canary track alone (the smoke test before any traffic moves), rule 1 those carrying
   ``X-Serving-Track: stable`` to the stable track (the canary analysis's baseline where the split
   gives stable too little traffic); rule 2 splits everything else between the tracks by
-  ``weight`` (per mille) and each backend stamps ``X-Model-Version`` on its responses. Its annotations hold the rollout state and the deploy lock.
+  ``weight`` (per mille) and each backend stamps ``X-Model-Version`` on its responses. Its
+  annotations hold the rollout state and the deploy lock.
 - A Role + RoleBinding letting the pipeline's service account get and patch exactly these.
 
 Plain dicts, no Airflow import: tests render them and validate the core objects against the

@@ -87,19 +87,17 @@ def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
     stable that :func:`canary.baseline_rps` asks for."""
     inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
     expected = reference["next_tokens"]
-    routed_url = f"{serving.url}/v2/models/{serve['triton_model']}/infer"
+    routed_url = serving.url + triton.infer_path(serve["triton_model"])
     rate, duration = float(params["rate_rps"]), float(params["step_duration_s"])
     concurrency, timeout = int(params["concurrency"]), float(params["request_timeout_s"])
     direct_rps = canary.baseline_rps(weight, stable, params)
+    baseline_url, baseline_headers = serving.baseline_target(stable) if stable is not None else ("", {})
     samples: list[canary.Sample] = []
     direct: list[canary.Sample] = []
     with ThreadPoolExecutor(max_workers=1) as beside:
         for _ in range(int(params["max_windows"])):  # a small share may need more than one window
-            baseline = None
-            if direct_rps and stable is not None:
-                url, headers = serving.baseline_target(stable)
-                baseline = beside.submit(canary.send_traffic, url, headers, inputs, expected, direct_rps, duration,
-                                         concurrency, timeout, None, stable)
+            baseline = beside.submit(canary.send_traffic, baseline_url, baseline_headers, inputs, expected,
+                                     direct_rps, duration, concurrency, timeout, version=stable) if direct_rps else None
             samples += canary.send_traffic(routed_url, {}, inputs, expected, rate, duration, concurrency, timeout)
             direct += baseline.result() if baseline is not None else []
             if sum(s.version == version for s in samples) >= params["min_samples"]:

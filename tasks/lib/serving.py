@@ -180,11 +180,11 @@ class LocalServing:
         self.serve_versions([stable] if stable is not None else [])
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
-        path = f"/v2/models/{self.serve['triton_model']}/versions/{version}/infer"
+        path = triton.infer_path(self.serve["triton_model"], version)
         return [(self.client.url + path, {}), (self.router.url + path, {})]
 
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
-        return self.router.url + f"/v2/models/{self.serve['triton_model']}/versions/{stable}/infer", {}
+        return self.router.url + triton.infer_path(self.serve["triton_model"], stable), {}
 
     def metrics(self) -> dict[int, dict[str, float]]:
         url = os.environ.get("TRITON_METRICS_URL")
@@ -377,14 +377,14 @@ class KubernetesServing:
         self._set_track("canary", None, 0)
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
-        path = f"/v2/models/{self.serve['triton_model']}/versions/{version}/infer"
+        path = triton.infer_path(self.serve["triton_model"], version)
         direct = f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster['ports']['http']}"
         # the route's first rule sends requests carrying this header to the canary track alone
         return [(direct + path, {}), (self.url + path, {TRACK_HEADER: "canary"})]
 
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
         # the route's second rule sends requests carrying this header to the stable track alone
-        return self.url + f"/v2/models/{self.serve['triton_model']}/versions/{stable}/infer", {TRACK_HEADER: "stable"}
+        return self.url + triton.infer_path(self.serve["triton_model"], stable), {TRACK_HEADER: "stable"}
 
     def metrics(self) -> dict[int, dict[str, float]]:
         merged: dict[int, dict[str, float]] = {}

@@ -185,6 +185,12 @@ def _error(body: bytes) -> str:
 # -- inference over HTTP (used through the router too) ---------------------------------------
 
 
+def infer_path(model: str, version: int | None = None) -> str:
+    """The KServe v2 infer path of ``model``: of one version, else whichever the server (or
+    the router in front of it) picks."""
+    return f"/v2/models/{model}/versions/{version}/infer" if version is not None else f"/v2/models/{model}/infer"
+
+
 def infer_request(input_ids: np.ndarray[Any, Any]) -> bytes:
     """A KServe v2 infer body: token ids as JSON, logits asked back as binary data."""
     return json.dumps({
