@@ -143,9 +143,10 @@ def encode(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
             batch_ids: dict[str, list[int]] = {split: [] for split in tokens.SPLITS}
             for record, enc in zip(chunk, encoded, strict=True):
                 split = tokens.split_of(record["content_hash"], val_fraction)
-                batch_ids[split].extend(enc.ids)
-                batch_ids[split].append(eos)
-                lengths[split].append(len(enc.ids) + 1)
+                ids = enc.ids  # a new Python list on every access: take it once
+                ids.append(eos)
+                batch_ids[split].extend(ids)
+                lengths[split].append(len(ids))
             for split, ids in batch_ids.items():
                 files[split].write(np.array(ids, dtype=dtype).tobytes())
                 progress.update(len(ids))
