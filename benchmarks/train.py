@@ -8,6 +8,8 @@ and the same tokenized data:
   (c) the train step, 2 local nodes with FSDP2 (CPU: two torchrun agents, gloo, 1 thread each;
       GPU: one agent, a process per GPU, NCCL; needs train.nodes GPUs, else skipped)
   (c') the same with DDP (GPU only: FSDP2 vs DDP on the same GPUs)
+  (c'') (c) with the other `train.reshard_after_forward` than auto's: weights freed after each
+      block's forward on CPUs, kept for the backward on GPUs
   (d) the train step, 1 process, with `train.compile` (torch.compile of each block, inductor)
 
     .venvs/runtime/bin/python benchmarks/train.py [--steps 60] [--documents 6000]
@@ -164,6 +166,10 @@ def main() -> None:
         if gpus == 0 or gpus >= nodes:
             rows[f"(c) train step, {nodes} nodes FSDP2"] = train_step(dataset, root / "multi", nodes, args.steps, micro,
                                                                       *chosen, "--set", "engine=fsdp2")
+            other = "false" if gpus else "true"  # auto: kept on CPUs, freed on GPUs
+            rows[f"(c'') FSDP2, weights {'freed' if gpus == 0 else 'kept'} after fwd"] = train_step(
+                dataset, root / "reshard", nodes, args.steps, micro, *chosen, "--set", "engine=fsdp2",
+                "--set", f"reshard_after_forward={other}")
         if gpus >= nodes:
             rows[f"(c') train step, {nodes} GPUs DDP"] = train_step(dataset, root / "ddp", nodes, args.steps, micro,
                                                                    *chosen, "--set", "engine=ddp")

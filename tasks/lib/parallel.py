@@ -2,6 +2,7 @@
 
 - ``fsdp2`` (default): ``fully_shard`` on every block, then on the root (tied embedding/head
   stay together in the root's group). bf16 parameters with fp32 reduction on accelerators.
+  Whether a block frees its gathered weights after its forward: ``reshard_after_forward``.
 - ``ddp``: ``DistributedDataParallel``, for small models.
 - ``deepspeed``: DeepSpeed ZeRO (stage 2 or 3, ``train.deepspeed_stage``), its config
   generated from params.yaml; runs on CPUs with gloo too (DeepSpeed's CPU accelerator).
@@ -194,7 +195,7 @@ def build_engine(model: nn.Module, name: str, params: dict[str, Any], env: Dist,
             model=model, optimizer=make_optimizer(model), config=deepspeed_config(params, env)
         )
         return Engine(name, ds_engine, ds_optimizer, ds_engine)
-    wrapped = wrap(model, name, env)
+    wrapped = wrap(model, name, env, params["reshard_after_forward"])
     return Engine(name, wrapped, make_optimizer(wrapped))
 
 
@@ -214,7 +215,20 @@ def compile_blocks(model: nn.Module) -> None:
         block.compile()
 
 
-def wrap(model: nn.Module, engine: str, env: Dist) -> nn.Module:
+def reshard_after_forward(setting: bool | str, device: torch.device, blocks: int) -> list[bool]:
+    """Per block, whether FSDP2 frees its gathered weights after the block's forward and gathers
+    them again in the backward (train.reshard_after_forward: true, false or auto; the train step
+    refuses anything else). Keeping them saves one all-gather of the whole model per step and
+    holds the unsharded weights through the step (gradients and optimizer state stay sharded).
+    auto: on GPUs every block but the last, whose weights the backward needs first (torchtitan's
+    default; NCCL overlaps the gathers with compute); on CPUs none: gloo's all-gathers run on the
+    critical path (benchmarks/train.py, see README)."""
+    if setting == "auto":
+        return [device.type == "cuda" and i < blocks - 1 for i in range(blocks)]
+    return [bool(setting)] * blocks
+
+
+def wrap(model: nn.Module, engine: str, env: Dist, reshard: bool | str = "auto") -> nn.Module:
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
     model.to(env.device)
@@ -227,9 +241,10 @@ def wrap(model: nn.Module, engine: str, env: Dist) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16(env.device) else MixedPrecisionPolicy()
-    for block in model.blocks:  # type: ignore[union-attr]
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    blocks = list(model.blocks)  # type: ignore[arg-type]
+    for block, free in zip(blocks, reshard_after_forward(reshard, env.device, len(blocks)), strict=True):
+        fully_shard(block, mp_policy=policy, reshard_after_forward=free)
+    fully_shard(model, mp_policy=policy)  # the root keeps its weights for the backward (FSDP2's default)
     return model
 
 

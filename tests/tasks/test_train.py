@@ -105,6 +105,26 @@ def test_same_seed_data_and_world_give_bit_identical_weights(
     assert all(torch.equal(ref[k], new[k]) for k in ref)
 
 
+def test_reshard_after_forward_policy() -> None:
+    """auto: GPUs free every block's weights after its forward but the last one's (the backward
+    starts there); CPUs keep them all (one all-gather per step instead of two over gloo)."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert parallel.reshard_after_forward("auto", cuda, 4) == [True, True, True, False]
+    assert parallel.reshard_after_forward("auto", cpu, 4) == [False] * 4
+    assert parallel.reshard_after_forward(True, cpu, 3) == [True] * 3
+    assert parallel.reshard_after_forward(False, cuda, 3) == [False] * 3
+
+
+def test_freeing_weights_after_forward_changes_communication_not_the_math(
+    reference: tuple[Path, dict[str, Any]], dataset: Path, tmp_path: Path
+) -> None:
+    """The reference keeps each block's gathered weights for its backward (auto on CPUs); freeing
+    and gathering them again gives the same values, so the same weights, bit for bit."""
+    freed = train(tmp_path, dataset, 2, 30, "--set", "reshard_after_forward=true")
+    ref, new = weights(reference[1]["model_uri"]), weights(freed["model_uri"])
+    assert all(torch.equal(ref[k], new[k]) for k in ref)
+
+
 @pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
 def test_gradient_accumulation_without_sync_matches_one_big_batch(dataset: Path, tmp_path: Path, engine: str) -> None:
     """2 micro-batches of 2 (gradients reduced on the second only) give the weights of 1 batch of 4:
@@ -231,11 +251,12 @@ def test_retention_keeps_last_two_and_best(reference: tuple[Path, dict[str, Any]
         ("ok", ["--set", "grad_accum=100000"], "sequences exceeds the"),
         ("ok", ["--set", "preset=gpu-1b", "--set", "micro_batch=64"], "needs ~"),
         ("ok", ["--set", "preset=nope"], "train.preset 'nope': unknown"),
+        ("ok", ["--set", "reshard_after_forward=sometimes"], "train.reshard_after_forward 'sometimes': expected"),
         # a learning rate that blows the weights up: stopped at the first non-finite gradient
         ("ok", ["--set", "lr=1e30", "--set", "warmup_steps=0", "--set", "max_steps=50"], "training diverged at step"),
     ],
     ids=["missing-dataset", "vocab-mismatch", "batch-bigger-than-data", "preset-does-not-fit", "unknown-preset",
-         "diverging-loss"],
+         "unknown-reshard-setting", "diverging-loss"],
 )
 def test_bad_input_fails_before_any_step(
     dataset: Path, tmp_path: Path, setup: str, extra: list[str], message: str
