@@ -65,6 +65,9 @@ def check_fits(config: GPTConfig, params: dict[str, Any], env: parallel.Dist, tr
     fully_sharded = params["engine"] == "fsdp2" or (params["engine"] == "deepspeed" and params["deepspeed_stage"] == 3)
     if fully_sharded:
         state_bytes = config.num_params() * BYTES_PER_PARAM_TRAINING / env.world
+        if params["engine"] == "fsdp2":  # blocks that keep their gathered weights for the backward
+            kept = parallel.reshard_after_forward(params["reshard_after_forward"], env.device, config.n_layers).count(False)
+            state_bytes += config.num_params() * kept / config.n_layers * (2 if parallel.use_bf16(env.device) else 4)
     elif params["engine"] == "deepspeed":  # ZeRO-2: weights whole, gradients and optimizer state sharded
         state_bytes = config.num_params() * (4 + (BYTES_PER_PARAM_TRAINING - 4) / env.world)
     else:
