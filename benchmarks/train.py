@@ -166,8 +166,8 @@ def main() -> None:
         if gpus == 0 or gpus >= nodes:
             rows[f"(c) train step, {nodes} nodes FSDP2"] = train_step(dataset, root / "multi", nodes, args.steps, micro,
                                                                       *chosen, "--set", "engine=fsdp2")
-            other = "false" if gpus else "true"  # auto: kept on CPUs, freed on GPUs
-            rows[f"(c'') FSDP2, weights {'freed' if gpus == 0 else 'kept'} after fwd"] = train_step(
+            other, weights = ("false", "kept") if gpus else ("true", "freed")  # auto: kept on CPUs, freed on GPUs
+            rows[f"(c'') FSDP2, weights {weights} after fwd"] = train_step(
                 dataset, root / "reshard", nodes, args.steps, micro, *chosen, "--set", "engine=fsdp2",
                 "--set", f"reshard_after_forward={other}")
         if gpus >= nodes:

@@ -215,10 +215,9 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         raise StepError(f"train.engine {params['engine']!r}: expected one of {', '.join(parallel.ENGINES)}")
     if params["init_from"] not in ("champion", "scratch"):
         raise StepError(f"train.init_from {params['init_from']!r}: expected champion or scratch")
-    if params["compile"] not in (True, False, "auto"):
-        raise StepError(f"train.compile {params['compile']!r}: expected true, false or auto")
-    if params["reshard_after_forward"] not in (True, False, "auto"):
-        raise StepError(f"train.reshard_after_forward {params['reshard_after_forward']!r}: expected true, false or auto")
+    for switch in ("compile", "reshard_after_forward"):  # settings decided per device by auto
+        if params[switch] not in (True, False, "auto"):
+            raise StepError(f"train.{switch} {params[switch]!r}: expected true, false or auto")
     if params["engine"] == "deepspeed" and "WORLD_SIZE" not in os.environ:
         raise StepError("train.engine deepspeed runs under torchrun (no WORLD_SIZE in the environment)")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
