@@ -44,6 +44,8 @@ help:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
 	@# g++: torch.compile's CPU backend (inductor) compiles its kernels with it (train.compile)
 	@command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
+	@# tcmalloc: the allocator of CPU training workers (tasks/lib/torchrun.py: glibc re-faults large tensors every step)
+	@/sbin/ldconfig -p | grep -q libtcmalloc_minimal.so.4 || (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4)
 	@# nginx: the router in front of Triton (split_clients between the stable and canary version)
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || (apt-get update -qq && apt-get install -y -qq nginx-light)
 	@# Prometheus and its Pushgateway: the local stack's metrics (observability/), promtool checks the alert rules

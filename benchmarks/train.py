@@ -3,7 +3,10 @@ and the same tokenized data:
 
   (a) a plain single-process PyTorch loop (model + AdamW + random windows, nothing else; bf16
       autocast on a GPU, as the step)
-  (b) the train step, 1 process (`python -m tasks.train --set engine=single`)
+  (a0) the same loop on glibc's malloc (CPUs: every other row runs on tcmalloc, the allocator
+      the torchrun agent gives CPU training workers; this row shows what that is worth)
+  (b) the train step, 1 process (`--set engine=single`, under one torchrun agent as the pipeline
+      runs it)
   (b') the same with synchronous checkpoints (`train.async_checkpoint: false`)
   (c) the train step, 2 local nodes with FSDP2 (CPU: two torchrun agents, gloo, 1 thread each;
       GPU: one agent, a process per GPU, NCCL; needs train.nodes GPUs, else skipped)
@@ -52,6 +55,7 @@ from tasks.lib import parallel, records  # noqa: E402
 from tasks.lib.data import BatchSampler, open_split  # noqa: E402
 from tasks.lib.model import GPT  # noqa: E402
 from tasks.lib.params import step_params  # noqa: E402
+from tasks.lib.torchrun import malloc_in_use, preload_allocator  # noqa: E402
 from tasks.train import build_optimizer, loss_fn, model_config  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -118,7 +122,7 @@ def train_step(dataset: Path, out: Path, nodes: int, steps: int, micro_batch: in
             "--set", f"max_steps={steps}", "--set", f"micro_batch={micro_batch}", "--set", "log_every=5",
             "--set", f"checkpoint_every={max(steps // 3, 1)}", "--set", f"eval_every={max(steps // 3, 1)}", *extra]
     if nodes == 1:
-        return result_of(step("tasks.train", *args, "--set", "engine=single").stderr)
+        args = [*args, "--set", "engine=single"]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -137,8 +141,19 @@ def train_step(dataset: Path, out: Path, nodes: int, steps: int, micro_batch: in
     return result_of(outputs[0])
 
 
+def plain_loop_on_glibc(dataset: Path, steps: int, micro_batch: int, preset: str) -> float:
+    """(a0): the plain loop in a process of its own on glibc's malloc (an empty LD_PRELOAD)."""
+    done = subprocess.run([sys.executable, __file__, "--plain-loop-only", str(dataset), "--steps", str(steps),
+                           "--micro-batch", str(micro_batch), "--preset", preset],
+                          cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "LD_PRELOAD": ""})
+    if done.returncode:
+        raise SystemExit(f"the glibc plain loop exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return float(done.stdout.split()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plain-loop-only", type=Path, metavar="DATASET", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--documents", type=int, default=6000)
     parser.add_argument("--preset", help="a train.presets name (default: params.yaml's train.preset)")
@@ -149,8 +164,14 @@ def main() -> None:
     if params["preset"] not in params["presets"]:
         raise SystemExit(f"--preset {params['preset']!r}: expected one of {', '.join(params['presets'])}")
     micro = args.micro_batch or int(params["micro_batch"])
+    if args.plain_loop_only:
+        print(plain_loop(args.plain_loop_only, args.steps, params, micro)[0])
+        return
     nodes = int(params["nodes"])
     gpus = torch.cuda.device_count()
+    env = dict(os.environ)
+    if preload_allocator(env, on_gpu=gpus > 0):  # the plain loop in this process on the workers' allocator too
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     preset = ["--set", f"preset={params['preset']}"]
     chosen = [*preset, "--set", "compile=false"]  # eager, but (d)
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
@@ -158,6 +179,8 @@ def main() -> None:
         dataset = build_dataset(root, args.documents)
         # same global batch everywhere: the 1-process variants take all of it
         plain, plain_mfu = plain_loop(dataset, args.steps, params, micro * nodes)
+        malloc = malloc_in_use()
+        plain_glibc = plain_loop_on_glibc(dataset, args.steps, micro * nodes, params["preset"]) if malloc != "glibc" else None
         rows = {
             "(b) train step, 1 process": train_step(dataset, root / "single", 1, args.steps, micro * nodes, *chosen),
             "(b') the same, sync checkpoints": train_step(dataset, root / "sync", 1, args.steps, micro * nodes, *chosen,
@@ -179,12 +202,14 @@ def main() -> None:
     cadence, seq_len = int(params["checkpoint_every"]), int(params["presets"][params["preset"]]["seq_len"])
     where = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else f"{os.cpu_count()} CPUs"
     print(f"\npreset {params['preset']}, {tokens:,} train tokens, global batch {micro * nodes} x {seq_len}, "
-          f"{args.steps} steps, {where}; checkpoint stall share at the default cadence of {cadence} steps")
+          f"{args.steps} steps, {where}, malloc: {malloc}; checkpoint stall share at the default cadence of {cadence} steps")
     if 0 < gpus < nodes:
         print(f"(c) FSDP2 and (c') DDP over {nodes} processes need {nodes} GPUs, this machine has {gpus}: not run")
     print(f"{'variant':<36}{'tokens/s':>9}{'ratio':>7}{'same work':>10}{'steady':>8}{'MFU %':>7}{'data %':>7}"
           f"{'eval %':>7}{'ckpt %':>7}{'stall ms':>9}{'1st ms':>8}{'save ms':>8}{'@cadence %':>11}")
     print(f"{'(a) plain PyTorch loop, 1 process':<36}{plain:>9,.0f}{1.0:>7.2f}{1.0:>10.2f}{'':>8}{100 * plain_mfu:>7.1f}")
+    if plain_glibc is not None:
+        print(f"{'(a0) the same, glibc malloc':<36}{plain_glibc:>9,.0f}{plain_glibc / plain:>7.2f}")
     for name, r in rows.items():
         same_work = r["tokens_per_s"] / (1 - r["eval_share"] - r["checkpoint_share"])
         step_seconds = micro * nodes * seq_len / r["tokens_per_s"]

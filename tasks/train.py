@@ -38,6 +38,7 @@ from tasks.lib.errors import StepError
 from tasks.lib.model import GPT, GPTConfig
 from tasks.lib.params import step_params
 from tasks.lib.step import log, run_step, step_parser
+from tasks.lib.torchrun import malloc_in_use
 from tasks.lib.tracking import Tracker
 
 BYTES_PER_PARAM_TRAINING = 16  # fp32 weights + grads + two AdamW moments
@@ -255,9 +256,9 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     global_batch = params["micro_batch"] * accum * env.world
     tokens_per_step = global_batch * config.seq_len
     log.info(
-        "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s: %d steps x %d tokens, from step %d of %s",
+        "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s (malloc: %s): %d steps x %d tokens, from step %d of %s",
         params["preset"], config.num_params() / 1e6, params["engine"], env.rank, env.world, os.getpid(),
-        env.device, max_steps, tokens_per_step, state["step"],
+        env.device, malloc_in_use(), max_steps, tokens_per_step, state["step"],
         latest.uri if latest else state["initialized_from"] or "a random initialization",
     )
     peak_before = parallel.peak_flops(env.device)  # MFU's peak: probed before and after the loop
@@ -361,6 +362,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         initialized_from=state["initialized_from"],
         world_size=env.world,
         engine=params["engine"],
+        malloc=malloc_in_use(),
     )
     tracker.finish(result)
     # every process reports rank 0's result (each pod of an Indexed Job hands one to Airflow)

@@ -110,6 +110,8 @@ class Tracker:
         mlflow.log_metrics({k: float(result[k]) for k in RUN_FIGURES if result.get(k) is not None})
         if result.get("peak_source"):
             mlflow.set_tag("mfu.peak", f"{result['peak_flops'] / 1e9:.1f} GFLOP/s, {result['peak_source']}")
+        if result.get("malloc"):
+            mlflow.set_tag("malloc", result["malloc"])  # tcmalloc on CPUs (tasks.lib.torchrun), else glibc
         if result.get("val_loss") is not None:
             mlflow.log_metric("final_val_loss", float(result["val_loss"]))
         mlflow.end_run()

@@ -85,6 +85,7 @@ def reference(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 def test_two_node_fsdp2_trains_and_loss_falls(reference: tuple[Path, dict[str, Any]]) -> None:
     root, result = reference
     assert result["world_size"] == 2 and result["engine"] == "fsdp2" and result["steps"] == 30
+    assert result["malloc"] == "tcmalloc"  # the torchrun agent's CPU workers (tasks.lib.torchrun)
     # model FLOPs utilization against a matmul probe of the same process: a share, measured here
     assert 0.001 < result["mfu"] < 1 and result["peak_source"].startswith("measured fp32 matmul")
     log = (root / "logs" / "node0.log").read_text()
@@ -321,6 +322,7 @@ def test_mlflow_run_per_dag_run_with_metrics_curve_and_model(stack_env: dict[str
     client = MlflowClient()
     run = client.get_run(str(again["mlflow_run_id"]))
     assert run.data.tags["dag_run"] == tag and run.data.params["engine"] == "fsdp2"
+    assert run.data.tags["malloc"] == "glibc"  # a plain python -m tasks.train: no agent preloaded tcmalloc
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [5, 10, 15, 20]
     for metric in ("tokens_per_s", "data_loading_share", "checkpoint_time_s", "val_loss", "step_time_s",
                    "checkpoint_stall_s", "checkpoint_save_s", "eval_share", "mfu"):
