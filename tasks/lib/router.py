@@ -6,8 +6,9 @@ rewriting the path to ``/v2/models/<m>/versions/<v>/infer``; every response says
 version answered (``X-Model-Version``). A change writes ``split.conf``, checks it with
 ``nginx -t`` and reloads (SIGHUP: new workers take new connections, old ones finish theirs, so
 no request is dropped: 0 of 500 lost here, where Caddy's config reload lost 2 of 2,664), then
-waits until the live router reports the new generation. Callers that unload a version after
-moving its traffic away rely on that wait.
+waits until the live router reports the new generation and the workers of the old one have
+exited (until then an old worker can still take a request by the old split). Callers that unload
+a version after moving its traffic away rely on that wait.
 
 In a cluster the same decision is a Gateway API HTTPRoute with weighted ``backendRefs`` (one
 Service per track): ``plugins/serving.py`` renders it.
@@ -153,10 +154,31 @@ class NginxRouter:
             if previous is not None:
                 target.write_text(previous)  # never leave a config the next reload would refuse
             raise RuntimeError(f"router config rejected by nginx -t: {checked.stderr.strip()[-300:]}")
+        old_workers = self.worker_pids()
         subprocess.run([*command, "-s", "reload"], check=True, capture_output=True)
         deadline = time.monotonic() + self.timeout_s
-        while self.live().generation != route.generation:
+        while self.live().generation != route.generation or old_workers & self.worker_pids():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"router did not apply generation {route.generation} in {self.timeout_s:.0f}s")
+                raise RuntimeError(f"router did not apply generation {route.generation} in {self.timeout_s:.0f}s "
+                                   f"(old workers left: {sorted(old_workers & self.worker_pids())})")
             time.sleep(0.05)
         return route
+
+    def worker_pids(self) -> set[int]:
+        """The live children of this router's nginx master; empty where the master is not a
+        process of this machine's view (the compose stack's router runs in a container of its own)."""
+        try:
+            master = int((self.prefix / "nginx.pid").read_text())
+            if not Path(f"/proc/{master}/cmdline").read_bytes().startswith(b"nginx: master"):
+                return set()
+        except (OSError, ValueError):
+            return set()
+        children = set()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue  # exited while listed
+            if int(parent) == master and state != "Z":
+                children.add(int(stat.parent.name))
+        return children

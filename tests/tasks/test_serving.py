@@ -203,6 +203,20 @@ def serving_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
     return params_with_model_name("serve-test", tmp_path_factory.mktemp("params"))
 
 
+@pytest.mark.integration
+def test_a_route_change_returns_once_the_old_router_workers_are_gone(stack_env: dict[str, str]) -> None:
+    """Until its old worker exits, nginx can still answer a request by the old split: a 100%
+    canary step once counted a request answered by stable; an unloaded version would fail one."""
+    from tasks.lib.router import NginxRouter
+
+    router = NginxRouter(Path(stack_env["ROUTER_DIR"]), stack_env["ROUTER_URL"])
+    for _ in range(3):
+        live, old_workers = router.live(), router.worker_pids()
+        assert old_workers, "the local router's nginx workers are not visible"
+        router.apply(live.stable, live.canary, live.canary_weight)  # the same split, a new generation
+        assert router.worker_pids() and not old_workers & router.worker_pids()
+
+
 @pytest.fixture(scope="module")
 def eval_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_eval_text(tmp_path_factory.mktemp("eval"), 600, 700)
