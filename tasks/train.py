@@ -255,10 +255,11 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     max_steps, accum = int(params["max_steps"]), int(params["grad_accum"])
     global_batch = params["micro_batch"] * accum * env.world
     tokens_per_step = global_batch * config.seq_len
+    malloc = malloc_in_use()
     log.info(
         "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s (malloc: %s): %d steps x %d tokens, from step %d of %s",
         params["preset"], config.num_params() / 1e6, params["engine"], env.rank, env.world, os.getpid(),
-        env.device, malloc_in_use(), max_steps, tokens_per_step, state["step"],
+        env.device, malloc, max_steps, tokens_per_step, state["step"],
         latest.uri if latest else state["initialized_from"] or "a random initialization",
     )
     peak_before = parallel.peak_flops(env.device)  # MFU's peak: probed before and after the loop
@@ -362,7 +363,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         initialized_from=state["initialized_from"],
         world_size=env.world,
         engine=params["engine"],
-        malloc=malloc_in_use(),
+        malloc=malloc,
     )
     tracker.finish(result)
     # every process reports rank 0's result (each pod of an Indexed Job hands one to Airflow)

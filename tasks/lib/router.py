@@ -157,12 +157,14 @@ class NginxRouter:
         old_workers = self.worker_pids()
         subprocess.run([*command, "-s", "reload"], check=True, capture_output=True)
         deadline = time.monotonic() + self.timeout_s
-        while self.live().generation != route.generation or old_workers & self.worker_pids():
+        while True:
+            generation, left = self.live().generation, old_workers & self.worker_pids()
+            if generation == route.generation and not left:
+                return route
             if time.monotonic() > deadline:
                 raise RuntimeError(f"router did not apply generation {route.generation} in {self.timeout_s:.0f}s "
-                                   f"(old workers left: {sorted(old_workers & self.worker_pids())})")
+                                   f"(old workers left: {sorted(left)})")
             time.sleep(0.05)
-        return route
 
     def worker_pids(self) -> set[int]:
         """The live children of this router's nginx master; empty where the master is not a
