@@ -142,6 +142,7 @@ benchmark: env
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) benchmarks/tokenization.py
 	$(RT_PY) benchmarks/train.py
+	$(RT_PY) benchmarks/fsdp_units.py
 	$(RT_PY) benchmarks/serve.py
 
 clean: down

@@ -138,7 +138,9 @@ def build_optimizer(model: torch.nn.Module, params: dict[str, Any]) -> torch.opt
         [{"params": decay, "weight_decay": float(params["weight_decay"])}, {"params": no_decay, "weight_decay": 0.0}],
         lr=float(params["lr"]),
         betas=tuple(params["betas"]),
-        fused=False,
+        # one kernel per operation over all parameters: PyTorch's default on GPUs only; on CPUs
+        # the per-parameter loop cost FSDP2's sharded parameters ~9 ms a step (2x the foreach step)
+        foreach=True,
     )
 
 

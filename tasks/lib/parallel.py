@@ -1,8 +1,9 @@
 """How the GPT is distributed: process group setup and the engines.
 
 - ``fsdp2`` (default): ``fully_shard`` on every block, then on the root (tied embedding/head
-  stay together in the root's group). bf16 parameters with fp32 reduction on accelerators.
-  Whether a block frees its gathered weights after its forward: ``reshard_after_forward``.
+  stay together in the root's group); on CPUs, unless blocks free their weights, the root alone
+  (``per_block_units``). bf16 parameters with fp32 reduction on accelerators. Whether a block
+  frees its gathered weights after its forward: ``reshard_after_forward``.
 - ``ddp``: ``DistributedDataParallel``, for small models.
 - ``deepspeed``: DeepSpeed ZeRO (stage 2 or 3, ``train.deepspeed_stage``), its config
   generated from params.yaml; runs on CPUs with gloo too (DeepSpeed's CPU accelerator).
@@ -238,14 +239,33 @@ def wrap(model: nn.Module, engine: str, env: Dist, reshard: bool | str = "auto")
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    frees = reshard_after_forward(reshard, env.device, len(model.blocks))  # type: ignore[arg-type]
+    return shard(model, frees, per_block_units(frees, env.device), env.device)
+
+
+def shard(model: nn.Module, frees: list[bool], per_block: bool, device: torch.device) -> nn.Module:
+    """FSDP2 over ``model`` (on ``device``): a unit per block (``frees[i]``: block i drops its
+    gathered weights after its forward) when ``per_block``, and the root's unit over the rest."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16(env.device) else MixedPrecisionPolicy()
-    blocks = list(model.blocks)  # type: ignore[arg-type]
-    for block, free in zip(blocks, reshard_after_forward(reshard, env.device, len(blocks)), strict=True):
-        fully_shard(block, mp_policy=policy, reshard_after_forward=free)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16(device) else MixedPrecisionPolicy()
+    if per_block:
+        for block, free in zip(model.blocks, frees, strict=True):  # type: ignore[arg-type]
+            fully_shard(block, mp_policy=policy, reshard_after_forward=free)
     fully_shard(model, mp_policy=policy)  # the root keeps its weights for the backward (FSDP2's default)
     return model
+
+
+def per_block_units(frees: list[bool], device: torch.device) -> bool:
+    """Whether FSDP2 gathers and reduces each block on its own (torchtitan's layout) or the whole
+    model as one unit. Per block pays on GPUs, where NCCL overlaps one block's all-gather and
+    reduce-scatter with its neighbours' compute, and wherever a block frees its weights after its
+    forward (that needs a unit of its own). On CPUs keeping the weights, every unit only adds a
+    gloo collective on the critical path, Python hooks and a wait for the slower rank: one unit
+    per model ran 1.14-1.32x the per-block layout on cpu-tiny (benchmarks/fsdp_units.py). The
+    shards, checkpoints and the math are the same either way; one unit holds the whole model's
+    unsharded gradients until the end of the backward, as DDP does."""
+    return device.type == "cuda" or any(frees)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -116,11 +116,22 @@ def test_reshard_after_forward_policy() -> None:
     assert parallel.reshard_after_forward(False, cuda, 3) == [False] * 3
 
 
+def test_fsdp2_units_per_block_on_gpus_or_where_blocks_free_their_weights() -> None:
+    """CPUs keeping the weights shard the whole model as one unit (one all-gather and one
+    reduce-scatter a step); a block that frees its weights needs a unit of its own; GPUs overlap
+    per-block collectives with compute."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not parallel.per_block_units([False] * 4, cpu)
+    assert parallel.per_block_units([True, True, True, False], cpu)
+    assert parallel.per_block_units([False] * 4, cuda)
+
+
 def test_freeing_weights_after_forward_changes_communication_not_the_math(
     reference: tuple[Path, dict[str, Any]], dataset: Path, tmp_path: Path
 ) -> None:
-    """The reference keeps each block's gathered weights for its backward (auto on CPUs); freeing
-    and gathering them again gives the same values, so the same weights, bit for bit."""
+    """The reference keeps the gathered weights for the backward (auto on CPUs: the whole model one
+    FSDP2 unit); freeing each block's after its forward takes a unit per block and gathers them
+    again: other collectives, the same values, so the same weights, bit for bit."""
     freed = train(tmp_path, dataset, 2, 30, "--set", "reshard_after_forward=true")
     ref, new = weights(reference[1]["model_uri"]), weights(freed["model_uri"])
     assert all(torch.equal(ref[k], new[k]) for k in ref)

@@ -1,0 +1,153 @@
+"""How FSDP2's layout costs on CPUs: the bare 2-rank training step (forward, backward, gradient
+clipping, AdamW; random tokens, no data, evaluation, checkpoints or logging) of the preset's
+model, against a plain one-process loop given every core, side by side, rounds interleaved:
+
+  plain     one process, every core (the baseline)
+  apart     2 ranks of one core each, no collective at all: the ceiling of any 2-rank layout
+  ddp       DistributedDataParallel (one bucketed all-reduce)
+  one unit  FSDP2, the whole model one unit: one all-gather and one reduce-scatter a step
+            (the CPU default, tasks.lib.parallel.per_block_units)
+  per block FSDP2, a unit per block and the root, weights kept for the backward (torchtitan's
+            layout; the GPU default)
+  one unit, AdamW loop   the one-unit layout with PyTorch's per-parameter AdamW loop instead
+            of foreach (CPU's default before train.build_optimizer asked for foreach)
+
+    .venvs/runtime/bin/python benchmarks/fsdp_units.py [--preset cpu-small] [--rounds 3]
+
+Every process runs on the torchrun agent's allocator (tcmalloc where installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tasks.lib import parallel  # noqa: E402
+from tasks.lib.model import GPT  # noqa: E402
+from tasks.lib.params import step_params  # noqa: E402
+from tasks.lib.torchrun import preload_allocator  # noqa: E402
+from tasks.train import build_optimizer, loss_fn, model_config  # noqa: E402
+
+VARIANTS = ("plain", "apart", "ddp", "one unit", "per block", "one unit, AdamW loop")
+RUN_TIMEOUT_S = 600
+VOCAB = 8192  # the pipeline's tokenizer size (params.yaml tokenize.vocab_size)
+
+
+def layout(model: torch.nn.Module, variant: str) -> torch.nn.Module:
+    if variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if variant in ("one unit", "per block", "one unit, AdamW loop"):
+        kept = [False] * len(model.blocks)  # type: ignore[arg-type]
+        return parallel.shard(model, kept, variant == "per block", torch.device("cpu"))
+    return model  # plain, apart
+
+
+def worker(variant: str, preset: str, micro_batch: int, steps: int, warmup: int) -> None:
+    """One process of ``variant``; rank 0 prints the tokens/s of all ranks together."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rate = timed_steps(variant, preset, micro_batch, steps, warmup, world)
+    if world == 1 or dist.get_rank() == 0:
+        print(json.dumps({"tokens_per_s": rate}), flush=True)
+    if world > 1:  # after the model is gone: a DDP reducer freed after the group deadlocks in gloo's destructor
+        dist.destroy_process_group()
+
+
+def timed_steps(variant: str, preset: str, micro_batch: int, steps: int, warmup: int, world: int) -> float:
+    """Tokens/s of all ranks over ``steps`` steps after ``warmup``, timed by the slowest rank."""
+    rank = dist.get_rank() if world > 1 else 0
+    params = step_params("train")
+    params["preset"] = preset
+    config = model_config(params, VOCAB)
+    torch.manual_seed(0)
+    model = layout(GPT(config), variant)
+    optimizer = build_optimizer(model, params)
+    if variant.endswith("AdamW loop"):
+        for group in optimizer.param_groups:
+            group["foreach"] = False
+    engine = parallel.Engine(variant, model, optimizer)
+    tokens = torch.Generator().manual_seed(rank)
+    for i in range(warmup + steps):
+        if i == warmup:
+            started = time.perf_counter()
+        batch = torch.randint(0, VOCAB, (micro_batch, config.seq_len + 1), generator=tokens)
+        loss_fn(model, batch[:, :-1], batch[:, 1:]).backward()
+        engine.step(float(params["grad_clip"]))
+    elapsed = torch.tensor(time.perf_counter() - started)
+    if world > 1:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return steps * micro_batch * config.seq_len * world / float(elapsed)
+
+
+def measure(variant: str, preset: str, micro_batch: int, steps: int, warmup: int, env: dict[str, str]) -> float:
+    """Tokens/s of one run of ``variant``: 2 ranks of one core each, or one process of every core."""
+    cores = os.cpu_count() or 2
+    own = [__file__, "--worker", variant, "--preset", preset, "--steps", str(steps), "--warmup", str(warmup)]
+    if variant == "plain":
+        command = [sys.executable, *own, "--micro-batch", str(2 * micro_batch)]
+        threads = cores
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   *own, "--micro-batch", str(micro_batch)]
+        threads = max(1, cores // 2)
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                              env={**env, "OMP_NUM_THREADS": str(threads)})
+    except subprocess.TimeoutExpired:  # a hung collective must not hang the benchmark
+        raise SystemExit(f"{variant} did not finish in {RUN_TIMEOUT_S} s: run the benchmark again") from None
+    if done.returncode:
+        raise SystemExit(f"{variant} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    rate: float = json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--preset", help="a train.presets name (default: params.yaml's train.preset)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per rank (default: train.micro_batch)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    params = step_params("train")
+    preset = args.preset or params["preset"]
+    micro = args.micro_batch or int(params["micro_batch"])
+    if args.worker:
+        worker(args.worker, preset, micro, args.steps, args.warmup)
+        return
+    if preset not in params["presets"]:
+        raise SystemExit(f"--preset {preset!r}: expected one of {', '.join(params['presets'])}")
+    env = dict(os.environ)
+    preload_allocator(env, on_gpu=False)
+    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:
+            rates[variant].append(measure(variant, preset, micro, args.steps, args.warmup, env))
+    plain = statistics.median(rates["plain"])
+    print(f"\npreset {preset}, global batch {2 * micro} x {params['presets'][preset]['seq_len']}, {args.steps} steps "
+          f"after {args.warmup}, {os.cpu_count()} CPUs, medians of {args.rounds} interleaved rounds")
+    print(f"{'variant':<24}{'tokens/s':>10}{'ratio':>7}  {'each round':<30}")
+    for variant, measured in rates.items():
+        median = statistics.median(measured)
+        each = ", ".join(f"{r:,.0f}" for r in measured)
+        print(f"{variant:<24}{median:>10,.0f}{median / plain:>7.2f}  {each}")
+
+
+if __name__ == "__main__":
+    main()
