@@ -41,8 +41,9 @@ from tasks.lib.torchrun import preload_allocator  # noqa: E402
 from tasks.train import build_optimizer, loss_fn, model_config  # noqa: E402
 
 VARIANTS = ("plain", "apart", "ddp", "one unit", "per block", "one unit, AdamW loop")
+RANKS = 2  # the ranks of every distributed layout (train.nodes of the demo); each gets cpu_count // RANKS threads
 RUN_TIMEOUT_S = 600
-VOCAB = 8192  # the pipeline's tokenizer size (params.yaml tokenize.vocab_size)
+VOCAB = int(step_params("tokenize")["vocab_size"])  # the size of the pipeline's trained tokenizer
 
 
 def layout(model: torch.nn.Module, variant: str) -> torch.nn.Module:
@@ -95,16 +96,16 @@ def timed_steps(variant: str, preset: str, micro_batch: int, steps: int, warmup:
 
 
 def measure(variant: str, preset: str, micro_batch: int, steps: int, warmup: int, env: dict[str, str]) -> float:
-    """Tokens/s of one run of ``variant``: 2 ranks of one core each, or one process of every core."""
+    """Tokens/s of one run of ``variant``: ``RANKS`` ranks sharing the cores, or one process of every core."""
     cores = os.cpu_count() or 2
     own = [__file__, "--worker", variant, "--preset", preset, "--steps", str(steps), "--warmup", str(warmup)]
     if variant == "plain":
-        command = [sys.executable, *own, "--micro-batch", str(2 * micro_batch)]
+        command = [sys.executable, *own, "--micro-batch", str(RANKS * micro_batch)]
         threads = cores
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
                    *own, "--micro-batch", str(micro_batch)]
-        threads = max(1, cores // 2)
+        threads = max(1, cores // RANKS)
     try:
         done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                               env={**env, "OMP_NUM_THREADS": str(threads)})
@@ -140,7 +141,7 @@ def main() -> None:
         for variant in VARIANTS:
             rates[variant].append(measure(variant, preset, micro, args.steps, args.warmup, env))
     plain = statistics.median(rates["plain"])
-    print(f"\npreset {preset}, global batch {2 * micro} x {params['presets'][preset]['seq_len']}, {args.steps} steps "
+    print(f"\npreset {preset}, global batch {RANKS * micro} x {params['presets'][preset]['seq_len']}, {args.steps} steps "
           f"after {args.warmup}, {os.cpu_count()} CPUs, medians of {args.rounds} interleaved rounds")
     print(f"{'variant':<24}{'tokens/s':>10}{'ratio':>7}  {'each round':<30}")
     for variant, measured in rates.items():
