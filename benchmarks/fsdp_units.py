@@ -1,9 +1,12 @@
 """How FSDP2's layout costs on CPUs: the bare 2-rank training step (forward, backward, gradient
 clipping, AdamW; random tokens, no data, evaluation, checkpoints or logging) of the preset's
-model, against a plain one-process loop given every core, side by side, rounds interleaved:
+model, against a plain one-process loop given every core, side by side, rounds interleaved, with
+rank 0's median forward, backward and optimizer-step times (where a layout's collectives land):
 
   plain     one process, every core (the baseline)
   apart     2 ranks of one core each, no collective at all: the ceiling of any 2-rank layout
+  apart, synced  the same with a one-number all-reduce after each step: what waiting for the
+            slower rank costs by itself, without moving the weights and gradients
   ddp       DistributedDataParallel (one bucketed all-reduce)
   one unit  FSDP2, the whole model one unit: one all-gather and one reduce-scatter a step
             (the CPU default, tasks.lib.parallel.per_block_units)
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -40,7 +44,7 @@ from tasks.lib.params import step_params  # noqa: E402
 from tasks.lib.torchrun import preload_allocator  # noqa: E402
 from tasks.train import build_optimizer, loss_fn, model_config  # noqa: E402
 
-VARIANTS = ("plain", "apart", "ddp", "one unit", "per block", "one unit, AdamW loop")
+VARIANTS = ("plain", "apart", "apart, synced", "ddp", "one unit", "per block", "one unit, AdamW loop")
 RANKS = 2  # the ranks of every distributed layout (train.nodes of the demo); each gets cpu_count // RANKS threads
 RUN_TIMEOUT_S = 600
 VOCAB = int(step_params("tokenize")["vocab_size"])  # the size of the pipeline's trained tokenizer
@@ -62,15 +66,17 @@ def worker(variant: str, preset: str, micro_batch: int, steps: int, warmup: int)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
-    rate = timed_steps(variant, preset, micro_batch, steps, warmup, world)
+    rate, phases_ms = timed_steps(variant, preset, micro_batch, steps, warmup, world)
     if world == 1 or dist.get_rank() == 0:
-        print(json.dumps({"tokens_per_s": rate}), flush=True)
+        print(json.dumps({"tokens_per_s": rate, "phases_ms": phases_ms}), flush=True)
     if world > 1:  # after the model is gone: a DDP reducer freed after the group deadlocks in gloo's destructor
         dist.destroy_process_group()
 
 
-def timed_steps(variant: str, preset: str, micro_batch: int, steps: int, warmup: int, world: int) -> float:
-    """Tokens/s of all ranks over ``steps`` steps after ``warmup``, timed by the slowest rank."""
+def timed_steps(variant: str, preset: str, micro_batch: int, steps: int, warmup: int,
+                world: int) -> tuple[float, list[float]]:
+    """Tokens/s of all ranks over ``steps`` steps after ``warmup``, timed by the slowest rank, and
+    this rank's median forward, backward and optimizer-step milliseconds."""
     rank = dist.get_rank() if world > 1 else 0
     params = step_params("train")
     params["preset"] = preset
@@ -83,20 +89,32 @@ def timed_steps(variant: str, preset: str, micro_batch: int, steps: int, warmup:
             group["foreach"] = False
     engine = parallel.Engine(variant, model, optimizer)
     tokens = torch.Generator().manual_seed(rank)
+    phases: list[tuple[float, float, float]] = []
     for i in range(warmup + steps):
         if i == warmup:
             started = time.perf_counter()
         batch = torch.randint(0, VOCAB, (micro_batch, config.seq_len + 1), generator=tokens)
-        loss_fn(model, batch[:, :-1], batch[:, 1:]).backward()
+        begun = time.perf_counter()
+        loss = loss_fn(model, batch[:, :-1], batch[:, 1:])
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
         engine.step(float(params["grad_clip"]))
+        if variant == "apart, synced":
+            dist.all_reduce(torch.zeros(1))
+        if i >= warmup:
+            phases.append((forward - begun, backward - forward, time.perf_counter() - backward))
     elapsed = torch.tensor(time.perf_counter() - started)
     if world > 1:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return steps * micro_batch * config.seq_len * world / float(elapsed)
+    phases_ms = [1000 * statistics.median(phase) for phase in zip(*phases, strict=True)]
+    return steps * micro_batch * config.seq_len * world / float(elapsed), phases_ms
 
 
-def measure(variant: str, preset: str, micro_batch: int, steps: int, warmup: int, env: dict[str, str]) -> float:
-    """Tokens/s of one run of ``variant``: ``RANKS`` ranks sharing the cores, or one process of every core."""
+def measure(variant: str, preset: str, micro_batch: int, steps: int, warmup: int,
+            env: dict[str, str]) -> dict[str, Any]:
+    """Tokens/s and rank 0's phase times of one run of ``variant``: ``RANKS`` ranks sharing the
+    cores, or one process of every core."""
     cores = os.cpu_count() or 2
     own = [__file__, "--worker", variant, "--preset", preset, "--steps", str(steps), "--warmup", str(warmup)]
     if variant == "plain":
@@ -113,8 +131,8 @@ def measure(variant: str, preset: str, micro_batch: int, steps: int, warmup: int
         raise SystemExit(f"{variant} did not finish in {RUN_TIMEOUT_S} s: run the benchmark again") from None
     if done.returncode:
         raise SystemExit(f"{variant} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    rate: float = json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
-    return rate
+    measured: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return measured
 
 
 def main() -> None:
@@ -136,18 +154,20 @@ def main() -> None:
         raise SystemExit(f"--preset {preset!r}: expected one of {', '.join(params['presets'])}")
     env = dict(os.environ)
     preload_allocator(env, on_gpu=False)
-    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     for _ in range(args.rounds):
         for variant in VARIANTS:
-            rates[variant].append(measure(variant, preset, micro, args.steps, args.warmup, env))
-    plain = statistics.median(rates["plain"])
+            runs[variant].append(measure(variant, preset, micro, args.steps, args.warmup, env))
+    plain = statistics.median(r["tokens_per_s"] for r in runs["plain"])
     print(f"\npreset {preset}, global batch {RANKS * micro} x {params['presets'][preset]['seq_len']}, {args.steps} steps "
           f"after {args.warmup}, {os.cpu_count()} CPUs, medians of {args.rounds} interleaved rounds")
-    print(f"{'variant':<24}{'tokens/s':>10}{'ratio':>7}  {'each round':<30}")
-    for variant, measured in rates.items():
-        median = statistics.median(measured)
-        each = ", ".join(f"{r:,.0f}" for r in measured)
-        print(f"{variant:<24}{median:>10,.0f}{median / plain:>7.2f}  {each}")
+    print(f"{'variant':<24}{'tokens/s':>10}{'ratio':>7}{'fwd ms':>8}{'bwd ms':>8}{'step ms':>8}  {'each round':<30}")
+    for variant, measured in runs.items():
+        median = statistics.median(r["tokens_per_s"] for r in measured)
+        phases = [statistics.median(phase) for phase in zip(*(r["phases_ms"] for r in measured), strict=True)]
+        each = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in measured)
+        print(f"{variant:<24}{median:>10,.0f}{median / plain:>7.2f}{phases[0]:>8.1f}{phases[1]:>8.1f}{phases[2]:>8.1f}"
+              f"  {each}")
 
 
 if __name__ == "__main__":
