@@ -138,14 +138,15 @@ def main() -> None:
 
         base_s, base_tokens = min(baseline(tokenizer_file, texts) for _ in range(args.repeats))
         base_rate = base_tokens / base_s
-        pinned = {n: best([shards(snapshot, tokenizer_file, n, root / f"p{n}-{r}", True) for r in range(args.repeats)])
-                  for n in range(1, max(cpus, 2) + 1)}
-        step = {"1 worker": best([shards(snapshot, tokenizer_file, 1, root / f"w1-{r}", False) for r in range(args.repeats)]),
+        def fastest(workers: int, pinned: bool, repeats: int, tag: str) -> Shards:
+            runs = [shards(snapshot, tokenizer_file, workers, root / f"{tag}{workers}-{r}", pinned) for r in range(repeats)]
+            return best(runs)
+
+        pinned = {n: fastest(n, True, args.repeats, "p") for n in range(1, max(cpus, 2) + 1)}
+        step = {"1 worker": fastest(1, False, args.repeats, "w"),
                 "2 workers, a core each": pinned[2],
-                "2 workers, both on every core": best([shards(snapshot, tokenizer_file, 2, root / f"w2-{r}", False)
-                                                    for r in range(args.repeats)])}
-        merges = {n: best([shards(snapshot, tokenizer_file, n, root / f"m{n}-{r}", True) for r in range(2)]).merge
-                  for n in (4, 8, 16)}
+                "2 workers, both on every core": fastest(2, False, args.repeats, "w")}
+        merges = {n: fastest(n, True, 2, "m").merge for n in (4, 8, 16)}
         start_up = start_up_seconds(args.repeats)
     for run in [*step.values(), *pinned.values()]:
         assert run.tokens == base_tokens, f"{run.tokens} tokens, baseline {base_tokens}"
