@@ -52,6 +52,21 @@ def run_module(module: str, *args: str, env: dict[str, str] | None = None) -> su
     )
 
 
+def run_measuring_peak_rss(module: str, *args: str, peak: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` whose peak RSS (KiB) is written to ``peak`` when it exits. The
+    process's own high-water mark (VmHWM): ``ru_maxrss`` keeps the parent's RSS across the
+    fork and exec, so it would read the test process's memory."""
+    hwm = "next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM:'))"
+    code = ("import atexit, runpy, sys\n"
+            f"atexit.register(lambda: open({str(peak)!r}, 'w').write({hwm}))\n"
+            f"sys.argv = [{module!r}, *{list(args)!r}]\n"
+            f"runpy.run_module({module!r}, run_name='__main__')")
+    proc = subprocess.run([str(RUNTIME_PY), "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 def step_result(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
     """The result JSON a step logged (``... result {json}``)."""
     for line in reversed(proc.stderr.splitlines()):
