@@ -1,13 +1,14 @@
 """Tokenization throughput, measured in one run on the same snapshot:
 
 1. The distributed step with 1 and 2 workers beside a plain single-process ``tokenizers``
-   ``encode_batch`` baseline (every core), as tokens/s of the encode work itself (what the step
-   logs) and of the whole step's wall clock, each as a ratio to the baseline. 2 workers run both
+   ``encode_batch`` baseline (every core, the texts already in memory), as tokens/s of the encode
+   step's own work (what it logs: reading and parsing its records, encoding, writing) and of the
+   whole step's wall clock, each as a ratio to the baseline. 2 workers run both
    ways: each pinned to a core of its own (as two one-core pods), and both on every core (two
    local processes at once, as the scheduler runs two mapped shards; `dags test` runs them one
    after the other).
-2. Where the step's wall clock goes beyond encoding: process start-up, reading the shard's
-   records, the merge; these costs are fixed or grow with bytes, not with tokenization, so the
+2. Where the step's wall clock goes beyond the encode work: process start-ups, loading the
+   tokenizer, the merge; these costs are fixed or grow with bytes, not with tokenization, so the
    table also says from which corpus size the wall clock reaches 85% of the baseline.
 3. Scale-out: N encode workers, each pinned to its own core (CPU affinity,
    ``TOKENIZERS_PARALLELISM=false``), against N times one pinned worker, plus the merge's cost as
@@ -52,8 +53,7 @@ class Shards:
     """One run of the encode workers and the merge over the same snapshot."""
 
     wall: float  # from the first worker's start to the merged dataset
-    busiest_encode: float  # the slowest worker's own encode seconds
-    read: float  # the slowest worker's record read
+    busiest_encode: float  # the slowest worker's own seconds: read, parse, encode, write
     merge: float  # the merge process, start-up included
     tokens: int
 
@@ -104,8 +104,8 @@ def shards(snapshot: Path, tokenizer_file: Path, workers: int, out: Path, pinned
     done = time.perf_counter()
     result = json.loads(next(x for x in reversed(merge.stderr.splitlines()) if " result {" in x).split(" result ", 1)[1])
     stats = [json.loads((out / "shards" / f"{i:05d}" / "stats.json").read_text()) for i in range(workers)]
-    return Shards(wall=done - started, busiest_encode=max(s["seconds"] for s in stats),
-                  read=max(s["read_seconds"] for s in stats), merge=done - encoded, tokens=sum(result["tokens"].values()))
+    return Shards(wall=done - started, busiest_encode=max(s["seconds"] for s in stats), merge=done - encoded,
+                  tokens=sum(result["tokens"].values()))
 
 
 def best(runs: list[Shards]) -> Shards:
@@ -160,22 +160,22 @@ def main() -> None:
               f"{wall_rate:>18,.0f}{wall_rate / base_rate:>8.2f}")
 
     one = step["1 worker"]
-    fixed = one.wall - one.busiest_encode  # start-up x2, tokenizer loads, read, write, merge
-    print(f"\nthe 1-worker step's {one.wall:.2f} s: encode {one.busiest_encode:.2f} s, read {one.read:.2f} s, "
-          f"merge {one.merge:.2f} s (process included), a step process's start-up {start_up:.2f} s; "
-          f"everything but encoding {fixed:.2f} s")
+    fixed = one.wall - one.busiest_encode  # start-up x2, tokenizer loads, merge
+    print(f"\nthe 1-worker step's {one.wall:.2f} s: encode work {one.busiest_encode:.2f} s (read, parse, encode, "
+          f"write), merge {one.merge:.2f} s (process included), a step process's start-up {start_up:.2f} s; "
+          f"everything but the encode work {fixed:.2f} s")
     # the wall clock of a snapshot of S MB: S / encode_mb_s + constant + per_mb x S, where the costs
-    # beside encoding are either per process (constant) or grow with the bytes read and merged
-    per_mb = max(one.read + one.merge - start_up, 0.0) / mb
+    # beside the encode work are either per process (constant) or grow with the bytes merged
+    per_mb = max(one.merge - start_up, 0.0) / mb
     constant = fixed - per_mb * mb
     encode_mb_s, base_mb_s = mb / one.busiest_encode, mb / base_s
     headroom = 1 - 0.85 * base_mb_s * (1 / encode_mb_s + per_mb)
-    costs = f"{constant:.2f} s per run, {1000 * per_mb:.1f} ms per MB read and merged"
+    costs = f"{constant:.2f} s per run, {1000 * per_mb:.1f} ms per MB merged"
     if headroom > 0:
         print(f"the wall clock reaches 0.85 of encode_batch from a ~{0.85 * base_mb_s * constant / headroom:.0f} MB "
               f"snapshot on ({costs})")
     else:
-        print(f"the step's encoding with its per-MB read and merge runs below 0.85 of encode_batch in this run: "
+        print(f"the step's encode work with its per-MB merge runs below 0.85 of encode_batch in this run: "
               f"no snapshot size brings the wall clock there ({costs})")
 
     unit = pinned[1].tokens / pinned[1].busiest_encode

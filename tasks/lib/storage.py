@@ -144,21 +144,33 @@ def read_bytes(uri: str) -> bytes:
 def read_range(uri: str, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of a file (an S3 ranged GET): a reader of one part of a big file
     holds only that part."""
+    return b"".join(iter_range(uri, start, end))
+
+
+def iter_range(uri: str, start: int, end: int, chunk_bytes: int = 1 << 22) -> Iterator[bytes]:
+    """Bytes ``[start, end)`` of a file in chunks of at most ``chunk_bytes`` (one S3 ranged GET,
+    streamed): a reader holds a chunk at a time, not the range."""
     if end <= start:
-        return b""
+        return
     if not is_s3(uri):
-        try:
-            with Path(uri).open("rb") as fh:
-                fh.seek(start)
-                return fh.read(end - start)
-        except FileNotFoundError:
-            raise StepError(f"{uri}: no such file") from None
+        if not Path(uri).is_file():
+            raise StepError(f"{uri}: no such file")
+        with Path(uri).open("rb") as fh:
+            fh.seek(start)
+            left = end - start
+            while left > 0 and (chunk := fh.read(min(chunk_bytes, left))):
+                left -= len(chunk)
+                yield chunk
+        return
     bucket, key = split_s3(uri)
+    received = 0
     with s3_call(uri, "ranged read"):
-        body: bytes = s3_client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"].read()
-    if len(body) != end - start:
-        raise StorageUnavailable(f"{uri}: asked bytes {start}-{end - 1}, got {len(body)} bytes")
-    return body
+        body = s3_client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+        for chunk in body.iter_chunks(chunk_bytes):
+            received += len(chunk)
+            yield chunk
+    if received != end - start:
+        raise StorageUnavailable(f"{uri}: asked bytes {start}-{end - 1}, got {received} bytes")
 
 
 def read_json(uri: str) -> Any:

@@ -77,6 +77,41 @@ def load_tokenizer(uri: str, scratch: Path) -> Any:
     return tokenizer
 
 
+def lines_in(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The lines (without their newline) of a byte stream that arrives in arbitrary chunks."""
+    rest = b""
+    for chunk in chunks:
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        yield from lines
+    if rest:
+        yield rest
+
+
+def record_batches(
+    lines: Iterable[bytes], batch_bytes: int, where: str, first_line: int = 1
+) -> Iterator[list[dict[str, Any]]]:
+    """JSON records of ``lines`` in batches of about ``batch_bytes`` of input each: memory stays
+    bounded by the batch however long the documents, and an ``encode_batch`` call is long enough
+    that its threads rarely wait for its longest document. Errors name ``where`` and the line
+    (``lines`` start at line ``first_line`` of it)."""
+    batch: list[dict[str, Any]] = []
+    size = 0
+    for number, line in enumerate(lines, first_line):
+        if not line.strip():
+            continue
+        try:
+            batch.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise StepError(f"{where}: line {number} is not a JSON record ({exc.msg})") from None
+        size += len(line)
+        if size >= batch_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     with path.open("rb") as fh:
         for line in fh:

@@ -64,6 +64,8 @@ def test_s3_round_trip_and_commit(stack_env: dict[str, str], tmp_path: Path) -> 
     storage.require_complete(out)
     assert storage.read_bytes(storage.join(out, "nested/b.bin")) == b"\x00\x01" * 1000
     assert storage.read_range(storage.join(out, "nested/b.bin"), 11, 21) == (b"\x00\x01" * 1000)[11:21]
+    streamed = list(storage.iter_range(storage.join(out, "nested/b.bin"), 11, 1500, chunk_bytes=100))
+    assert b"".join(streamed) == (b"\x00\x01" * 1000)[11:1500] and max(map(len, streamed)) <= 100
     local = storage.download_tree(out, tmp_path / "copy")
     assert (local / "nested" / "b.bin").stat().st_size == 2000
     # a retry first clears leftovers of the earlier attempt
@@ -73,6 +75,14 @@ def test_s3_round_trip_and_commit(stack_env: dict[str, str], tmp_path: Path) -> 
     assert [u.rsplit("/", 1)[1] for u in storage.list_files(out)] == ["_SUCCESS", "c.txt"]
     with pytest.raises(StepError, match="no such object"):
         storage.read_bytes(storage.join(out, "missing.txt"))
+
+
+def test_a_local_range_streams_in_chunks(tmp_path: Path) -> None:
+    (tmp_path / "f.bin").write_bytes(bytes(range(256)) * 4)
+    streamed = list(storage.iter_range(str(tmp_path / "f.bin"), 5, 1000, chunk_bytes=64))
+    assert b"".join(streamed) == (bytes(range(256)) * 4)[5:1000] and max(map(len, streamed)) == 64
+    with pytest.raises(StepError, match="no such file"):
+        list(storage.iter_range(str(tmp_path / "missing.bin"), 0, 10))
 
 
 def test_s3_failures_are_classified_by_what_a_retry_can_change() -> None:

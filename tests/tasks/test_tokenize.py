@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import error_lines, run_module, step_result, tokenize
+from helpers import error_lines, run_measuring_peak_rss, run_module, step_result, tokenize
 
 from tasks.lib import records, tokens
 
@@ -28,6 +28,15 @@ def test_shards_cover_every_record_once_with_even_bytes(num_shards: int) -> None
     share = lengths.sum() / num_shards
     if num_shards <= 11:  # fewer shards than long records: each within one record of an even share
         assert all(abs(int(offsets[end] - offsets[start]) - share) <= 1000 for start, end in ranges)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_lines_arriving_in_any_chunks_are_the_same_lines(chunk: int) -> None:
+    data = b'{"a": 1}\n{"b": "two"}\n\n{"c": 3}'  # the last line without its newline
+    chunks = [data[i : i + chunk] for i in range(0, len(data), chunk)]
+    assert list(tokens.lines_in(chunks)) == data.split(b"\n")
+    batches = list(tokens.record_batches(tokens.lines_in(chunks), batch_bytes=8, where="s"))
+    assert batches == [[{"a": 1}], [{"b": "two"}], [{"c": 3}]]  # a batch closes at 8 bytes of lines
 
 
 def test_split_depends_only_on_document_hash() -> None:
@@ -102,3 +111,41 @@ def test_each_shard_reads_only_its_byte_range(snapshot: Path, tokenizer_uri: str
                       tokenizer_uri, "--shard-index", "1", "--num-shards", "3", "--output", str(tmp_path / "s1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert step_result(proc)["records"] == [start, end]
+
+
+def test_encode_memory_is_bounded_by_its_batch_not_its_shard(snapshot: Path, tokenizer_uri: str, tmp_path: Path) -> None:
+    """A shard's records are streamed from its byte range in batches of ``tokenize.batch_bytes``:
+    for a 5x larger shard the encode step's peak RSS grows by a fraction of the extra data (6 MB
+    for 32 MB here; holding the shard's records, as before, grew it by 103 MB)."""
+    lines = snapshot.read_bytes()
+
+    def peak_rss_mb(megabytes: int) -> float:
+        folder = tmp_path / f"{megabytes}mb"
+        folder.mkdir()
+        data = lines * -(-megabytes * 10**6 // len(lines))  # whole copies of the snapshot's lines
+        (folder / "snapshot.jsonl").write_bytes(data)
+        lengths = np.array([len(line) for line in data.splitlines(keepends=True)])
+        np.save(folder / "snapshot.offsets.npy", tokens.offsets_from_lengths(lengths))
+        peak = folder / "peak-rss"
+        proc = run_measuring_peak_rss(
+            "tasks.tokenize", "encode", "--snapshot", str(folder / "snapshot.jsonl"), "--tokenizer", tokenizer_uri,
+            "--shard-index", "0", "--num-shards", "1", "--output", str(folder / "shard"),
+            "--set", "batch_bytes=65536", peak=peak)
+        assert step_result(proc)["records"] == [0, len(lengths)]
+        return int(peak.read_text()) / 1024
+
+    small, large = peak_rss_mb(8), peak_rss_mb(40)
+    assert large - small < 0.5 * (40 - 8), (small, large)
+
+
+def test_a_broken_snapshot_line_is_named(snapshot: Path, tokenizer_uri: str, tmp_path: Path) -> None:
+    lines = snapshot.read_bytes().splitlines(keepends=True)
+    lines[3] = b'{"text": "cut off\n'
+    (tmp_path / "snapshot.jsonl").write_bytes(b"".join(lines))
+    np.save(tmp_path / "snapshot.offsets.npy", tokens.offsets_from_lengths(np.array([len(line) for line in lines])))
+    proc = run_module("tasks.tokenize", "encode", "--snapshot", str(tmp_path / "snapshot.jsonl"), "--tokenizer",
+                      tokenizer_uri, "--shard-index", "0", "--num-shards", "1", "--output", str(tmp_path / "shard"))
+    assert proc.returncode == 2
+    assert error_lines(proc) == [f"ERROR python -m tasks.tokenize: {tmp_path / 'snapshot.jsonl'}: line 4 is not a JSON record "
+                                 "(Unterminated string starting at)"]
+    assert not (tmp_path / "shard").exists()
