@@ -21,7 +21,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from stack.servers import client_env, down, init_compose_stack, ports, status, up, write_env_file
+from stack.servers import StackError, client_env, down, init_compose_stack, ports, status, up, write_env_file
 
 
 def predict(prompt: str, max_tokens: int) -> int:
@@ -58,7 +58,11 @@ def main() -> int:
         init_compose_stack()
         return 0
     if args.command == "up":
-        env = up(with_airflow=args.airflow)
+        try:
+            env = up(with_airflow=args.airflow)
+        except StackError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         print(f"stack up: S3 {env['AWS_ENDPOINT_URL']}, MLflow {env['MLFLOW_TRACKING_URI']}")
         if args.airflow:
             print(f"Airflow UI: http://127.0.0.1:{ports()['airflow']} (users in airflow.cfg)")

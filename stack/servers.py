@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -103,6 +104,16 @@ def write_env_file() -> dict[str, str]:
     return env
 
 
+class StackError(RuntimeError):
+    """A server of the stack could not be started (one line for `python -m stack up`)."""
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
 @dataclass(frozen=True)
 class Server:
     name: str
@@ -110,6 +121,7 @@ class Server:
     env: Callable[[], dict[str, str]]
     healthy: Callable[[], bool]
     start_timeout_s: float
+    port: str | None = None  # its key in ports(): the port it serves on, refused when another process holds it
 
     @property
     def pid_file(self) -> Path:
@@ -131,6 +143,10 @@ class Server:
         if self.pid() and self.healthy():
             return  # reuse a healthy running server
         self.stop()
+        if self.port is not None and _listening(port := ports()[self.port]):
+            # another stack's server on the same port would answer the health check (and the steps)
+            raise StackError(f"{self.name}: port {port} is held by a process this stack ({state_dir()}) did not "
+                             f"start: stop it, or give this stack other ports (STACK_PORT_{self.port.upper()})")
         with self.log_file.open("ab") as log:
             proc = subprocess.Popen(
                 self.command(),
@@ -144,9 +160,9 @@ class Server:
         deadline = time.monotonic() + self.start_timeout_s
         while not self.healthy():
             if proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {proc.returncode}; see {self.log_file}")
+                raise StackError(f"{self.name} exited with {proc.returncode}; see {self.log_file}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} not healthy after {self.start_timeout_s:.0f}s; see {self.log_file}")
+                raise StackError(f"{self.name} not healthy after {self.start_timeout_s:.0f}s; see {self.log_file}")
             time.sleep(0.3)
 
     def stop(self) -> None:
@@ -420,7 +436,7 @@ def _airflow_component(component: str) -> Server:
     # api-server reads the task logs from the shared local folder instead
     extra = ["--skip-serve-logs"] if component in ("scheduler", "triggerer") else []
     return Server(f"airflow-{component}", lambda: [airflow, component, *extra], _airflow_env, healthy,
-                  start_timeout_s=120)
+                  start_timeout_s=120, port="airflow" if component == "api-server" else None)
 
 
 AIRFLOW_SERVERS = tuple(_airflow_component(c) for c in ("api-server", "scheduler", "dag-processor", "triggerer"))
@@ -502,22 +518,23 @@ def _prometheus_command() -> list[str]:
 
 
 SERVERS = (
-    Server("seaweedfs", _seaweedfs_command, dict, _s3_healthy, start_timeout_s=60),
+    Server("seaweedfs", _seaweedfs_command, dict, _s3_healthy, start_timeout_s=60, port="s3"),
     Server(
         "mlflow",
         _mlflow_command,
         _mlflow_env,
         lambda: _http_ok(f"{client_env()['MLFLOW_TRACKING_URI']}/health"),
         start_timeout_s=120,
+        port="mlflow",
     ),
     Server("triton", _triton_command, _triton_env,
-           lambda: _http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60),
+           lambda: _http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60, port="triton_http"),
     Server("router", _router_command, dict, lambda: _http_ok(f"{client_env()['ROUTER_URL']}/router/state"),
-           start_timeout_s=20),
+           start_timeout_s=20, port="router"),
     Server("pushgateway", _pushgateway_command, dict,
-           lambda: _http_ok(f"{client_env()['PUSHGATEWAY_URL']}/-/ready"), start_timeout_s=20),
+           lambda: _http_ok(f"{client_env()['PUSHGATEWAY_URL']}/-/ready"), start_timeout_s=20, port="pushgateway"),
     Server("prometheus", _prometheus_command, dict,
-           lambda: _http_ok(f"{client_env()['PROMETHEUS_URL']}/-/ready"), start_timeout_s=30),
+           lambda: _http_ok(f"{client_env()['PROMETHEUS_URL']}/-/ready"), start_timeout_s=30, port="prometheus"),
 )
 
 

@@ -28,6 +28,20 @@ def test_up_is_idempotent_and_reuses_healthy_servers(stack_env: dict[str, str]) 
     assert status.returncode == 0 and status.stdout.count("healthy") == 6
 
 
+def test_up_refuses_a_port_another_stack_holds(stack_env: dict[str, str], tmp_path: Path) -> None:
+    """A second stack folder on the same ports stops at the first server with one line: its
+    health checks would have passed against the other stack's servers (Triton, nginx, ...),
+    whose repository and routes are not its own (a deploy then failed to load its model)."""
+    other = tmp_path / "other-stack"
+    proc = run_module("stack", "up", env={"STACK_DIR": str(other)})
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"error: seaweedfs: port {stack_env['AWS_ENDPOINT_URL'].rsplit(':', 1)[1]} is held by a process this stack "
+        f"({other}) did not start: stop it, or give this stack other ports (STACK_PORT_S3)"]
+    assert not list(other.glob("*.pid"))
+    assert run_module("stack", "status").returncode == 0  # the session's stack untouched
+
+
 def test_generated_credentials_are_required(stack_env: dict[str, str]) -> None:
     import boto3
     from botocore.exceptions import ClientError
