@@ -57,7 +57,7 @@ def layout(model: torch.nn.Module, variant: str) -> torch.nn.Module:
         return DistributedDataParallel(model)
     if variant in ("one unit", "per block", "one unit, AdamW loop"):
         kept = [False] * len(model.blocks)  # type: ignore[arg-type]
-        return parallel.shard(model, kept, variant == "per block", torch.device("cpu"))
+        return parallel.shard(model, kept, variant == "per block", torch.device("cpu"))  # fp32 weights on CPUs
     return model  # plain, apart
 
 

@@ -14,6 +14,8 @@ and the same tokenized data:
   (c'') (c) with the other `train.reshard_after_forward` than auto's: weights freed after each
       block's forward on CPUs, kept for the backward on GPUs
   (d) the train step, 1 process, with `train.compile` (torch.compile of each block, inductor)
+  (e) CPUs: the train step, 1 process, in bf16 autocast (`train.precision: bf16`; auto is fp32 on
+      CPUs); (e') the same on 2 local nodes with FSDP2. Their MFU is against a bf16 matmul probe.
 
     .venvs/runtime/bin/python benchmarks/train.py [--steps 60] [--documents 6000]
     python benchmarks/train.py --preset gpu-125m --micro-batch 16 --steps 200   # on a GPU machine
@@ -198,6 +200,11 @@ def main() -> None:
                                                                    *chosen, "--set", "engine=ddp")
         rows["(d) train step, 1 process, compile"] = train_step(dataset, root / "compiled", 1, args.steps, micro * nodes,
                                                                  *preset, "--set", "compile=true")
+        if gpus == 0:  # bf16 on CPUs only where asked: fast with AMX, slow with AVX2 alone
+            bf16 = [*chosen, "--set", "precision=bf16"]
+            rows["(e) train step, 1 process, bf16"] = train_step(dataset, root / "bf16", 1, args.steps, micro * nodes, *bf16)
+            rows[f"(e') {nodes} nodes FSDP2, bf16"] = train_step(dataset, root / "bf16-multi", nodes, args.steps, micro,
+                                                                  *bf16, "--set", "engine=fsdp2")
         tokens = int(np.load(dataset / "train.offsets.npy")[-1])
     cadence, seq_len = int(params["checkpoint_every"]), int(params["presets"][params["preset"]]["seq_len"])
     where = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else f"{os.cpu_count()} CPUs"
@@ -219,7 +226,8 @@ def main() -> None:
               f"{100 * r['eval_share']:>7.1f}{100 * r['checkpoint_share']:>7.1f}{1000 * r['checkpoint_stall_s']:>9.0f}"
               f"{1000 * r['checkpoint_stalls_s'][0]:>8.0f}"
               f"{1000 * r['checkpoint_save_s']:>8.0f}{100 * at_cadence:>11.2f}")
-    print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {next(iter(rows.values()))['peak_source']}")
+    peaks = {f"{r['peak_flops'] / 1e9:,.0f} GFLOP/s, {r['peak_source']}" for r in rows.values()}
+    print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {'; '.join(sorted(peaks))}")
     if gpus:  # what the card reaches here, beside the data sheet's figure MFU is quoted against
         peak, what = parallel.matmul_probe(torch.device("cuda"), 8192, 20)
         print(f"measured peak for comparison: {peak / 1e12:.0f} TFLOP/s ({what}, 8192^3, best of 20)")

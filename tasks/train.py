@@ -68,7 +68,8 @@ def check_fits(config: GPTConfig, params: dict[str, Any], env: parallel.Dist, tr
         state_bytes = config.num_params() * BYTES_PER_PARAM_TRAINING / env.world
         if params["engine"] == "fsdp2":  # blocks that keep their gathered weights for the backward
             kept = parallel.reshard_after_forward(params["reshard_after_forward"], env.device, config.n_layers).count(False)
-            state_bytes += config.num_params() * kept / config.n_layers * (2 if parallel.use_bf16(env.device) else 4)
+            state_bytes += config.num_params() * kept / config.n_layers * (
+                2 if parallel.bf16_weights(env.device, params["precision"]) else 4)
     elif params["engine"] == "deepspeed":  # ZeRO-2: weights whole, gradients and optimizer state sharded
         state_bytes = config.num_params() * (4 + (BYTES_PER_PARAM_TRAINING - 4) / env.world)
     else:
@@ -157,7 +158,7 @@ def evaluate(model: torch.nn.Module, sampler: BatchSampler, params: dict[str, An
     total = torch.zeros((), device=env.device)
     for i in range(int(params["eval_batches"])):
         x, y = sampler.batch(i * params["micro_batch"] * env.world, env.rank, env.world)
-        with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device)):
+        with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device, params["precision"])):
             total += loss_fn(model, x.to(env.device), y.to(env.device))
     model.train()
     return float(parallel.all_reduce_mean(total / int(params["eval_batches"]), env))
@@ -216,11 +217,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist) -> dict[str, Any]:
     if params["engine"] not in parallel.ENGINES:
         raise StepError(f"train.engine {params['engine']!r}: expected one of {', '.join(parallel.ENGINES)}")
+    if params["precision"] not in parallel.PRECISIONS:
+        raise StepError(f"train.precision {params['precision']!r}: expected one of {', '.join(parallel.PRECISIONS)}")
     if params["init_from"] not in ("champion", "scratch"):
         raise StepError(f"train.init_from {params['init_from']!r}: expected champion or scratch")
     for switch in ("compile", "reshard_after_forward"):  # settings decided per device by auto
         if params[switch] not in (True, False, "auto"):
             raise StepError(f"train.{switch} {params[switch]!r}: expected true, false or auto")
+    bf16 = parallel.use_bf16(env.device, params["precision"])
+    if bf16 and params["engine"] == "deepspeed" and env.device.type != "cuda":
+        raise StepError("train.precision bf16 on CPUs: use engine fsdp2, ddp or single (DeepSpeed runs fp32 there)")
     if params["engine"] == "deepspeed" and "WORLD_SIZE" not in os.environ:
         raise StepError("train.engine deepspeed runs under torchrun (no WORLD_SIZE in the environment)")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
@@ -259,12 +265,12 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     tokens_per_step = global_batch * config.seq_len
     malloc = malloc_in_use()
     log.info(
-        "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s (malloc: %s): %d steps x %d tokens, from step %d of %s",
+        "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s (%s, malloc: %s): %d steps x %d tokens, from step %d of %s",
         params["preset"], config.num_params() / 1e6, params["engine"], env.rank, env.world, os.getpid(),
-        env.device, malloc, max_steps, tokens_per_step, state["step"],
+        env.device, "bf16" if bf16 else "fp32", malloc, max_steps, tokens_per_step, state["step"],
         latest.uri if latest else state["initialized_from"] or "a random initialization",
     )
-    peak_before = parallel.peak_flops(env.device)  # MFU's peak: probed before and after the loop
+    peak_before = parallel.peak_flops(env.device, bf16)  # MFU's peak: probed before and after the loop
     window_start, window_tokens, data_seconds, window_steps = time.perf_counter(), 0, 0.0, 0
     total_data_seconds = eval_seconds = 0.0
     train_start = time.perf_counter()
@@ -281,7 +287,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
             data_seconds += loading
             total_data_seconds += loading
             with engine.gradient_sync(micro == accum - 1):
-                with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=parallel.use_bf16(env.device)):
+                with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=bf16):
                     loss = loss_fn(engine.model, x, y)
                 engine.backward(loss, accum)
             step_loss += loss.detach() / accum
@@ -339,7 +345,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
     seconds = time.perf_counter() - train_start
     trained_tokens = (state["step"] - started_step) * tokens_per_step
     # model FLOPs utilization of this process: its share of the tokens against its device's peak
-    peak, peak_source = parallel.best_peak(peak_before, parallel.peak_flops(env.device))
+    peak, peak_source = parallel.best_peak(peak_before, parallel.peak_flops(env.device, bf16))
     process_rate = trained_tokens / seconds / env.world if trained_tokens else 0.0
     mfu = process_rate * config.flops_per_token() / peak
     result = export_model(engine, config, train_split, args, state, env, tracker)
@@ -365,6 +371,7 @@ def _train(args: argparse.Namespace, params: dict[str, Any], env: parallel.Dist)
         initialized_from=state["initialized_from"],
         world_size=env.world,
         engine=params["engine"],
+        precision="bf16" if bf16 else "fp32",
         malloc=malloc,
     )
     tracker.finish(result)

@@ -63,16 +63,17 @@ def init_distributed() -> Dist:
 GPU_BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 
 
-def peak_flops(device: torch.device, probe_size: int = 1024, repeats: int = 8) -> tuple[float, str]:
+def peak_flops(device: torch.device, bf16: bool = False, probe_size: int = 1024, repeats: int = 8) -> tuple[float, str]:
     """The FLOP/s that model FLOPs utilization is measured against, and where it came from: a
-    GPU's bf16 data-sheet peak, else a matmul probe in this process (fp32 on CPUs: what this
-    process's threads can do, measured in the same run as the training it is compared with)."""
+    GPU's bf16 data-sheet peak, else a matmul probe in this process (on CPUs in the dtype the
+    step computes in, ``bf16`` or fp32: what this process's threads can do, measured in the same
+    run as the training it is compared with)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for model, peak in GPU_BF16_PEAK.items():
             if model in name:
                 return peak, f"bf16 data sheet ({name})"
-    return matmul_probe(device, probe_size, repeats)
+    return matmul_probe(device, probe_size, repeats, bf16)
 
 
 def best_peak(*measured: tuple[float, str]) -> tuple[float, str]:
@@ -82,9 +83,10 @@ def best_peak(*measured: tuple[float, str]) -> tuple[float, str]:
     return max(measured, key=lambda m: m[0])
 
 
-def matmul_probe(device: torch.device, probe_size: int, repeats: int) -> tuple[float, str]:
-    """FLOP/s of the best of ``repeats`` square matmuls (bf16 on GPUs, fp32 on CPUs) and what ran."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def matmul_probe(device: torch.device, probe_size: int, repeats: int, bf16: bool = False) -> tuple[float, str]:
+    """FLOP/s of the best of ``repeats`` square matmuls (bf16 on GPUs, on CPUs fp32 unless
+    ``bf16``) and what ran."""
+    dtype = torch.bfloat16 if device.type == "cuda" or bf16 else torch.float32
     a = torch.randn(probe_size, probe_size, device=device, dtype=dtype)
     b = torch.randn(probe_size, probe_size, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm-up: thread pool, kernels
@@ -101,9 +103,23 @@ def matmul_probe(device: torch.device, probe_size: int, repeats: int) -> tuple[f
     return 2 * probe_size**3 / best, f"measured {kind} matmul, {torch.get_num_threads()} thread(s)"
 
 
-def use_bf16(device: torch.device) -> bool:
-    """bf16 only where it is fast: CUDA with bf16 support (on AVX2 CPUs it is ~19x slower)."""
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def use_bf16(device: torch.device, precision: str = "auto") -> bool:
+    """Whether the step computes in bf16 autocast (train.precision; weights, gradients and the
+    optimizer state stay fp32). auto: on CUDA GPUs with bf16. On CPUs only when asked: AVX2 CPUs
+    run bf16 ~19x slower than fp32, those with AMX 1.2-2x faster (cpu-tiny, cpu-small: README), and auto
+    keeps a run's numbers from depending on the CPU model its pod lands on."""
+    if precision == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return precision == "bf16"
+
+
+def bf16_weights(device: torch.device, precision: str = "auto") -> bool:
+    """Whether FSDP2 gathers (and DeepSpeed keeps) the weights in bf16: on GPUs that compute in
+    bf16; CPU collectives (gloo) stay fp32, autocast casting each weight where it is used."""
+    return device.type == "cuda" and use_bf16(device, precision)
 
 
 @dataclass
@@ -178,7 +194,7 @@ def deepspeed_config(params: dict[str, Any], env: Dist) -> dict[str, Any]:
         "gradient_accumulation_steps": int(params["grad_accum"]),
         "gradient_clipping": float(params["grad_clip"]),
         "zero_optimization": {"stage": int(params["deepspeed_stage"]), "overlap_comm": env.device.type == "cuda"},
-        "bf16": {"enabled": use_bf16(env.device)},
+        "bf16": {"enabled": bf16_weights(env.device, params["precision"])},
         "zero_allow_untested_optimizer": True,  # torch AdamW, built by build_optimizer
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -196,7 +212,7 @@ def build_engine(model: nn.Module, name: str, params: dict[str, Any], env: Dist,
             model=model, optimizer=make_optimizer(model), config=deepspeed_config(params, env)
         )
         return Engine(name, ds_engine, ds_optimizer, ds_engine)
-    wrapped = wrap(model, name, env, params["reshard_after_forward"])
+    wrapped = wrap(model, name, env, params["reshard_after_forward"], params["precision"])
     return Engine(name, wrapped, make_optimizer(wrapped))
 
 
@@ -229,7 +245,7 @@ def reshard_after_forward(setting: bool | str, device: torch.device, blocks: int
     return [bool(setting)] * blocks
 
 
-def wrap(model: nn.Module, engine: str, env: Dist, reshard: bool | str = "auto") -> nn.Module:
+def wrap(model: nn.Module, engine: str, env: Dist, reshard: bool | str = "auto", precision: str = "auto") -> nn.Module:
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
     model.to(env.device)
@@ -240,15 +256,16 @@ def wrap(model: nn.Module, engine: str, env: Dist, reshard: bool | str = "auto")
 
         return DistributedDataParallel(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
     frees = reshard_after_forward(reshard, env.device, len(model.blocks))  # type: ignore[arg-type]
-    return shard(model, frees, per_block_units(frees, env.device), env.device)
+    return shard(model, frees, per_block_units(frees, env.device), env.device, bf16_weights(env.device, precision))
 
 
-def shard(model: nn.Module, frees: list[bool], per_block: bool, device: torch.device) -> nn.Module:
+def shard(model: nn.Module, frees: list[bool], per_block: bool, device: torch.device, bf16: bool = False) -> nn.Module:
     """FSDP2 over ``model`` (on ``device``): a unit per block (``frees[i]``: block i drops its
-    gathered weights after its forward) when ``per_block``, and the root's unit over the rest."""
+    gathered weights after its forward) when ``per_block``, and the root's unit over the rest;
+    ``bf16``: the weights gathered in bf16, gradients reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16(device) else MixedPrecisionPolicy()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     if per_block:
         for block, free in zip(model.blocks, frees, strict=True):  # type: ignore[arg-type]
             fully_shard(block, mp_policy=policy, reshard_after_forward=free)
