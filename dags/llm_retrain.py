@@ -88,6 +88,10 @@ with DAG(
             train_params["engine"], type="string", enum=["fsdp2", "ddp", "deepspeed", "single"], title="Training engine",
             description="FSDP2 (sharded), DDP (replicated), DeepSpeed ZeRO, or one process.",
         ),
+        "train_precision": Param(
+            train_params["precision"], type="string", enum=["auto", "bf16", "fp32"], title="Training precision",
+            description="bf16 autocast: auto on GPUs only; bf16 on CPU nodes with AMX too (~2x there), fp32 never.",
+        ),
         "train_nodes": Param(
             train_params["nodes"], type="integer", minimum=1, maximum=64, title="Training nodes",
             description="torchrun nodes: local processes, or pods of the Indexed Job in a cluster.",
@@ -192,6 +196,7 @@ with DAG(
             "--set", "init_from={{ params.train_init_from }}",
             "--set", "preset={{ params.train_preset }}",
             "--set", "engine={{ params.train_engine }}",
+            "--set", "precision={{ params.train_precision }}",
         ],
         nodes="{{ params.train_nodes }}",
         procs_per_node=train_params["procs_per_node"],

@@ -100,7 +100,7 @@ def test_each_task_has_a_time_limit_and_scarce_steps_queue_in_pools(dag: Any) ->
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("num_shards", 0), ("train_preset", "gpu-7b"), ("train_engine", "horovod"), ("train_nodes", 0),
+    [("num_shards", 0), ("train_preset", "gpu-7b"), ("train_engine", "horovod"), ("train_precision", "fp16"), ("train_nodes", 0),
      ("max_regression", 1.5), ("min_eval_accuracy", -0.1), ("canary_steps", [0, 100]), ("canary_steps", []),
      ("skip_deploy", "yes"), ("end_date", "2026-13-01"), ("raw_data_uri", "ftp://x")],
 )
