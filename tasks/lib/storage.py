@@ -141,12 +141,6 @@ def read_bytes(uri: str) -> bytes:
     return body
 
 
-def read_range(uri: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of a file (an S3 ranged GET): a reader of one part of a big file
-    holds only that part."""
-    return b"".join(iter_range(uri, start, end))
-
-
 def iter_range(uri: str, start: int, end: int, chunk_bytes: int = 1 << 22) -> Iterator[bytes]:
     """Bytes ``[start, end)`` of a file in chunks of at most ``chunk_bytes`` (one S3 ranged GET,
     streamed): a reader holds a chunk at a time, not the range."""
