@@ -81,18 +81,18 @@ def make_tokenizer_and_eval_text(folder: Path, vocab: int) -> tuple[str, Path]:
     return str(path), eval_text
 
 
-def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, int], vocab: int) -> str:
+def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, Any], vocab: int) -> str:
     import mlflow
     import torch
 
-    from tasks.lib.model import GPT, GPTConfig
+    from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig
 
     torch.manual_seed(seed)
     config = GPTConfig(vocab_size=vocab, **preset)
     with mlflow.start_run(run_name=f"benchmark {name} seed {seed}"):
         info = mlflow.pytorch.log_model(GPT(config).eval(), name="model", serialization_format="pickle",
                                         code_paths=[str(REPO_ROOT / "tasks")], pip_requirements=["torch==2.13.0"])
-    description = {"config": config.to_dict(), "tokenizer_uri": tokenizer_uri,
+    description = {"format_version": FORMAT_VERSION, "config": config.to_dict(), "tokenizer_uri": tokenizer_uri,
                    "tokenizer_hash": tokenizer_uri.rsplit("sha256-", 1)[1].split("/")[0]}
     return str(mlflow.register_model(info.model_uri, name, tags={"model_description": json.dumps(description)}).version)
 

@@ -35,7 +35,7 @@ from tasks.lib import parallel, storage
 from tasks.lib.checkpoint import TRAINER_FIELDS, Checkpointer, list_complete
 from tasks.lib.data import BatchSampler, TokenSplit, open_split
 from tasks.lib.errors import StepError
-from tasks.lib.model import GPT, GPTConfig
+from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig
 from tasks.lib.params import step_params
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.torchrun import malloc_in_use
@@ -111,6 +111,12 @@ def initial_weights(uri: str, config: GPTConfig, tokenizer_hash: str) -> dict[st
             loaded = load_version(name, version)
         else:
             loaded = load_model_dir(uri, scratch)
+    if loaded.model.config.layout != config.layout:
+        log.warning("not starting from %s: it is a format %d model (%s layout) and this run trains the %s "
+                    "layout (format %d): a new architecture starts from scratch", uri,
+                    loaded.description.get("format_version", 1), loaded.model.config.layout, config.layout,
+                    FORMAT_VERSION)
+        return None
     if loaded.model.config != config:
         log.warning("not starting from %s: its architecture %s is not this run's %s", uri,
                     loaded.model.config.to_dict(), config.to_dict())
@@ -394,6 +400,7 @@ def export_model(
         torch.save(full, out / "model.pt")
         description = {
             "architecture": "gpt",
+            "format_version": FORMAT_VERSION,
             "config": config.to_dict(),
             "tokenizer_uri": split.tokenizer_uri,
             "tokenizer_hash": split.tokenizer_hash,

@@ -1,19 +1,32 @@
-"""A decoder-only transformer (GPT style), free of any distribution code.
+"""A decoder-only transformer in the Llama layout, free of any distribution code.
 
-Pre-norm blocks (RMSNorm), rotary position embeddings, ``scaled_dot_product_attention`` with a
-causal mask, a GELU MLP, and an LM head tied to the token embedding. Sized by the presets in
-params.yaml ``train.presets``; :mod:`tasks.lib.parallel` wraps it for FSDP2 / DDP / DeepSpeed.
+Pre-norm blocks (RMSNorm), rotary position embeddings (rotate-half, as Llama), causal
+``scaled_dot_product_attention``, a SwiGLU MLP, no biases, and an LM head tied to the token
+embedding: the layout Hugging Face's ``LlamaForCausalLM`` (and so vLLM, TensorRT-LLM,
+llama.cpp, ONNX Runtime GenAI's builder) reads; :mod:`tasks.lib.hf_checkpoint` writes it.
+Sized by the presets in params.yaml ``train.presets``; :mod:`tasks.lib.parallel` wraps it for
+FSDP2 / DDP / DeepSpeed.
+
+Saved models carry :data:`FORMAT_VERSION`. Format 1 (models trained before the Llama layout:
+GELU MLP, rotary over interleaved channel pairs) is the ``gpt-v1`` layout of the same module,
+so an old champion still loads, evaluates and serves; it has no Hugging Face form.
+
+Two forwards: :meth:`GPT.forward` (training and evaluation: the whole window, causal) and
+:meth:`GPT.forward_cached` (serving: new tokens after a per-sequence key/value cache).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+FORMAT_VERSION = 2  # 1: the gpt-v1 layout (no format_version recorded); 2: Llama layout
+LAYOUTS = ("llama", "gpt-v1")
 
 
 @dataclass(frozen=True)
@@ -23,14 +36,20 @@ class GPTConfig:
     d_model: int
     n_layers: int
     n_heads: int
-    mlp_ratio: int = 4
+    ffn_dim: int = 0  # hidden size of the MLP; 0: Llama's 8/3 * d_model, rounded up to a multiple of 32
     rope_theta: float = 10000.0
+    norm_eps: float | None = 1e-5  # None: torch's default (the dtype's epsilon), as gpt-v1 trained
+    layout: str = "llama"
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r}: expected one of {', '.join(LAYOUTS)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError(f"head size {self.d_model // self.n_heads} must be even for rotary embeddings")
+        if not self.ffn_dim:
+            object.__setattr__(self, "ffn_dim", 32 * math.ceil(8 * self.d_model / 3 / 32))
 
     @property
     def head_dim(self) -> int:
@@ -39,9 +58,21 @@ class GPTConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any], format_version: int) -> GPTConfig:
+        """The configuration a saved model recorded, in any format this code reads."""
+        if format_version == 1:
+            legacy = dict(saved)
+            ratio = int(legacy.pop("mlp_ratio", 4))
+            return cls(**legacy, ffn_dim=ratio * int(legacy["d_model"]), norm_eps=None, layout="gpt-v1")
+        if format_version == FORMAT_VERSION:
+            return cls(**saved)
+        raise ValueError(f"model format {format_version}: this code reads formats 1..{FORMAT_VERSION}")
+
     def num_params(self) -> int:
         """Parameters with the LM head tied (counted once)."""
-        per_block = 4 * self.d_model**2 + 2 * self.mlp_ratio * self.d_model**2 + 2 * self.d_model
+        mlp = (2 if self.layout == "gpt-v1" else 3) * self.d_model * self.ffn_dim
+        per_block = 4 * self.d_model**2 + mlp + 2 * self.d_model
         return self.vocab_size * self.d_model + self.n_layers * per_block + self.d_model
 
     def flops_per_token(self) -> int:
@@ -50,55 +81,97 @@ class GPTConfig:
 
 
 def rope_tables(config: GPTConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's angles (seq_len, head_dim / 2)."""
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, device=device).float() / config.head_dim))
     angles = torch.outer(torch.arange(config.seq_len, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of ``x`` (batch, heads, time, head_dim) by position."""
-    t = x.shape[-2]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos[:t].to(x.dtype), sin[:t].to(x.dtype)
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate ``x`` (batch, heads, time, head_dim) by position; ``cos``/``sin`` are (time, head_dim/2)
+    or per sequence (batch, 1, time, head_dim/2). Llama rotates the first half of the channels
+    against the second (rotate-half); gpt-v1 rotated interleaved pairs."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.interleaved = config.layout == "gpt-v1"
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)  # q, k, v rows in that order
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v (batch, heads, time, head_dim), q and k rotated."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(b, t, d))
+        return apply_rope(q, cos, sin, self.interleaved), apply_rope(k, cos, sin, self.interleaved), v
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = out.shape
+        return self.proj(out.transpose(1, 2).reshape(b, t, -1))  # type: ignore[no-any-return]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        q, k, v = self.heads(x, cos[:t], sin[:t])
+        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
-class MLP(nn.Module):
+class SwiGLU(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) * up(x)); gate and up are one matmul (rows: gate, then up)."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.up = nn.Linear(config.d_model, config.mlp_ratio * config.d_model, bias=False)
-        self.down = nn.Linear(config.mlp_ratio * config.d_model, config.d_model, bias=False)
+        self.gate_up = nn.Linear(config.d_model, 2 * config.ffn_dim, bias=False)
+        self.down = nn.Linear(config.ffn_dim, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x), approximate="tanh"))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)  # type: ignore[no-any-return]
+
+
+class GeluMLP(nn.Module):
+    """gpt-v1's MLP (format 1 models only)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.d_model, config.ffn_dim, bias=False)
+        self.down = nn.Linear(config.ffn_dim, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))  # type: ignore[no-any-return]
+
+
+MLP = GeluMLP  # the name gpt-v1's pickled registry models refer to
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.norm1 = nn.RMSNorm(config.d_model)
+        self.norm1 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config)
-        self.norm2 = nn.RMSNorm(config.d_model)
-        self.mlp = MLP(config)
+        self.norm2 = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mlp = GeluMLP(config) if config.layout == "gpt-v1" else SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin)
-        return x + self.mlp(self.norm2(x))
+        return x + self.mlp(self.norm2(x))  # type: ignore[no-any-return]
+
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor,
+                       past_v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` (batch, new, d) after ``past_k``/``past_v`` (batch, heads, past, head_dim); ``mask``
+        (batch, 1, new, past + new) says which keys each new token sees. Returns the block's
+        output and the new tokens' keys and values."""
+        q, k, v = self.attn.heads(self.norm1(x), cos, sin)
+        keys, values = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        x = x + self.attn.merge(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
+        return x + self.mlp(self.norm2(x)), k, v
 
 
 class GPT(nn.Module):
@@ -107,7 +180,7 @@ class GPT(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.d_model)
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied
         cos, sin = rope_tables(config)
@@ -137,6 +210,63 @@ class GPT(nn.Module):
         logits: torch.Tensor = self.head(self.norm(x))
         return logits
 
+    def forward_cached(self, input_ids: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor,
+                       past_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Serving: the next-token logits (batch, vocab) after ``input_ids`` (batch, new), each
+        sequence continuing its cache. ``past_keys``/``past_values`` (layers, batch, heads, past,
+        head_dim) hold each sequence's first ``past_lengths[b]`` positions (the rest is padding,
+        masked out; a prefill passes a past of one masked slot). Returns the logits and the new
+        tokens' keys and values (layers, batch, heads, new, head_dim), to append to the cache.
+        Positions past ``seq_len`` have no rotary angles: callers keep within the context."""
+        new, past = input_ids.shape[1], past_keys.shape[3]
+        steps = torch.arange(new, device=input_ids.device)
+        positions = past_lengths[:, None] + steps  # (batch, new)
+        cos_table, sin_table = cast(torch.Tensor, self.rope_cos), cast(torch.Tensor, self.rope_sin)
+        cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+        seen_past = torch.arange(past, device=input_ids.device)[None, :] < past_lengths[:, None]  # (batch, past)
+        causal = steps[None, :] <= steps[:, None]  # (new, new)
+        mask = torch.cat((seen_past[:, None, :].expand(-1, new, -1),
+                          causal[None].expand(input_ids.shape[0], -1, -1)), dim=2).unsqueeze(1)
+        x = self.embed(input_ids)
+        keys, values = [], []
+        for layer, block in enumerate(self.blocks):
+            x, k, v = cast(Block, block).forward_cached(x, cos, sin, past_keys[layer], past_values[layer], mask)
+            keys.append(k)
+            values.append(v)
+        logits: torch.Tensor = self.head(self.norm(x[:, -1])).float()
+        return logits, torch.stack(keys), torch.stack(values)
+
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(idx)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def empty_cache(config: GPTConfig, batch: int, length: int = 1,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero keys and values (layers, batch, heads, length, head_dim): a prefill's masked past."""
+    shape = (config.n_layers, batch, config.n_heads, length, config.head_dim)
+    return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+
+@torch.no_grad()
+def generate_greedy(model: GPT, prompt: list[int], max_new: int, eos_id: int | None = None) -> list[int]:
+    """The reference continuation (greedy, KV cache, batch 1): what every served engine must
+    reproduce token for token. Stops at ``eos_id`` (not returned) or the context's end."""
+    limit = min(max_new, model.config.seq_len - len(prompt))
+    past_k, past_v = empty_cache(model.config, 1)
+    length = torch.zeros(1, dtype=torch.long)
+    ids = torch.tensor([prompt], dtype=torch.long)
+    out: list[int] = []
+    for _ in range(max(0, limit)):
+        logits, k, v = model.forward_cached(ids, past_k, past_v, length)
+        if out or length.item():
+            past_k, past_v = torch.cat((past_k, k), dim=3), torch.cat((past_v, v), dim=3)
+        else:  # after the prefill the masked placeholder slot goes
+            past_k, past_v = k, v
+        length = torch.tensor([past_k.shape[3]], dtype=torch.long)
+        token = int(logits.argmax(dim=-1))
+        if token == eos_id:
+            break
+        out.append(token)
+        ids = torch.tensor([[token]], dtype=torch.long)
+    return out

@@ -1,7 +1,9 @@
 """Trained models on disk and in the MLflow registry.
 
 A trained model folder (the train step's output) holds ``model.pt`` (state dict) and
-``config.json`` (architecture, tokenizer URI and hash). The registry keeps the same model as
+``config.json`` (format version, architecture, tokenizer URI and hash). Every reader builds the
+module from the recorded configuration and format (:meth:`GPTConfig.from_saved`) and loads only
+the weights into it, so a model saved by older code (format 1, the gpt-v1 layout) still loads. The registry keeps the same model as
 an MLflow pytorch-flavor model whose version tags carry the lineage; aliases say what it is:
 ``champion`` (serving), ``challenger`` (passed evaluation, awaiting its canary), ``previous``
 (the champion before the current one, kept for rollback). Stages are never used.
@@ -39,9 +41,18 @@ def load_model_dir(uri: str, scratch: Path) -> LoadedModel:
     config_path = storage.download(storage.join(uri, "config.json"), scratch / "config.json")
     weights_path = storage.download(storage.join(uri, "model.pt"), scratch / "model.pt")
     description = json.loads(Path(config_path).read_text())
-    model = GPT(GPTConfig(**description["config"]))
+    model = build_model(description, uri)
     model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
     return LoadedModel(model.eval(), description)
+
+
+def build_model(description: dict[str, Any], source: str) -> GPT:
+    """An untrained module of the architecture ``description`` records (any known format)."""
+    try:
+        config = GPTConfig.from_saved(description["config"], int(description.get("format_version", 1)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StepError(f"{source}: its model description cannot be read by this code ({exc})") from None
+    return GPT(config)
 
 
 def load_registered(name: str, alias: str) -> LoadedModel | None:
@@ -70,12 +81,15 @@ def load_version(name: str, version: str) -> LoadedModel:
         if absent(exc):
             raise StepError(f"models:/{name}/{version}: not in the registry ({exc.error_code})") from None
         raise registry_error(f"reading models:/{name}/{version}", exc) from None
-    model = mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")
-    if not isinstance(model, GPT):
-        raise StepError(f"models:/{name}/{version} is a {type(model).__name__}, not this project's GPT")
     description = json.loads(found.tags.get("model_description", "{}"))
     if not description.get("tokenizer_uri"):
         raise StepError(f"models:/{name}/{version} has no model_description tag")
+    logged = mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")
+    if not isinstance(logged, torch.nn.Module) or type(logged).__name__ != "GPT":
+        raise StepError(f"models:/{name}/{version} is a {type(logged).__name__}, not this project's GPT")
+    # the weights go into a module of today's code: a pickled module of older code has older methods
+    model = build_model(description, f"models:/{name}/{version}")
+    model.load_state_dict(logged.state_dict())
     description["registry_version"] = str(found.version)
     return LoadedModel(model.eval(), description)
 

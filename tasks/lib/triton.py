@@ -13,7 +13,8 @@ deploy picks which versions are loaded). Backends:
 - ``tensorrt_plan``: the FP16 engine the export step builds on a GPU.
 
 Served models: ``llm`` (token ids -> next-token logits and the greedy next token) and
-``llm_generate`` (text in, text out: tokenizer + decoding loop calling ``llm`` through BLS).
+``llm_generate`` (text in, text out or streamed: the generation engine, continuous batching over
+the KV-cache decoder ``decoder.onnx``).
 """
 
 from __future__ import annotations
@@ -67,23 +68,31 @@ def logits_model_config(name: str, backend: str, serve: Mapping[str, Any], gpu: 
     return config
 
 
-def generate_model_config(name: str, logits_model: str, serve: Mapping[str, Any]) -> dict[str, Any]:
-    """``llm_generate``: ``text`` (a prompt) -> ``text`` (the continuation), python backend."""
+def generate_model_config(name: str, serve: Mapping[str, Any]) -> dict[str, Any]:
+    """``llm_generate``: text in, text out or streamed (python backend, decoupled): the engine of
+    ``tasks/triton_models/llm_generate`` (continuous batching over the KV-cache decoder). Inputs
+    follow Triton's LLM backends (``text_input``, ``max_tokens``, ``stream``, sampling scalars)."""
     generate = serve["generate"]
+    optional = [("max_tokens", "TYPE_INT32"), ("temperature", "TYPE_FP32"), ("top_k", "TYPE_INT32"),
+                ("top_p", "TYPE_FP32"), ("seed", "TYPE_INT64"), ("stop", "TYPE_STRING"), ("stream", "TYPE_BOOL")]
     return {
         "name": name,
         "backend": "python",
         "max_batch_size": 0,
-        "input": [
-            {"name": "text", "data_type": "TYPE_STRING", "dims": [1]},
-            {"name": "max_tokens", "data_type": "TYPE_INT32", "dims": [1], "optional": True},
-        ],
-        "output": [{"name": "text", "data_type": "TYPE_STRING", "dims": [1]}],
-        "instance_group": [{"count": int(serve["instances"]), "kind": "KIND_CPU"}],
+        "model_transaction_policy": {"decoupled": True},
+        "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+                  *({"name": n, "data_type": t, "dims": [1], "optional": True} for n, t in optional)],
+        "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [1]},
+                   {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [1]},
+                   {"name": "prompt_tokens", "data_type": "TYPE_INT32", "dims": [1]},
+                   {"name": "completion_tokens", "data_type": "TYPE_INT32", "dims": [1]}],
+        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],  # the engine batches: one instance
         "parameters": {
-            "logits_model": {"string_value": logits_model},
-            "max_tokens": {"string_value": str(int(generate["max_tokens"]))},
-            "top_k": {"string_value": str(int(generate["top_k"]))},
+            "max_slots": {"string_value": str(int(serve["max_slots"]))},
+            "max_queue": {"string_value": str(int(generate["max_queue"]))},
+            "default_max_tokens": {"string_value": str(int(generate["max_tokens"]))},
+            "request_timeout_s": {"string_value": str(float(generate["request_timeout_s"]))},
+            "intra_op_thread_count": {"string_value": str(int(serve["intra_op_threads"]))},
         },
     }
 

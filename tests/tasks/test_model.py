@@ -11,17 +11,79 @@ from helpers import write_dataset
 
 from tasks.lib.data import BatchSampler, open_split
 from tasks.lib.errors import StepError
-from tasks.lib.model import GPT, GPTConfig
+from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig, apply_rope, empty_cache, generate_greedy
 
 TINY = GPTConfig(vocab_size=97, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+LEGACY = GPTConfig(vocab_size=97, seq_len=16, d_model=32, n_layers=2, n_heads=4, ffn_dim=128, norm_eps=None,
+                   layout="gpt-v1")
 
 
-def test_forward_shapes_and_tied_head() -> None:
-    model = GPT(TINY)
+@pytest.mark.parametrize("config", [TINY, LEGACY], ids=["llama", "gpt-v1"])
+def test_forward_shapes_and_tied_head(config: GPTConfig) -> None:
+    model = GPT(config)
     logits = model(torch.randint(0, 97, (3, 16)))
     assert logits.shape == (3, 16, 97)
     assert model.head.weight is model.embed.weight
-    assert sum(p.numel() for p in model.parameters()) == TINY.num_params()
+    assert sum(p.numel() for p in model.parameters()) == config.num_params()
+
+
+def test_llama_layout_swiglu_and_rotate_half() -> None:
+    model = GPT(TINY)
+    assert TINY.ffn_dim == 96  # 8/3 * 32 rounded up to a multiple of 32
+    assert model.blocks[0].mlp.gate_up.weight.shape == (2 * 96, 32)
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    x = torch.randn(1, 1, 3, 4)
+    cos, sin = torch.zeros(3, 2), torch.ones(3, 2)  # a quarter turn: (x1, x2) -> (-x2, x1) on the halves
+    rotated = apply_rope(x, cos, sin)
+    assert torch.equal(rotated, torch.cat((-x[..., 2:], x[..., :2]), dim=-1))
+
+
+@pytest.mark.parametrize("config", [TINY, LEGACY], ids=["llama", "gpt-v1"])
+def test_cached_forward_equals_the_full_window(config: GPTConfig) -> None:
+    """Prefill then one token at a time, two sequences of different lengths in one batch (the
+    shorter one's cache padded and masked), against the whole window in one forward."""
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    ids = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        full = model(ids)
+        caches = []
+        for row, length in ((0, 5), (1, 9)):
+            logits, k, v = model.forward_cached(ids[row:row + 1, :length], *empty_cache(config, 1), torch.zeros(1, dtype=torch.long))
+            assert torch.allclose(logits[0], full[row, length - 1], atol=1e-5)
+            caches.append((k, v))
+        keys, values = empty_cache(config, 2, 9)
+        keys[:, 0, :, :5], values[:, 0, :, :5] = caches[0][0][:, 0], caches[0][1][:, 0]
+        keys[:, 1], values[:, 1] = caches[1][0][:, 0], caches[1][1][:, 0]
+        lengths = torch.tensor([5, 9])
+        for _ in range(6):
+            logits, k, v = model.forward_cached(ids[[0, 1], lengths].view(2, 1), keys, values, lengths)
+            assert torch.allclose(logits, full[[0, 1], lengths], atol=1e-5)
+            keys, values = torch.cat((keys, torch.zeros_like(k)), 3), torch.cat((values, torch.zeros_like(v)), 3)
+            for row in range(2):
+                keys[:, row, :, lengths[row]], values[:, row, :, lengths[row]] = k[:, row, :, 0], v[:, row, :, 0]
+            lengths = lengths + 1
+
+
+def test_greedy_generation_with_the_cache_equals_recomputing_the_window() -> None:
+    torch.manual_seed(1)
+    model = GPT(TINY).eval()
+    prompt = [5, 17, 3]
+    window = list(prompt)
+    with torch.no_grad():
+        for _ in range(10):
+            window.append(int(model(torch.tensor([window]))[0, -1].argmax()))
+    assert generate_greedy(model, prompt, 10) == window[3:]
+    assert len(generate_greedy(model, prompt, 100)) == 16 - 3  # never past the context
+
+
+def test_saved_format_1_loads_as_gpt_v1() -> None:
+    saved = {"vocab_size": 97, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 4, "mlp_ratio": 4,
+             "rope_theta": 10000.0}
+    assert GPTConfig.from_saved(saved, 1) == LEGACY
+    assert GPTConfig.from_saved(TINY.to_dict(), FORMAT_VERSION) == TINY
+    with pytest.raises(ValueError, match="model format 3"):
+        GPTConfig.from_saved(TINY.to_dict(), 3)
 
 
 def test_attention_is_causal() -> None:

@@ -227,7 +227,7 @@ def register_gpt(name: str, tokenizer_uri: str, seed: int, **overrides: int) -> 
     import mlflow
     import torch
 
-    from tasks.lib.model import GPT, GPTConfig
+    from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig
 
     torch.manual_seed(seed)
     config = GPTConfig(**{**SMALL, **overrides})
@@ -236,7 +236,8 @@ def register_gpt(name: str, tokenizer_uri: str, seed: int, **overrides: int) -> 
         info = mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
                                         code_paths=[str(REPO_ROOT / "tasks")], pip_requirements=["torch==2.13.0"])
     token_hash = tokenizer_uri.rsplit("sha256-", 1)[1].split("/")[0]
-    description = {"config": config.to_dict(), "tokenizer_uri": tokenizer_uri, "tokenizer_hash": token_hash}
+    description = {"format_version": FORMAT_VERSION, "config": config.to_dict(), "tokenizer_uri": tokenizer_uri,
+                   "tokenizer_hash": token_hash}
     version = mlflow.register_model(info.model_uri, name, tags={"model_description": json.dumps(description)})
     return str(version.version)
 

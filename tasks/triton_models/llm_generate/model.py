@@ -1,74 +1,197 @@
-"""Triton python backend: text in, text out.
+"""Triton python backend, decoupled: text in, tokens streamed out, by the engine beside this file.
 
-Encodes the prompt with the tokenizer shipped in this version's folder, then asks the logits
-model of the *same version* for one token at a time through BLS (Triton's in-process
-inference API), greedy or top-k, until EOS or ``max_tokens``.
+``execute`` only checks each request and hands it to :class:`engine.Engine` (continuous batching
+over the KV-cache decoder); the engine's thread sends the responses through each request's
+response sender: a response per text delta when the request asks ``stream`` (Triton's
+``generate_stream`` SSE and gRPC streams), else one response with the whole text. Every request
+ends with a final flag. A bad request gets its own INVALID_ARG error (HTTP 400) and never
+reaches the batch; a full admission queue answers UNAVAILABLE at once (the OpenAI front turns it
+into 429). Inputs follow Triton's LLM backends' names (``text_input``, ``max_tokens``,
+``stream``, sampling values as optional scalars), so ``/v2/models/llm_generate/generate`` works
+with a plain JSON body.
+
+Metrics on Triton's endpoint (:8002/metrics), labelled by model and version: time to first
+token and inter-token latency (histograms), output tokens, slots in use, queue length, rejected
+and cancelled requests.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from tokenizers import Tokenizer
 
-EOS = "<|endoftext|>"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine import Engine, Overloaded, RequestError, Sequence, check_sampling
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+LATENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+SCALARS = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
+
+
+def scalar(request: Any, name: str) -> Any:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    value = tensor.as_numpy().reshape(-1)
+    if value.size != 1:
+        raise RequestError(f"{name}: expected one value, got {value.size}")
+    item = value[0]
+    return item.decode("utf-8", errors="replace") if isinstance(item, bytes) else item.item()
+
+
+def stop_strings(request: Any) -> list[str] | None:
+    """``stop``: one string, or a JSON list of strings in one string."""
+    value = scalar(request, "stop")
+    if value is None or value == "":
+        return None
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            stops = json.loads(value)
+        except json.JSONDecodeError:
+            raise RequestError(f"stop {value[:40]!r}: not a JSON list of strings") from None
+        return stops if isinstance(stops, list) else [value]
+    return [str(value)]
+
+
+class Metrics:
+    """The engine's figures as Triton custom metrics (refreshed after each request ends)."""
+
+    def __init__(self, model: str, version: str) -> None:
+        labels = {"model": model, "version": version}
+        self.families: list[Any] = []  # a family must outlive its metrics: kept here
+
+        def family(name: str, text: str, kind: Any) -> Any:
+            self.families.append(pb_utils.MetricFamily(name=name, description=text, kind=kind))
+            return self.families[-1]
+
+        histogram = getattr(pb_utils.MetricFamily, "HISTOGRAM", None)
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        self.lock = threading.Lock()
+        self.latency: dict[str, Any] = {}
+        if histogram is not None:
+            for key, text in (("ttft", "time to first token (s)"), ("itl", "inter-token latency (s)")):
+                self.latency[key] = family(f"llm_{key}_seconds", text, histogram).Metric(
+                    labels=labels, buckets=LATENCY_BUCKETS)
+        self.counters = {key: family(f"llm_{key}_total", text, counter).Metric(labels=labels) for key, text in (
+            ("output_tokens", "tokens generated"), ("requests_rejected", "requests refused: queue full"),
+            ("requests_cancelled", "requests whose client went away or timed out"),
+            ("requests_finished", "requests answered to the end"), ("requests_failed", "requests failed by the engine"))}
+        self.gauges = {key: family(f"llm_{key}", text, gauge).Metric(labels=labels) for key, text in (
+            ("slots_in_use", "sequences in the running batch"), ("queue_length", "requests waiting for a slot"))}
+        self.seen = {key: 0 for key in self.counters}
+
+    def refresh(self, engine: Engine) -> None:
+        stats = engine.stats
+        with self.lock:
+            totals = {"output_tokens": stats.output_tokens, "requests_rejected": stats.rejected,
+                      "requests_cancelled": stats.cancelled, "requests_finished": stats.finished,
+                      "requests_failed": stats.failed}
+            for key, total in totals.items():
+                if total > self.seen[key]:
+                    self.counters[key].increment(total - self.seen[key])
+                    self.seen[key] = total
+            self.gauges["slots_in_use"].set(engine.in_use)
+            self.gauges["queue_length"].set(engine.queued)
+            for key, values in (("ttft", stats.ttft_s), ("itl", stats.itl_s)):
+                drained = values[:]
+                del values[:len(drained)]
+                if key in self.latency:
+                    for value in drained:
+                        self.latency[key].observe(value)
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, Any]) -> None:
         folder = os.path.join(args["model_repository"], args["model_version"])
-        self.version = int(args["model_version"])
-        self.tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-        with open(os.path.join(folder, "generation.json")) as fh:
-            self.seq_len = int(json.load(fh)["seq_len"])
-        params = {k: v["string_value"] for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
-        self.logits_model = params["logits_model"]
-        self.max_tokens = int(params["max_tokens"])
-        self.top_k = int(params["top_k"])
-        eos_id = self.tokenizer.token_to_id(EOS)
-        if eos_id is None:
-            raise pb_utils.TritonModelException(f"tokenizer.json has no {EOS} token")
-        self.eos_id: int = eos_id
-        self.rng = np.random.default_rng(0)
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("llm_generate must be decoupled (model_transaction_policy)")
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.engine = Engine.from_folder(
+            folder, slots=int(params["max_slots"]), max_queue=int(params["max_queue"]),
+            default_max_tokens=int(params["default_max_tokens"]),
+            request_timeout_s=float(params["request_timeout_s"]), threads=int(params.get("intra_op_thread_count", "0")))
+        self.metrics = Metrics(args["model_name"], args["model_version"])
+        self.engine.start()
 
-    def next_token(self, ids: list[int]) -> int:
-        window = np.asarray([ids[-self.seq_len:]], dtype=np.int64)
-        request = pb_utils.InferenceRequest(
-            model_name=self.logits_model, model_version=self.version,
-            requested_output_names=["logits", "next_token"], inputs=[pb_utils.Tensor("input_ids", window)],
-        )
-        response = request.exec()
-        if response.has_error():
-            raise pb_utils.TritonModelException(response.error().message())
-        if self.top_k <= 1:
-            return int(pb_utils.get_output_tensor_by_name(response, "next_token").as_numpy().reshape(-1)[0])
-        logits = pb_utils.get_output_tensor_by_name(response, "logits").as_numpy().reshape(-1)
-        top = np.argpartition(logits, -self.top_k)[-self.top_k:]
-        weights = np.exp(logits[top] - logits[top].max())
-        return int(self.rng.choice(top, p=weights / weights.sum()))
-
-    def execute(self, requests: list[Any]) -> list[Any]:
-        responses = []
+    def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            prompt = pb_utils.get_input_tensor_by_name(request, "text").as_numpy().reshape(-1)[0]
-            prompt = prompt.decode() if isinstance(prompt, bytes) else str(prompt)
-            limit_tensor = pb_utils.get_input_tensor_by_name(request, "max_tokens")
-            limit = int(limit_tensor.as_numpy().reshape(-1)[0]) if limit_tensor is not None else self.max_tokens
-            ids = self.tokenizer.encode(prompt).ids or [self.eos_id]
-            new: list[int] = []
+            sender = request.get_response_sender()
             try:
-                for _ in range(max(0, min(limit, 4 * self.max_tokens))):
-                    token = self.next_token(ids + new)
-                    if token == self.eos_id:
-                        break
-                    new.append(token)
-            except pb_utils.TritonModelException as exc:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
-                continue
-            text = np.asarray([self.tokenizer.decode(new).encode()], dtype=object)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text", text)]))
-        return responses
+                prompt_ids, params, stream = self.parse(request)
+                self.engine.submit(prompt_ids, params, self.emitter(sender, stream, len(prompt_ids)),
+                                   cancelled=sender.is_cancelled)
+            except RequestError as exc:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)),
+                            flags=FINAL)
+            except Overloaded as exc:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)),
+                            flags=FINAL)
+                self.refresh_metrics()
+        return None
+
+    def refresh_metrics(self) -> None:
+        try:
+            self.metrics.refresh(self.engine)
+        except Exception as exc:  # figures are not worth a request: say so in the server's log
+            pb_utils.Logger.log_error(f"llm_generate metrics: {type(exc).__name__}: {exc}")
+
+    def parse(self, request: Any) -> tuple[list[int], Any, bool]:
+        text = pb_utils.get_input_tensor_by_name(request, "text_input")
+        if text is None:
+            raise RequestError("text_input is missing")
+        values = text.as_numpy().reshape(-1)
+        if values.size != 1:
+            raise RequestError(f"text_input: expected one prompt, got {values.size}")
+        prompt_ids = self.engine.encode(values[0])
+        settings = {}
+        for name, kind in SCALARS.items():
+            value = scalar(request, name)
+            try:
+                settings[name] = None if value is None else kind(value)
+            except (TypeError, ValueError):
+                raise RequestError(f"{name} {value!r}: expected a number") from None
+        params = check_sampling(default_max_tokens=self.engine.default_max_tokens, prompt_tokens=len(prompt_ids),
+                                context=self.engine.context, stop=stop_strings(request), **settings)
+        stream = scalar(request, "stream")
+        return prompt_ids, params, bool(stream)
+
+    def emitter(self, sender: Any, stream: bool, prompt_tokens: int) -> Any:
+        """The engine's callback for one request: responses through its sender."""
+        pieces: list[str] = []
+
+        def response(text: str, reason: str, sequence: Sequence) -> Any:
+            return pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("text_output", np.asarray([text.encode()], dtype=object)),
+                pb_utils.Tensor("finish_reason", np.asarray([reason.encode()], dtype=object)),
+                pb_utils.Tensor("prompt_tokens", np.asarray([prompt_tokens], dtype=np.int32)),
+                pb_utils.Tensor("completion_tokens", np.asarray([len(sequence.tokens)], dtype=np.int32))])
+
+        def emit(sequence: Sequence, delta: str, reason: str | None) -> None:
+            if reason is None:
+                if stream:
+                    sender.send(response(delta, "", sequence))
+                else:
+                    pieces.append(delta)
+                return
+            try:
+                if reason in ("error", "timeout"):
+                    message = delta if reason == "error" else f"request timed out after {self.engine.request_timeout_s:g}s"
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+                elif reason == "cancelled" or reason == "abort":
+                    sender.send(flags=FINAL)
+                else:
+                    sender.send(response(delta if stream else "".join(pieces) + delta, reason, sequence), flags=FINAL)
+            finally:
+                self.refresh_metrics()
+
+        return emit
+
+    def finalize(self) -> None:
+        self.engine.stop()

@@ -1,0 +1,347 @@
+"""The OpenAI-compatible API in front of Triton: ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``. A thin translator, no second engine: each request becomes one call of Triton's
+generate extension on the engine model (``generate_stream`` for ``stream: true``, SSE relayed
+chunk by chunk as tokens are produced; ``generate`` otherwise).
+
+    python -m tasks.openai_api --port 8003 --triton-url http://127.0.0.1:8000
+
+Which version answers is decided in front of this server, exactly as for Triton's own paths: the
+local nginx router picks the version by its canary split and passes it in ``X-Route-Version``
+(this server then calls ``/v2/models/<m>/versions/<v>/...``) and adds ``X-Model-Version`` to the
+answer; in a cluster each track's pod runs this server beside a Triton serving one version, and
+the HTTPRoute splits between tracks. Without the header the unversioned path is called.
+
+Chat: the model is not chat-tuned, so messages are joined by a plain documented template
+(:func:`chat_prompt`): one ``Role: content`` line per message, then ``Assistant:``; the answer
+stops at the next ``\\nUser:`` line.
+
+Errors follow OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): a bad
+request (malformed JSON, invalid UTF-8, an unknown model, out-of-range values, a prompt that does
+not fit the context: the engine's own one-line reason) is a 400 (404 for an unknown model); a
+full engine queue is a 429; an unreachable or failing server a 502/503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+log = logging.getLogger("openai_api")
+ROUTE_HEADER = "X-Route-Version"  # set by the router (its split's choice); a client's own is overwritten there
+MAX_BODY = 1 << 20
+CHAT_ROLES = ("system", "user", "assistant")
+CHAT_STOP = "\nUser:"
+SAMPLING = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None, "tools": None,
+               "functions": None, "top_logprobs": None}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def chat_prompt(messages: Any) -> str:
+    """``System: ...\\nUser: ...\\nAssistant: ...\\n`` for each message, then ``Assistant:``."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: expected a non-empty list of {role, content}", "messages")
+    lines = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # content parts: text only
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "".join(t for t in texts if isinstance(t, str)) if len(texts) == len(content) else None
+        if role not in CHAT_ROLES or not isinstance(content, str):
+            raise ApiError(400, f"messages[{index}]: expected role one of {', '.join(CHAT_ROLES)} and text content",
+                           "messages")
+        lines.append(f"{role.capitalize()}: {content}\n")
+    return "".join(lines) + "Assistant:"
+
+
+def engine_inputs(body: dict[str, Any], prompt: str, extra_stop: list[str]) -> dict[str, Any]:
+    """The generate-extension body for the engine (names of ``llm_generate``'s inputs)."""
+    for name, default in UNSUPPORTED.items():
+        if body.get(name) not in (None, default):
+            raise ApiError(400, f"{name}: not supported by this server (only {name}={default!r})", name)
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "prompt is not valid UTF-8 (a lone surrogate)", "prompt") from None
+    inputs: dict[str, Any] = {"text_input": prompt}
+    for name, kind in SAMPLING.items():
+        value = body.get("max_completion_tokens" if name == "max_tokens" and body.get("max_tokens") is None else name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and int(value) != value):
+            raise ApiError(400, f"{name} {value!r}: expected a number{' (integer)' if kind is int else ''}", name)
+        inputs[name] = kind(value)
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "stop: expected a string or a list of strings", "stop")
+    if stops or extra_stop:
+        inputs["stop"] = json.dumps([*stops, *extra_stop])
+    return inputs
+
+
+class Api:
+    """The aiohttp application's state: one upstream connection pool and the served names."""
+
+    def __init__(self, triton_url: str, model: str, served_name: str, timeout_s: float) -> None:
+        self.triton_url, self.model, self.served_name = triton_url.rstrip("/"), model, served_name
+        self.timeout = ClientTimeout(total=timeout_s, sock_connect=10)
+        self.session: ClientSession | None = None
+
+    async def start(self, app: web.Application) -> None:
+        self.session = ClientSession(connector=TCPConnector(limit=512), timeout=self.timeout)
+
+    async def close(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def upstream(self, request: web.Request, stream: bool) -> str:
+        version = request.headers.get(ROUTE_HEADER, "")
+        versioned = f"/versions/{version}" if version.isdigit() else ""
+        return f"{self.triton_url}/v2/models/{self.model}{versioned}/{'generate_stream' if stream else 'generate'}"
+
+    async def body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.content.read(MAX_BODY + 1)
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, f"request body larger than {MAX_BODY} bytes")
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, f"request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body: expected a JSON object")
+        model = body.get("model")
+        if model not in (None, self.served_name):
+            raise ApiError(404, f"model {model!r} does not exist (this server serves {self.served_name!r})", "model",
+                           code="model_not_found")
+        return body
+
+    # -- endpoints ------------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.served_name, "object": "model", "created": 0, "owned_by": "llm-pipeline"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.answer(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.answer(request, chat=True)
+
+    async def answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await self.body(request)
+            if chat:
+                inputs = engine_inputs(body, chat_prompt(body.get("messages")), [CHAT_STOP])
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1:
+                    prompt = prompt[0]
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "prompt: expected a string (token-id prompts and batches are not supported)",
+                                   "prompt")
+                inputs = engine_inputs(body, prompt, [])
+            stream = bool(body.get("stream"))
+            usage_chunk = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+            reply = Reply(chat, self.served_name)
+            if stream:
+                return await self.relay_stream(request, inputs, reply, usage_chunk)
+            return await self.complete(request, inputs, reply)
+        except ApiError as exc:
+            return exc.response()
+
+    async def complete(self, request: web.Request, inputs: dict[str, Any], reply: Reply) -> web.Response:
+        assert self.session is not None
+        try:
+            async with self.session.post(self.upstream(request, False), json=inputs) as upstream:
+                data = await upstream.json(content_type=None)
+                if upstream.status != 200 or "error" in data:
+                    raise upstream_error(upstream.status, data)
+        except (ClientError, asyncio.TimeoutError) as exc:
+            raise_unreachable(exc)
+        reply.add(data)
+        return web.json_response(reply.whole())
+
+    async def relay_stream(self, request: web.Request, inputs: dict[str, Any], reply: Reply,
+                           usage_chunk: bool) -> web.StreamResponse:
+        assert self.session is not None
+        inputs = {**inputs, "stream": True}
+        response: web.StreamResponse | None = None
+        try:
+            async with self.session.post(self.upstream(request, True), json=inputs) as upstream:
+                events = sse_events(upstream)
+                first = await anext(events, None)  # an error before any token is an HTTP status, not a stream
+                if first is None or upstream.status != 200 or "error" in first:
+                    raise upstream_error(upstream.status, first or {"error": "the engine ended the stream with no answer"})
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await response.prepare(request)
+                event: dict[str, Any] | None = first
+                while event is not None:
+                    if "error" in event:
+                        await send_event(response, ApiError(500, str(event["error"]), kind="server_error").body())
+                        break
+                    await send_event(response, reply.chunk(event))
+                    event = await anext(events, None)
+                else:
+                    if usage_chunk:
+                        await send_event(response, reply.usage_chunk())
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+        except (ClientError, asyncio.TimeoutError) as exc:
+            if response is None:
+                raise_unreachable(exc)
+            log.warning("stream cut: %s", exc)  # the client saw tokens; the cut shows as a missing [DONE]
+            return response
+        except (ConnectionResetError, asyncio.CancelledError):
+            # the client went away: closing the upstream call ends the request in Triton, which
+            # frees its slot in the engine
+            log.info("client disconnected mid-stream")
+            raise
+
+
+class Reply:
+    """Engine responses turned into OpenAI objects (completion or chat, whole or chunks)."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.prompt_tokens = self.completion_tokens = 0
+        self.sent_role = False
+
+    def add(self, event: dict[str, Any]) -> str:
+        delta = str(event.get("text_output", ""))
+        self.text.append(delta)
+        self.finish_reason = str(event.get("finish_reason") or "") or None
+        self.prompt_tokens = int(event.get("prompt_tokens", self.prompt_tokens))
+        self.completion_tokens = int(event.get("completion_tokens", self.completion_tokens))
+        return delta
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self) -> dict[str, Any]:
+        text = "".join(self.text)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": self.finish_reason,
+                      "logprobs": None}
+            return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage()}
+        choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
+        return {**self.head("text_completion"), "choices": [choice], "usage": self.usage()}
+
+    def chunk(self, event: dict[str, Any]) -> dict[str, Any]:
+        delta = self.add(event)
+        if self.chat:
+            content: dict[str, Any] = {"content": delta}
+            if not self.sent_role:
+                content["role"], self.sent_role = "assistant", True
+            choice = {"index": 0, "delta": content, "finish_reason": self.finish_reason, "logprobs": None}
+            return {**self.head("chat.completion.chunk"), "choices": [choice]}
+        return {**self.head("text_completion"),
+                "choices": [{"index": 0, "text": delta, "finish_reason": self.finish_reason, "logprobs": None}]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": self.usage()}
+
+
+async def sse_events(upstream: Any) -> AsyncIterator[dict[str, Any]]:
+    """The ``data:`` events of an SSE (or one JSON body, when Triton answered with an error)."""
+    if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+        yield await upstream.json(content_type=None)
+        return
+    async for line in upstream.content:
+        if line.startswith(b"data:"):
+            yield json.loads(line[5:])
+
+
+async def send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def upstream_error(status: int, data: dict[str, Any]) -> ApiError:
+    """Triton's error as the client's: its 400s are the engine's one-line reasons; an overloaded
+    engine (UNAVAILABLE, HTTP 503) is a 429."""
+    message = str(data.get("error", f"upstream status {status}"))
+    if "overloaded" in message:
+        return ApiError(429, message, kind="rate_limit_error", code="overloaded")
+    if status == 400:
+        return ApiError(400, message)
+    if status == 404:
+        return ApiError(503, f"no model version serves this request ({message})", kind="server_error")
+    return ApiError(502 if status < 500 else status, message, kind="server_error")
+
+
+def raise_unreachable(exc: BaseException) -> None:
+    raise ApiError(502, f"the inference server did not answer ({type(exc).__name__}: {exc})", kind="server_error")
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except ApiError as exc:
+        return exc.response()
+
+
+def app(triton_url: str, model: str, served_name: str, timeout_s: float) -> web.Application:
+    api = Api(triton_url, model, served_name, timeout_s)
+    application = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
+    application.on_startup.append(api.start)
+    application.on_cleanup.append(api.close)
+    application.router.add_get("/v1/models", api.models)
+    application.router.add_post("/v1/completions", api.completions)
+    application.router.add_post("/v1/chat/completions", api.chat_completions)
+    application.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+    return application
+
+
+def main() -> None:
+    from tasks.lib.params import load_params
+
+    settings = load_params()
+    parser = argparse.ArgumentParser(prog="python -m tasks.openai_api", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--triton-url", required=True, help="Triton's HTTP endpoint (its generate extension)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve = settings["serve"]
+    timeout = float(serve["generate"]["request_timeout_s"]) + 30
+    web.run_app(app(args.triton_url, serve["generate_model"], settings["pipeline"]["model_name"], timeout),
+                host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,419 @@
+"""The generation engine: continuous batching over a KV-cache decoder run by ONNX Runtime.
+
+Self-contained (numpy, onnxruntime, tokenizers): it ships in each exported version's folder
+beside the Triton model that drives it (``model.py``), and the export step and benchmarks import
+the same file, so what is parity-checked is what serves.
+
+- :class:`KVDecoder`: ``decoder.onnx`` (the model's :meth:`GPT.forward_cached`) with a key/value
+  cache preallocated for ``slots`` sequences of the full context; a prefill writes a prompt's
+  keys and values into its slot, a decode step runs every active sequence's last token at once
+  (each sequence's past masked to its own length).
+- :class:`Engine`: a scheduler thread. A request waits in a bounded admission queue (full: the
+  submit fails at once with :class:`Overloaded`, memory never grows), joins the running batch at
+  the next step when a slot is free (prefill, then one decode step per token with everyone
+  else), and leaves when done, freeing its slot: continuous (in-flight) batching.
+- Per-request sampling (:class:`SamplingParams`): greedy (temperature 0, deterministic and equal
+  to the PyTorch reference), or temperature / top-k / top-p with a seeded generator (same seed,
+  same text); stop strings; EOS. Text is detokenized incrementally: a delta never ends inside a
+  UTF-8 character and never shows text that a stop string may still cut.
+- The context is never slid: a prompt whose length plus ``max_tokens`` exceeds it is refused up
+  front (:class:`RequestError`); an absent ``max_tokens`` takes the default within the room left.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+EOS = "<|endoftext|>"
+REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (HTTP 400): the message is one line naming the input."""
+
+
+class Overloaded(RuntimeError):
+    """The admission queue is full (HTTP 429 / gRPC UNAVAILABLE): retry later."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: the whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+LIMITS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1 << 20), "seed": (0, (1 << 63) - 1)}
+MAX_STOPS, MAX_STOP_CHARS = 4, 64
+
+
+def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_tokens: int, context: int,
+                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   seed: int | None = None, stop: list[str] | None = None) -> SamplingParams:
+    """The request's sampling settings, or :class:`RequestError` naming the first bad one."""
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        low, high = LIMITS[name]
+        if (value is not None and not (low <= value <= high)) or (name == "top_p" and value == 0.0):
+            raise RequestError(f"{name} {value!r}: expected {'(0' if name == 'top_p' else f'[{low}'}, {high}]")
+    if prompt_tokens == 0:
+        raise RequestError("prompt is empty")
+    room = context - prompt_tokens
+    if room < 1:
+        raise RequestError(f"prompt of {prompt_tokens} tokens leaves no room in the model's context of {context}")
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, room)
+    elif max_tokens < 1:
+        raise RequestError(f"max_tokens {max_tokens}: expected at least 1")
+    elif max_tokens > room:
+        raise RequestError(f"prompt of {prompt_tokens} tokens plus max_tokens {max_tokens} exceeds the model's "
+                           f"context of {context} tokens")
+    stops = tuple(stop or ())
+    if len(stops) > MAX_STOPS or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"stop {list(stops)!r}: expected at most {MAX_STOPS} non-empty strings of at most "
+                           f"{MAX_STOP_CHARS} characters")
+    return SamplingParams(int(max_tokens), float(temperature or 0.0), int(top_k or 0),
+                          1.0 if top_p is None else float(top_p), seed, stops)
+
+
+def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token from next-token logits (vocab,)."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / params.temperature
+    candidates = np.arange(scaled.shape[0])
+    if 0 < params.top_k < scaled.shape[0]:
+        candidates = np.argpartition(scaled, -params.top_k)[-params.top_k:]
+    weights = np.exp(scaled[candidates] - scaled[candidates].max())
+    weights /= weights.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-weights, kind="stable")
+        keep = int(np.searchsorted(np.cumsum(weights[order]), params.top_p) + 1)
+        candidates, weights = candidates[order[:keep]], weights[order[:keep]]
+        weights /= weights.sum()
+    return int(candidates[rng.choice(len(candidates), p=weights)])
+
+
+class KVDecoder:
+    """``decoder.onnx`` and the key/value cache of ``slots`` sequences."""
+
+    INPUTS = ("input_ids", "past_keys", "past_values", "past_lengths")
+
+    def __init__(self, onnx_path: str, layers: int, heads: int, head_dim: int, context: int, slots: int,
+                 threads: int = 0) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(onnx_path, options, providers=self.providers(ort))
+        shape = (layers, slots, heads, context, head_dim)
+        self.keys, self.values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        self.lengths = np.zeros(slots, np.int64)
+        self.placeholder = np.zeros((layers, 1, heads, 1, head_dim), np.float32)
+
+    @staticmethod
+    def providers(ort: Any) -> list[str]:
+        """CUDA where this onnxruntime has it (the GPU serving image), else the CPU."""
+        available = ort.get_available_providers()
+        return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+    def prefill(self, slot: int, ids: list[int]) -> np.ndarray[Any, Any]:
+        """The prompt's keys and values into ``slot``; returns its next-token logits (vocab,)."""
+        logits, keys, values = self.session.run(None, {
+            "input_ids": np.asarray([ids], np.int64), "past_keys": self.placeholder,
+            "past_values": self.placeholder, "past_lengths": np.zeros(1, np.int64)})
+        n = len(ids)
+        self.keys[:, slot, :, :n], self.values[:, slot, :, :n] = keys[:, 0], values[:, 0]
+        self.lengths[slot] = n
+        return logits[0]  # type: ignore[no-any-return]
+
+    def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
+        """One token for each of ``slots`` at once; returns their next-token logits (batch, vocab)."""
+        index = np.asarray(slots)
+        lengths = self.lengths[index]
+        past = int(lengths.max())
+        logits, keys, values = self.session.run(None, {
+            "input_ids": np.asarray(tokens, np.int64)[:, None], "past_keys": self.keys[:, index, :, :past],
+            "past_values": self.values[:, index, :, :past], "past_lengths": lengths})
+        self.keys[:, index, :, lengths] = keys[:, :, :, 0].transpose(1, 0, 2, 3)
+        self.values[:, index, :, lengths] = values[:, :, :, 0].transpose(1, 0, 2, 3)
+        self.lengths[index] += 1
+        return logits  # type: ignore[no-any-return]
+
+
+class Detokenizer:
+    """Token ids to text deltas: none ends inside a UTF-8 character or may be cut by a stop string."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text already emitted
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """The text now safe to emit, and whether a stop string ended the text."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        for stop in self.stops:
+            at = text.find(stop, max(0, self.sent - len(stop)))
+            if at >= 0:
+                return self.flush(text[:at]), True
+        if text.endswith(REPLACEMENT):
+            return "", False
+        safe = len(text) - self.hold
+        if safe <= self.sent:
+            return "", False
+        delta, self.sent = text[self.sent:safe], safe
+        return delta, False
+
+    def flush(self, text: str | None = None) -> str:
+        """What is left to emit when the sequence ends."""
+        if text is None:
+            text = self.tokenizer.decode(self.ids)
+        delta, self.sent = text[self.sent:], max(self.sent, len(text))
+        return delta
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[Sequence, str, str | None], None]  # (sequence, text delta, finish reason or None)
+    cancelled: Callable[[], bool]
+    deadline: float
+    detok: Detokenizer
+    rng: np.random.Generator
+    submitted: float = field(default_factory=time.monotonic)
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    finish_reason: str | None = None
+
+
+@dataclass
+class Stats:
+    """What the engine has done, for the server's metrics (read by another thread: plain numbers)."""
+
+    admitted: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    finished: int = 0
+    failed: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # drained by the metrics reader
+    itl_s: list[float] = field(default_factory=list)
+
+
+class Engine:
+    """The scheduler: a bounded admission queue, ``slots`` running sequences, one thread."""
+
+    def __init__(self, decoder: KVDecoder, tokenizer: Any, context: int, slots: int, max_queue: int,
+                 default_max_tokens: int, request_timeout_s: float) -> None:
+        self.decoder, self.tokenizer, self.context = decoder, tokenizer, context
+        self.slots, self.max_queue = slots, max_queue
+        self.default_max_tokens, self.request_timeout_s = default_max_tokens, request_timeout_s
+        eos = tokenizer.token_to_id(EOS)
+        if eos is None:
+            raise ValueError(f"the tokenizer has no {EOS} token")
+        self.eos_id: int = eos
+        self.queue: collections.deque[Sequence] = collections.deque()
+        self.running: dict[int, Sequence] = {}
+        self.free = list(range(slots - 1, -1, -1))
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.stats = Stats()
+        self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
+
+    @classmethod
+    def from_folder(cls, folder: str, slots: int, max_queue: int, default_max_tokens: int, request_timeout_s: float,
+                    threads: int = 0) -> Engine:
+        """An exported version's folder: decoder.onnx, tokenizer.json, generation.json."""
+        from tokenizers import Tokenizer
+
+        with open(os.path.join(folder, "generation.json")) as fh:
+            shape = json.load(fh)
+        decoder = KVDecoder(os.path.join(folder, "decoder.onnx"), shape["n_layers"], shape["n_heads"],
+                            shape["head_dim"], shape["seq_len"], slots, threads)
+        tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        return cls(decoder, tokenizer, int(shape["seq_len"]), slots, max_queue, default_max_tokens, request_timeout_s)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | bytes) -> list[int]:
+        if isinstance(prompt, bytes):
+            try:
+                prompt = prompt.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RequestError(f"prompt is not valid UTF-8 (byte {exc.start})") from None
+        ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return ids
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               emit: Callable[[Sequence, str, str | None], None],
+               cancelled: Callable[[], bool] = lambda: False) -> Sequence:
+        """Queue a request (checked already: :func:`check_sampling`); :class:`Overloaded` when full."""
+        rng = np.random.default_rng(params.seed)
+        sequence = Sequence(prompt_ids, params, emit, cancelled, time.monotonic() + self.request_timeout_s,
+                            Detokenizer(self.tokenizer, params.stop), rng)
+        with self.wake:
+            if len(self.queue) >= self.max_queue:
+                self.stats.rejected += 1
+                raise Overloaded(f"server overloaded: {self.max_queue} requests already wait for a slot; retry later")
+            self.queue.append(sequence)
+            self.wake.notify()
+        return sequence
+
+    def start(self) -> Engine:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join(timeout=30)
+
+    @property
+    def queued(self) -> int:
+        return len(self.queue)
+
+    @property
+    def in_use(self) -> int:
+        return len(self.running)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def loop(self) -> None:
+        while True:
+            with self.wake:
+                while not self.stopping and not self.queue and not self.running:
+                    self.wake.wait()
+                if self.stopping:
+                    break
+                admitted = []
+                while self.queue and self.free:
+                    admitted.append(self.queue.popleft())
+            for sequence in admitted:
+                self.prefill(sequence)
+            self.drop_abandoned()
+            if self.running:
+                self.step()
+        for sequence in [*self.running.values(), *self.queue]:
+            self.finish(sequence, "abort")
+
+    def prefill(self, sequence: Sequence) -> None:
+        if sequence.cancelled() or time.monotonic() > sequence.deadline:
+            self.stats.cancelled += 1
+            sequence.finish_reason = "cancelled"
+            self.deliver(sequence, "", "cancelled")  # the channel is closed, if still open
+            return
+        sequence.slot = self.free.pop()
+        self.running[sequence.slot] = sequence
+        self.stats.admitted += 1
+        try:
+            logits = self.decoder.prefill(sequence.slot, sequence.prompt_ids)
+        except Exception as exc:  # a failed run fails this request only
+            self.fail([sequence], exc)
+            return
+        self.take(sequence, sample(logits, sequence.params, sequence.rng))
+
+    def step(self) -> None:
+        batch = list(self.running.values())
+        try:
+            logits = self.decoder.decode([s.slot for s in batch], [s.tokens[-1] for s in batch])
+        except Exception as exc:
+            self.fail(batch, exc)
+            return
+        self.stats.steps += 1
+        for row, sequence in enumerate(batch):
+            self.take(sequence, sample(logits[row], sequence.params, sequence.rng))
+
+    def take(self, sequence: Sequence, token: int) -> None:
+        """A new token of ``sequence``: emit its text, or end it (EOS, stop string, max_tokens)."""
+        now = time.monotonic()
+        if sequence.first_token_at:
+            self.stats.itl_s.append(now - sequence.last_token_at)
+        else:
+            sequence.first_token_at = now
+            self.stats.ttft_s.append(now - sequence.submitted)
+        sequence.last_token_at = now
+        if token == self.eos_id:
+            self.finish(sequence, "stop")
+            return
+        sequence.tokens.append(token)
+        self.stats.output_tokens += 1
+        delta, stopped = sequence.detok.add(token)
+        if stopped:
+            self.finish(sequence, "stop", delta)
+        elif len(sequence.tokens) >= sequence.params.max_tokens:
+            self.finish(sequence, "length", delta + sequence.detok.flush())
+        elif delta:
+            self.deliver(sequence, delta, None)
+
+    def deliver(self, sequence: Sequence, delta: str, reason: str | None) -> None:
+        try:
+            sequence.emit(sequence, delta, reason)
+        except Exception:  # the client's channel is gone: its slot is freed below
+            if reason is None:
+                self.release(sequence, "cancelled")
+
+    def finish(self, sequence: Sequence, reason: str, delta: str = "") -> None:
+        self.release(sequence, reason)
+        self.stats.finished += 1
+        self.deliver(sequence, delta, reason)
+
+    def release(self, sequence: Sequence, reason: str) -> None:
+        sequence.finish_reason = reason
+        if self.running.pop(sequence.slot, None) is sequence:
+            self.free.append(sequence.slot)
+
+    def fail(self, batch: list[Sequence], exc: Exception) -> None:
+        message = f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        for sequence in batch:
+            self.release(sequence, "error")
+            self.stats.failed += 1
+            self.deliver(sequence, message, "error")
+
+    def drop_abandoned(self) -> None:
+        """Free the slots of clients that went away or waited past the request timeout."""
+        now = time.monotonic()
+        for sequence in list(self.running.values()):
+            if sequence.cancelled():
+                self.stats.cancelled += 1
+                self.release(sequence, "cancelled")
+                self.deliver(sequence, "", "cancelled")
+            elif now > sequence.deadline:
+                self.finish(sequence, "timeout")
+
+
+def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 60.0) -> Sequence:
+    """One request through a started engine, waiting for its end (tests, parity, benchmarks)."""
+    done = threading.Event()
+
+    def emit(sequence: Sequence, delta: str, reason: str | None) -> None:
+        if reason is not None:
+            done.set()
+
+    sequence = engine.submit(prompt_ids, params, emit)
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"no answer in {timeout_s}s")
+    return sequence

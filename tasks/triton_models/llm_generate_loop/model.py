@@ -1,0 +1,74 @@
+"""Triton python backend: text in, text out.
+
+Encodes the prompt with the tokenizer shipped in this version's folder, then asks the logits
+model of the *same version* for one token at a time through BLS (Triton's in-process
+inference API), greedy or top-k, until EOS or ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from tokenizers import Tokenizer
+
+EOS = "<|endoftext|>"
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        folder = os.path.join(args["model_repository"], args["model_version"])
+        self.version = int(args["model_version"])
+        self.tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        with open(os.path.join(folder, "generation.json")) as fh:
+            self.seq_len = int(json.load(fh)["seq_len"])
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
+        self.logits_model = params["logits_model"]
+        self.max_tokens = int(params["max_tokens"])
+        self.top_k = int(params["top_k"])
+        eos_id = self.tokenizer.token_to_id(EOS)
+        if eos_id is None:
+            raise pb_utils.TritonModelException(f"tokenizer.json has no {EOS} token")
+        self.eos_id: int = eos_id
+        self.rng = np.random.default_rng(0)
+
+    def next_token(self, ids: list[int]) -> int:
+        window = np.asarray([ids[-self.seq_len:]], dtype=np.int64)
+        request = pb_utils.InferenceRequest(
+            model_name=self.logits_model, model_version=self.version,
+            requested_output_names=["logits", "next_token"], inputs=[pb_utils.Tensor("input_ids", window)],
+        )
+        response = request.exec()
+        if response.has_error():
+            raise pb_utils.TritonModelException(response.error().message())
+        if self.top_k <= 1:
+            return int(pb_utils.get_output_tensor_by_name(response, "next_token").as_numpy().reshape(-1)[0])
+        logits = pb_utils.get_output_tensor_by_name(response, "logits").as_numpy().reshape(-1)
+        top = np.argpartition(logits, -self.top_k)[-self.top_k:]
+        weights = np.exp(logits[top] - logits[top].max())
+        return int(self.rng.choice(top, p=weights / weights.sum()))
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            prompt = pb_utils.get_input_tensor_by_name(request, "text").as_numpy().reshape(-1)[0]
+            prompt = prompt.decode() if isinstance(prompt, bytes) else str(prompt)
+            limit_tensor = pb_utils.get_input_tensor_by_name(request, "max_tokens")
+            limit = int(limit_tensor.as_numpy().reshape(-1)[0]) if limit_tensor is not None else self.max_tokens
+            ids = self.tokenizer.encode(prompt).ids or [self.eos_id]
+            new: list[int] = []
+            try:
+                for _ in range(max(0, min(limit, 4 * self.max_tokens))):
+                    token = self.next_token(ids + new)
+                    if token == self.eos_id:
+                        break
+                    new.append(token)
+            except pb_utils.TritonModelException as exc:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
+                continue
+            text = np.asarray([self.tokenizer.decode(new).encode()], dtype=object)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text", text)]))
+        return responses
