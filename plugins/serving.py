@@ -8,13 +8,17 @@
   through the downward API, so deploy moves a track to a version with one merge patch, and the
   Deployment rolls surge-first (``maxUnavailable: 0``): a track never has fewer ready pods.
   Ready = ``/v2/health/ready`` (the models loaded; a model that fails to load stops the pod).
+  Beside Triton, the pod runs the OpenAI-compatible API (``tasks/openai_api.py``, the runtime
+  image) on its ``openai`` port, translating ``/v1/*`` to the local Triton's generate endpoints.
   Both tracks start at 0 replicas: the first deploy gives them a version.
-- A Service per track (HTTP, gRPC, metrics).
-- A Gateway API ``HTTPRoute``: rule 0 sends requests carrying ``X-Serving-Track: canary`` to
-  the canary track alone (the smoke test before any traffic moves), rule 1 those carrying
-  ``X-Serving-Track: stable`` to the stable track (the canary analysis's baseline where the split
-  gives stable too little traffic); rule 2 splits everything else between the tracks by
-  ``weight`` (per mille) and each backend stamps ``X-Model-Version`` on its responses. Its
+- A Service per track (HTTP, gRPC, metrics, openai).
+- A Gateway API ``HTTPRoute``, for Triton's ``/v2`` (rules 0-2) and then the same three for the
+  OpenAI ``/v1`` on the openai port (rules 3-5): the first sends requests carrying
+  ``X-Serving-Track: canary`` to the canary track alone (the smoke test before any traffic
+  moves), the second those carrying ``X-Serving-Track: stable`` to the stable track (the canary
+  analysis's baseline where the split gives stable too little traffic); the third splits
+  everything else between the tracks by ``weight`` (per mille) and each backend stamps
+  ``X-Model-Version`` on its responses. Deploy patches both weighted rules together. Its
   annotations hold the rollout state and the deploy lock.
 - A Role + RoleBinding letting the pipeline's service account get and patch exactly these.
 
@@ -44,8 +48,8 @@ def _labels(settings: dict[str, Any], track: str) -> dict[str, str]:
             "llm-pipeline/track": track}
 
 
-def _http_get(path: str, period_s: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s, "failureThreshold": failures}
+def _http_get(path: str, period_s: int, failures: int, port: str = "http") -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period_s, "failureThreshold": failures}
 
 
 def _hardened() -> dict[str, Any]:
@@ -87,7 +91,7 @@ def track_deployment(params: dict[str, Any], track: str) -> dict[str, Any]:
                  *(f"--load-model={m}" for m in (serve["triton_model"], serve["generate_model"])),
                  "--exit-on-error=true", "--strict-readiness=true", f"--http-port={ports['http']}",
                  f"--grpc-port={ports['grpc']}", f"--metrics-port={ports['metrics']}"],
-        "ports": [{"name": name, "containerPort": port} for name, port in ports.items()],
+        "ports": [{"name": name, "containerPort": port} for name, port in ports.items() if name != "openai"],
         "startupProbe": _http_get("/v2/health/ready", 5, load_failures),
         "readinessProbe": _http_get("/v2/health/ready", 5, 3),
         "livenessProbe": _http_get("/v2/health/live", 10, 3),
@@ -96,13 +100,27 @@ def track_deployment(params: dict[str, Any], track: str) -> dict[str, Any]:
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
                          {"name": "shm", "mountPath": "/dev/shm"}, {"name": "scratch", "mountPath": "/tmp"}],
     }
+    # the OpenAI-compatible API beside the pod's Triton (tasks/openai_api.py): the route's /v1 rules
+    openai = {
+        "name": "openai",
+        "image": cluster["images"]["cpu"],
+        "imagePullPolicy": cluster["image_pull_policy"],
+        "command": ["python", "-m", "tasks.openai_api", "--host", "0.0.0.0", "--port", str(ports["openai"]),
+                    "--triton-url", f"http://127.0.0.1:{ports['http']}"],
+        "ports": [{"name": "openai", "containerPort": ports["openai"]}],
+        "readinessProbe": _http_get("/health", 5, 3, "openai"),
+        "livenessProbe": _http_get("/health", 10, 3, "openai"),
+        "resources": cluster["kinds"]["cpu"]["resources"],
+        "securityContext": _hardened(),
+        "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
+    }
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the servers never call the Kubernetes API
         "securityContext": {"runAsNonRoot": True, "runAsUser": cluster["run_as_user"],
                             "runAsGroup": cluster["run_as_user"], "fsGroup": cluster["run_as_user"],
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "initContainers": [stage],
-        "containers": [server],
+        "containers": [server, openai],
         "volumes": [{"name": "models", "emptyDir": {}}, {"name": "scratch", "emptyDir": {}},
                     {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings["shm_size"]}}],
     }
@@ -142,13 +160,18 @@ def track_service(params: dict[str, Any], track: str) -> dict[str, Any]:
 def http_route(params: dict[str, Any]) -> dict[str, Any]:
     settings = params["serve"]["kubernetes"]
     names = {track: f"{settings['name']}-{track}" for track in TRACKS}
-    port = settings["ports"]["http"]
-    models = {"path": {"type": "PathPrefix", "value": "/v2"}}
 
-    def backend(track: str, weight: int) -> dict[str, Any]:
+    def backend(track: str, weight: int, port: int) -> dict[str, Any]:
         stamp = {"set": [{"name": VERSION_HEADER, "value": NO_VERSION}]}
         return {"name": names[track], "port": port, "weight": weight,
                 "filters": [{"type": "ResponseHeaderModifier", "responseHeaderModifier": stamp}]}
+
+    def rules(prefix: str, port: int) -> list[dict[str, Any]]:
+        """A track-header rule per track, then the weighted split (WEIGHTED_RULES in tasks/lib/serving.py)."""
+        path = {"path": {"type": "PathPrefix", "value": prefix}}
+        return [*({"matches": [{**path, "headers": [{"type": "Exact", "name": TRACK_HEADER, "value": track}]}],
+                   "backendRefs": [{"name": names[track], "port": port}]} for track in ("canary", "stable")),
+                {"matches": [path], "backendRefs": [backend("stable", 1000, port), backend("canary", 0, port)]}]
 
     gateway = settings["gateway"]
     state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}
@@ -162,11 +185,8 @@ def http_route(params: dict[str, Any]) -> dict[str, Any]:
             "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
                             "name": gateway["name"], "namespace": gateway["namespace"]}],
             "hostnames": [settings["hostname"]],
-            "rules": [
-                *({"matches": [{**models, "headers": [{"type": "Exact", "name": TRACK_HEADER, "value": track}]}],
-                   "backendRefs": [{"name": names[track], "port": port}]} for track in ("canary", "stable")),
-                {"matches": [models], "backendRefs": [backend("stable", 1000), backend("canary", 0)]},
-            ],
+            # Triton's paths, then the OpenAI front's (the pod's sidecar): split the same way
+            "rules": [*rules("/v2", settings["ports"]["http"]), *rules("/v1", settings["ports"]["openai"])],
         },
     }
 

@@ -16,30 +16,35 @@ Ports come from the ``stack`` section of params.yaml; ``STACK_PORT_<NAME>`` over
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import urllib.error
-import urllib.request
 
 from stack.servers import StackError, client_env, down, init_compose_stack, ports, status, up, write_env_file
 
 
 def predict(prompt: str, max_tokens: int) -> int:
-    """Text in, text out through the router (the traffic split a client sees), with the version
-    that answered; one line of error when nothing serves yet."""
+    """A completion through the router's OpenAI-compatible API (the traffic split a client
+    sees), streamed token by token as the engine produces them, with the version that answered;
+    one line of error when nothing serves yet."""
+    import openai
+
     from tasks.lib.params import load_params
 
-    url = f"{client_env()['ROUTER_URL']}/v2/models/{load_params()['serve']['generate_model']}/infer"
-    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [prompt]},
-                       {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [max_tokens]}]}
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    url = f"{client_env()['ROUTER_URL']}/v1"
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
     try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            answer, version = json.loads(resp.read()), resp.headers.get("X-Model-Version", "?")
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"error: {url}: {exc} (is a model serving? run `make pipeline` first)", file=sys.stderr)
+        with client.completions.with_streaming_response.create(
+                model=load_params()["pipeline"]["model_name"], prompt=prompt, max_tokens=max_tokens, stream=True) as resp:
+            print(f"[version {resp.headers.get('X-Model-Version', '?')}] {prompt}", end="", flush=True)
+            for chunk in resp.parse():
+                print(chunk.choices[0].text if chunk.choices else "", end="", flush=True)
+    except openai.APIStatusError as exc:
+        print(f"error: {url}/completions: {exc.status_code} {exc.message} (is a model serving? run `make pipeline` "
+              "first)", file=sys.stderr)
         return 1
-    print(f"[version {version}] {prompt}{answer['outputs'][0]['data'][0]}")
+    except openai.APIConnectionError as exc:
+        print(f"error: {url}/completions: {exc} (is the stack up? run `make pipeline` first)", file=sys.stderr)
+        return 1
+    print()
     return 0
 
 

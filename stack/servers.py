@@ -82,6 +82,7 @@ def client_env() -> dict[str, str]:
         "TRITON_METRICS_URL": f"http://127.0.0.1:{port['triton_metrics']}/metrics",
         "TRITON_REPOSITORY": str(triton_repository()),
         "ROUTER_URL": f"http://127.0.0.1:{port['router']}",
+        "OPENAI_API_URL": f"http://127.0.0.1:{port['openai_api']}",  # the front behind the router's /v1
         "ROUTER_DIR": str(router_dir()),
         # observability: steps push run figures, people and tests query Prometheus
         "PUSHGATEWAY_URL": f"http://127.0.0.1:{port['pushgateway']}",
@@ -387,11 +388,17 @@ def _triton_env() -> dict[str, str]:
     }
 
 
+def _openai_api_command() -> list[str]:
+    """The OpenAI-compatible front (tasks/openai_api.py): the router sends /v1/* to it."""
+    return [sys.executable, "-m", "tasks.openai_api", "--port", str(ports()["openai_api"]),
+            "--triton-url", client_env()["TRITON_URL"]]
+
+
 def _router_command() -> list[str]:
     from tasks.lib.router import nginx_binary, write_router_config
 
     port = ports()
-    conf = write_router_config(router_dir(), port["router"], port["triton_http"])
+    conf = write_router_config(router_dir(), port["router"], port["triton_http"], port["openai_api"])
     return [nginx_binary(), "-p", str(router_dir()), "-c", str(conf)]
 
 
@@ -465,8 +472,8 @@ def init_compose_stack() -> None:
     router, triton = urllib.parse.urlsplit(env["ROUTER_URL"]), urllib.parse.urlsplit(env["TRITON_URL"])
     from tasks.lib.router import write_router_config
 
-    write_router_config(Path(env["ROUTER_DIR"]), router.port or 80, triton.port or 80, listen_host="0.0.0.0",
-                        triton_host=triton.hostname or "triton")
+    write_router_config(Path(env["ROUTER_DIR"]), router.port or 80, triton.port or 80, ports()["openai_api"],
+                        listen_host="0.0.0.0", triton_host=triton.hostname or "triton", openai_host="openai-api")
     Path(env["TRITON_REPOSITORY"]).mkdir(parents=True, exist_ok=True)
     create_airflow_pools(shutil.which("airflow") or "airflow", env)
 
@@ -529,6 +536,8 @@ SERVERS = (
     ),
     Server("triton", _triton_command, _triton_env,
            lambda: _http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60, port="triton_http"),
+    Server("openai-api", _openai_api_command, lambda: {"PYTHONPATH": str(REPO_ROOT)},
+           lambda: _http_ok(f"http://127.0.0.1:{ports()['openai_api']}/health"), start_timeout_s=30, port="openai_api"),
     Server("router", _router_command, dict, lambda: _http_ok(f"{client_env()['ROUTER_URL']}/router/state"),
            start_timeout_s=20, port="router"),
     Server("pushgateway", _pushgateway_command, dict,

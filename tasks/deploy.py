@@ -52,7 +52,8 @@ from tasks.lib.tracking import find_dag_run
 def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> None:
     """Every reference input once straight through Triton (a smoke test that also warms the
     new version up: its first inferences of each shape are slow, and a cold canary would be
-    judged slower than a warm stable), then one through the router."""
+    judged slower than a warm stable), then one through the router; then each reference prompt
+    as a streamed completion straight to the version's text endpoint (its engine warmed too)."""
     (direct, direct_headers), *routed = serving.smoke_targets(version)
     inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
     calls = [(direct, direct_headers, ids) for ids in inputs] + [(url, headers, inputs[0]) for url, headers in routed]
@@ -67,6 +68,25 @@ def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> Non
             raise StepError(f"version {version}: smoke inference through {url} failed ({exc})") from None
         if not np.isfinite(logits).all():
             raise StepError(f"version {version}: smoke inference through {url} returned non-finite logits")
+    text_url, text_headers = serving.text_target(version)
+    for body, _ in canary.text_requests(reference):
+        sample = canary._one_stream(text_url, text_headers, body, "", 60.0, version)
+        if not sample.ok:
+            raise StepError(f"version {version}: smoke completion through {text_url} failed "
+                            f"({sample.status} {sample.error})")
+
+
+def warm_up(serving: Serving, version: int, reference: dict[str, Any], params: dict[str, Any]) -> int:
+    """``warmup_streams`` streamed completions straight to the new version at the canary's
+    concurrency, after the smoke test and before any traffic moves: its engine decodes batches of
+    every size once and its processes are running when the first step measures it (a canary just
+    loaded was judged slower than the warm stable on time to first token). Their figures and
+    outcomes are discarded: the steps judge. Returns how many completed."""
+    url, headers = serving.text_target(version)
+    count = int(params["warmup_streams"])
+    samples = canary.send_text_traffic(url, headers, canary.text_requests(reference), float(count), 1.0,
+                                       int(params["concurrency"]), float(params["text_timeout_s"]), version)
+    return sum(s.ok for s in samples)
 
 
 def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]]) -> dict[str, Any]:
@@ -80,29 +100,53 @@ def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str
     return delta
 
 
+class StepTraffic:
+    """One canary step's samples: logits requests and streamed completions, routed and direct."""
+
+    def __init__(self) -> None:
+        self.samples: list[canary.Sample] = []
+        self.direct: list[canary.Sample] = []
+        self.text: list[canary.TextSample] = []
+        self.text_direct: list[canary.TextSample] = []
+
+    def enough(self, version: int, params: dict[str, Any]) -> bool:
+        return (sum(s.version == version for s in self.samples) >= params["min_samples"]
+                and sum(s.version == version for s in self.text) >= params["text_min_samples"])
+
+
 def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any], reference: dict[str, Any],
-                 stable: int | None, version: int, weight: float) -> tuple[list[canary.Sample], list[canary.Sample]]:
+                 stable: int | None, version: int, weight: float) -> StepTraffic:
     """One canary step's traffic: windows through the router (repeated, up to ``max_windows``,
-    until the canary has ``min_samples``) and, in the same windows, the stream straight to
-    stable that :func:`canary.baseline_rps` asks for."""
+    until the canary has ``min_samples`` logits requests and ``text_min_samples`` streams) and,
+    in the same windows, the streams straight to stable that :func:`canary.baseline_rps` asks
+    for. Logits requests and streamed completions run side by side."""
     inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
     expected = reference["next_tokens"]
-    routed_url = serving.url + triton.infer_path(serve["triton_model"])
+    texts = canary.text_requests(reference)
+    routed_url, routed_text_url = serving.url + triton.infer_path(serve["triton_model"]), serving.url + "/v1/completions"
     rate, duration = float(params["rate_rps"]), float(params["step_duration_s"])
     concurrency, timeout = int(params["concurrency"]), float(params["request_timeout_s"])
+    text_rate, text_timeout = float(params["text_rps"]), float(params["text_timeout_s"])
     direct_rps = canary.baseline_rps(weight, stable, params)
+    direct_text_rps = text_rate * direct_rps / rate  # the same share of the text rate
     baseline_url, baseline_headers = serving.baseline_target(stable) if stable is not None else ("", {})
-    samples: list[canary.Sample] = []
-    direct: list[canary.Sample] = []
-    with ThreadPoolExecutor(max_workers=1) as beside:
+    text_url, text_headers = serving.text_target(stable) if stable is not None else ("", {})
+    traffic = StepTraffic()
+    with ThreadPoolExecutor(max_workers=3) as beside:
         for _ in range(int(params["max_windows"])):  # a small share may need more than one window
             baseline = beside.submit(canary.send_traffic, baseline_url, baseline_headers, inputs, expected,
                                      direct_rps, duration, concurrency, timeout, version=stable) if direct_rps else None
-            samples += canary.send_traffic(routed_url, {}, inputs, expected, rate, duration, concurrency, timeout)
-            direct += baseline.result() if baseline is not None else []
-            if sum(s.version == version for s in samples) >= params["min_samples"]:
+            text_baseline = beside.submit(canary.send_text_traffic, text_url, text_headers, texts, direct_text_rps,
+                                          duration, concurrency, text_timeout, stable) if direct_rps else None
+            text = beside.submit(canary.send_text_traffic, routed_text_url, {}, texts, text_rate, duration,
+                                 concurrency, text_timeout)
+            traffic.samples += canary.send_traffic(routed_url, {}, inputs, expected, rate, duration, concurrency, timeout)
+            traffic.text += text.result()
+            traffic.direct += baseline.result() if baseline is not None else []
+            traffic.text_direct += text_baseline.result() if text_baseline is not None else []
+            if traffic.enough(version, params):
                 break
-    return samples, direct
+    return traffic
 
 
 def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Serving, serve: dict[str, Any],
@@ -127,21 +171,28 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Servin
         serving.roll_back(stable)
         report.update(verdict="rolled back", failed_at=0.0, reason=f"smoke test: {exc}")
         return report
+    report["warmup_streams"] = warm_up(serving, version, reference, params)
     steps = [float(w) for w in params["steps"]] if stable is not None else [100.0]
     for weight in steps:
         serving.route(stable, version, weight)
         before = serving.metrics()
         started = time.monotonic()
-        samples, direct = step_traffic(serving, serve, params, reference, stable, version, weight)
-        result = canary.judge_step(samples, direct, stable, version, weight, params)
+        traffic = step_traffic(serving, serve, params, reference, stable, version, weight)
+        result = canary.judge_step(traffic.samples, traffic.direct, stable, version, weight, params,
+                                   traffic.text, traffic.text_direct)
         result["seconds"] = round(time.monotonic() - started, 2)
-        result["sent_s"] = {"routed": canary.sent_span(samples, started), "direct": canary.sent_span(direct, started)}
+        result["sent_s"] = {"routed": canary.sent_span(traffic.samples, started),
+                            "direct": canary.sent_span(traffic.direct, started)}
         result["triton"] = metrics_delta(before, serving.metrics())
         report["steps"].append(result)
+        text = result["text"]
         log.info("canary %g%%: %d requests (stable %d, %d of them direct; canary %d), canary p50 %.1f ms vs "
-                 "stable %.1f ms: %s", weight, len(samples) + len(direct), result["stable"]["requests"], len(direct),
+                 "stable %.1f ms; %d streams (canary %d), TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms: %s",
+                 weight, len(traffic.samples) + len(traffic.direct), result["stable"]["requests"], len(traffic.direct),
                  result["canary"]["requests"], result["canary"]["p50_ms"], result["stable"]["p50_ms"],
-                 "pass" if result["passed"] else "; ".join(result["failed"]))
+                 len(traffic.text) + len(traffic.text_direct), text["canary"]["streams"],
+                 text["canary"]["ttft_p50_ms"], text["stable"]["ttft_p50_ms"], text["canary"]["itl_p50_ms"],
+                 text["stable"]["itl_p50_ms"], "pass" if result["passed"] else "; ".join(result["failed"]))
         if not result["passed"]:
             serving.roll_back(stable)
             report.update(verdict="rolled back", failed_at=weight, reason=result["failed"][0])

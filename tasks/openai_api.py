@@ -30,12 +30,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
+from tasks.lib.router import ROUTE_HEADER  # the router's split choice (a client's own header is overwritten there)
+
 log = logging.getLogger("openai_api")
-ROUTE_HEADER = "X-Route-Version"  # set by the router (its split's choice); a client's own is overwritten there
 MAX_BODY = 1 << 20
 CHAT_ROLES = ("system", "user", "assistant")
 CHAT_STOP = "\nUser:"
@@ -92,6 +93,11 @@ def engine_inputs(body: dict[str, Any], prompt: str, extra_stop: list[str]) -> d
         if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and int(value) != value):
             raise ApiError(400, f"{name} {value!r}: expected a number{' (integer)' if kind is int else ''}", name)
         inputs[name] = kind(value)
+    ignore_eos = body.get("ignore_eos")  # vLLM's extension, sent by benchmark clients (aiperf)
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise ApiError(400, f"ignore_eos {ignore_eos!r}: expected true or false", "ignore_eos")
+        inputs["ignore_eos"] = ignore_eos
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -180,7 +186,7 @@ class Api:
                 data = await upstream.json(content_type=None)
                 if upstream.status != 200 or "error" in data:
                     raise upstream_error(upstream.status, data)
-        except (ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ClientError) as exc:
             raise_unreachable(exc)
         reply.add(data)
         return web.json_response(reply.whole())
@@ -211,7 +217,7 @@ class Api:
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response
-        except (ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ClientError) as exc:
             if response is None:
                 raise_unreachable(exc)
             log.warning("stream cut: %s", exc)  # the client saw tokens; the cut shows as a missing [DONE]
@@ -302,7 +308,7 @@ def upstream_error(status: int, data: dict[str, Any]) -> ApiError:
     return ApiError(502 if status < 500 else status, message, kind="server_error")
 
 
-def raise_unreachable(exc: BaseException) -> None:
+def raise_unreachable(exc: BaseException) -> NoReturn:
     raise ApiError(502, f"the inference server did not answer ({type(exc).__name__}: {exc})", kind="server_error")
 
 
@@ -315,6 +321,10 @@ async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return exc.response()
 
 
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
 def app(triton_url: str, model: str, served_name: str, timeout_s: float) -> web.Application:
     api = Api(triton_url, model, served_name, timeout_s)
     application = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
@@ -323,7 +333,7 @@ def app(triton_url: str, model: str, served_name: str, timeout_s: float) -> web.
     application.router.add_get("/v1/models", api.models)
     application.router.add_post("/v1/completions", api.completions)
     application.router.add_post("/v1/chat/completions", api.chat_completions)
-    application.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+    application.router.add_get("/health", health)
     return application
 
 

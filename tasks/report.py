@@ -81,8 +81,9 @@ def endpoint() -> str:
 
 
 def query_command(url: str, model: str) -> str:
-    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["Return the number of"]}]}
-    return f"curl -s {url}/v2/models/{model}/infer -d '{json.dumps(body)}'"
+    """A streamed completion through the OpenAI-compatible API (any OpenAI client works too)."""
+    body = {"model": model, "prompt": "Return the number of", "max_tokens": 24, "stream": True}
+    return f"curl -sN {url}/v1/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
 
 
 def build_report(args: argparse.Namespace, states: dict[str, str], results: dict[str, Any]) -> dict[str, Any]:
@@ -111,8 +112,8 @@ def build_report(args: argparse.Namespace, states: dict[str, str], results: dict
                        "samples_uri": evaluation.get("samples_uri")},
         "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
         "canary": {k: deploy.get(k) for k in ("verdict", "stable", "canary", "aliases", "steps", "report_uri")},
-        "serving": {"endpoint": url, "model": settings["serve"]["generate_model"],
-                    "query": query_command(url, settings["serve"]["generate_model"]),
+        "serving": {"endpoint": f"{url}/v1", "model": settings["pipeline"]["model_name"],
+                    "query": query_command(url, settings["pipeline"]["model_name"]),
                     "predict": 'make predict PROMPT="Return the number of"'},
     }
 
@@ -154,7 +155,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         aliases = ", ".join(f"{k} v{v}" for k, v in (canary.get("aliases") or {}).items() if v)
         lines.append(f"  canary      {canary['verdict']} ({path or 'first model: no canary'}){'; ' + aliases if aliases else ''}")
     if report["verdict"] == "success":
-        lines += [f"  serving     {serving['endpoint']} (model {serving['model']})",
+        lines += [f"  serving     {serving['endpoint']} (OpenAI-compatible API, model {serving['model']})",
                   f"  try it      {serving['predict']}",
                   f"              {serving['query']}"]
     return lines

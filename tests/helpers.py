@@ -28,6 +28,7 @@ TEST_PORTS = {
         "triton_http": 8200,
         "triton_grpc": 8201,
         "triton_metrics": 8202,
+        "openai_api": 8203,
         "router": 8290,
         "prometheus": 9190,
         "pushgateway": 9191,

@@ -1,5 +1,11 @@
 """Canary analysis: real traffic through the router, then canary compared with stable.
 
+Two streams of traffic per step, both through the router's split: logits requests to
+``/v2/models/llm/infer`` (below) and streamed greedy completions through the OpenAI-compatible
+``/v1/completions`` (:func:`send_text_traffic`): what users of the text endpoint get, judged on
+time to first token, inter-token latency, failed or cut streams, and text equal to the export's
+PyTorch reference generations.
+
 :func:`send_traffic` is a bounded load generator (fixed rate and duration, a new connection
 per request, loopback only): it replays the export's parity inputs (windows of the held-out
 evaluation text and the fixed prompts) and records, per response, the version that answered
@@ -89,6 +95,156 @@ def send_traffic(url: str, headers: dict[str, str], inputs: list[np.ndarray[Any,
     return [r for r in results if r is not None]
 
 
+@dataclass
+class TextSample:
+    """One streamed completion."""
+
+    version: int | None
+    ok: bool  # HTTP 200, no error event, ended with [DONE]
+    status: int
+    ttft_ms: float  # request sent -> first text chunk
+    itl_ms: float  # mean gap between text chunks after the first (nan with one chunk)
+    chunks: int
+    matches: bool  # the text equals the reference continuation of its prompt
+    sent_s: float
+    error: str = ""
+
+
+def _one_stream(url: str, headers: dict[str, str], body: bytes, expected: str, timeout_s: float,
+                version: int | None = None) -> TextSample:
+    """POST one streamed completion to ``url`` (OpenAI ``/v1/completions``) and time its chunks."""
+    import json
+
+    parsed = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=timeout_s)
+    sent = time.monotonic()
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    text: list[str] = []
+    answered = version
+    try:
+        conn.request("POST", parsed.path, body=body, headers={"Content-Type": "application/json", **headers})
+        resp = conn.getresponse()
+        header = resp.getheader("X-Model-Version")
+        answered = int(header) if header and header.isdigit() else version
+        if resp.status != 200:
+            detail = resp.read()[:200].decode(errors="replace")
+            return TextSample(answered, False, resp.status, math.nan, math.nan, 0, False, sent, detail)
+        done = False
+        for line in resp:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                done = True
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                return TextSample(answered, False, 200, math.nan, math.nan, len(arrivals), False, sent,
+                                  str(event["error"])[:200])
+            piece = "".join(choice.get("text", "") for choice in event.get("choices", []))
+            if piece:
+                arrivals.append(time.perf_counter())
+                text.append(piece)
+        if not done:
+            return TextSample(answered, False, 200, math.nan, math.nan, len(arrivals), False, sent, "stream cut")
+        ttft = (arrivals[0] - start) * 1000 if arrivals else math.nan
+        itl = (arrivals[-1] - arrivals[0]) * 1000 / (len(arrivals) - 1) if len(arrivals) > 1 else math.nan
+        return TextSample(answered, True, 200, ttft, itl, len(arrivals), "".join(text) == expected, sent)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return TextSample(answered, False, 0, math.nan, math.nan, len(arrivals), False, sent, type(exc).__name__)
+    finally:
+        conn.close()
+
+
+def text_requests(reference: dict[str, Any]) -> list[tuple[bytes, str]]:
+    """Greedy streamed completions of the export's reference prompts, each as long as its
+    reference continuation, with the text it must produce. They name no ``model``: the front
+    serves one, whatever a deployment calls it."""
+    import json
+
+    requests = []
+    for generation in reference.get("generations", []):
+        body = {"prompt": generation["prompt"], "max_tokens": max(1, len(generation["tokens"])),
+                "temperature": 0, "stream": True}
+        requests.append((json.dumps(body).encode(), generation["text"]))
+    return requests
+
+
+def send_text_traffic(url: str, headers: dict[str, str], requests: list[tuple[bytes, str]], rate_rps: float,
+                      duration_s: float, concurrency: int, timeout_s: float,
+                      version: int | None = None) -> list[TextSample]:
+    """``rate_rps * duration_s`` streamed completions at a fixed rate (bounded in count and time)."""
+    if not requests or rate_rps <= 0:
+        return []
+    total = max(1, int(rate_rps * duration_s))
+    start = time.monotonic()
+
+    def fire(index: int) -> TextSample:
+        delay = start + index / rate_rps - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        body, expected = requests[index % len(requests)]
+        return _one_stream(url, headers, body, expected, timeout_s, version)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(fire, range(total)))
+
+
+def summarize_text(samples: list[TextSample], version: int | None) -> dict[str, Any]:
+    mine = [s for s in samples if s.version == version]
+    ok = [s for s in mine if s.ok]
+    ttft = np.asarray([s.ttft_ms for s in ok if math.isfinite(s.ttft_ms)])
+    itl = np.asarray([s.itl_ms for s in ok if math.isfinite(s.itl_ms)])
+
+    def pct(values: np.ndarray[Any, Any], q: float) -> float:
+        return float(np.percentile(values, q)) if len(values) else math.nan
+
+    errors = [s.error or str(s.status) for s in mine if not s.ok]
+    return {"version": version, "streams": len(mine), "errors": len(errors),
+            "error_rate": _share(len(errors), len(mine)), "first_error": errors[0] if errors else "",
+            "text_agreement": _share(sum(s.matches for s in ok), len(ok)),
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}
+
+
+def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int | None, canary: int, weight: float,
+               params: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The text endpoint's checks for one step: enough streams, their error rate, text equal to
+    the reference, and time to first token and inter-token latency against stable's (the same
+    Mann-Whitney rule as the logits latency)."""
+    canary_stats, stable_stats = summarize_text(samples, canary), summarize_text(samples + direct, stable)
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, passed: bool, value: float, limit: float, detail: str) -> None:
+        checks.append({"check": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail})
+
+    n, wanted = canary_stats["streams"], int(params["text_min_samples"])
+    check("text_samples", n >= wanted, n, wanted, f"{n} canary streams at {weight:g}%")
+    check("stream_error_rate", canary_stats["error_rate"] <= params["max_error_rate"], canary_stats["error_rate"],
+          params["max_error_rate"], f"{canary_stats['errors']} of {n} canary streams failed or were cut"
+          + (f" (first: {canary_stats['first_error']})" if canary_stats["first_error"] else ""))
+    check("text_agreement", canary_stats["text_agreement"] >= params["min_text_agreement"],
+          canary_stats["text_agreement"], params["min_text_agreement"],
+          f"{canary_stats['text_agreement']:.0%} of canary greedy completions equal the export's PyTorch reference")
+    tests: dict[str, dict[str, float]] = {}
+    for key, label in (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency")):
+        mine = [getattr(s, key) for s in samples if s.version == canary and s.ok and math.isfinite(getattr(s, key))]
+        theirs = [getattr(s, key) for s in samples + direct
+                  if s.version == stable and s.ok and math.isfinite(getattr(s, key))]
+        if len(mine) >= wanted and len(theirs) >= wanted:
+            tests[key] = latency_test(mine, theirs)
+            slower = tests[key]["p_value"] < params["latency_alpha"] and \
+                tests[key]["median_ratio"] > params["max_latency_ratio"]
+            check(key.removesuffix("_ms"), not slower, tests[key]["median_ratio"], params["max_latency_ratio"],
+                  f"median {label} {tests[key]['median_ratio']:.2f}x stable's (Mann-Whitney U "
+                  f"p={tests[key]['p_value']:.2g}, alpha {params['latency_alpha']})")
+        elif stable is not None and len(theirs) < wanted:  # (a canary short of samples fails text_samples)
+            check(f"stable_{key.removesuffix('_ms')}_samples", False, len(theirs), wanted,
+                  f"{len(theirs)} stable streams with a {label} at {weight:g}%: no baseline to compare with")
+    return {"canary": canary_stats, "stable": stable_stats, "direct_to_stable": len(direct), "tests": tests}, checks
+
+
 def baseline_rps(weight: float, stable: int | None, params: dict[str, Any]) -> float:
     """The rate of the stream sent straight to stable during a step, beside the routed traffic:
     0 where stable's routed share of a window already gives ``min_samples`` latencies. At 100%
@@ -124,10 +280,12 @@ def latency_test(canary_ms: list[float], baseline_ms: list[float]) -> dict[str, 
 
 
 def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, canary: int, weight: float,
-               params: dict[str, Any]) -> dict[str, Any]:
+               params: dict[str, Any], text: list[TextSample] | None = None,
+               text_direct: list[TextSample] | None = None) -> dict[str, Any]:
     """One step's summary and checks (``passed`` False when any failed): ``samples`` came through
     the router, ``direct`` went straight to stable in the same window (see :func:`baseline_rps`);
-    the canary's latencies are compared with all of stable's."""
+    the canary's latencies are compared with all of stable's. ``text``/``text_direct``: the
+    streamed completions of the same window (:func:`judge_text`)."""
     canary_stats, stable_stats = summarize(samples, canary), summarize(samples + direct, stable)
     unrouted = [s for s in samples if s.version is None]
     canary_ms = [s.latency_ms for s in samples if s.version == canary and s.ok]
@@ -156,9 +314,13 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
     elif stable is not None:
         check("stable_samples", False, len(baseline_ms), params["min_samples"],
               f"{len(baseline_ms)} stable latencies at {weight:g}%: no baseline to compare the canary with")
+    text_report: dict[str, Any] = {}
+    if text is not None:
+        text_report, text_checks = judge_text(text, text_direct or [], stable, canary, weight, params)
+        checks += text_checks
     failed = [c for c in checks if not c["passed"]]
     return {"weight": weight, "canary": canary_stats, "stable": stable_stats, "unrouted": len(unrouted),
-            "direct_to_stable": len(direct),
+            "direct_to_stable": len(direct), "text": text_report,
             "latency_test": latency, "checks": checks, "passed": not failed,
             "failed": [f"{c['check']}: {c['detail']} (limit {c['limit']:g})" for c in failed]}
 
@@ -173,7 +335,7 @@ def plot_report(report: dict[str, Any], path: Any) -> None:
     steps = report["steps"]
     labels = [f"{s['weight']:g}%" for s in steps]
     x = np.arange(len(steps))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right, text) = plt.subplots(1, 3, figsize=(15, 4))
     left.bar(x - 0.2, [s["stable"]["requests"] for s in steps], 0.4, label=f"stable v{report['stable']}")
     left.bar(x + 0.2, [s["canary"]["requests"] for s in steps], 0.4, label=f"canary v{report['canary']}")
     left.set_xticks(x, labels)
@@ -186,6 +348,15 @@ def plot_report(report: dict[str, Any], path: Any) -> None:
     right.set_ylabel("ms")
     right.set_title(f"latency; verdict: {report['verdict']}")
     right.legend()
+    for who, style in (("stable", "-"), ("canary", "--")):
+        text.plot(x, [s.get("text", {}).get(who, {}).get("ttft_p50_ms", math.nan) for s in steps], style, marker="o",
+                  label=f"{who} TTFT p50")
+        text.plot(x, [s.get("text", {}).get(who, {}).get("itl_p50_ms", math.nan) for s in steps], style, marker="x",
+                  label=f"{who} ITL p50")
+    text.set_xticks(x, labels)
+    text.set_ylabel("ms")
+    text.set_title("text endpoint (streamed completions)")
+    text.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

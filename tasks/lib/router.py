@@ -1,9 +1,12 @@
-"""The traffic splitter in front of Triton: which version answers ``/v2/models/<m>/infer``.
+"""The traffic splitter in front of Triton: which version answers ``/v2/models/<m>/infer``, its
+``generate`` / ``generate_stream`` and the OpenAI-compatible ``/v1/*``.
 
 Locally a real nginx (Debian package) does it: ``split_clients`` on the request id sends
 ``canary_weight`` percent of requests to the canary version and the rest to the stable one, by
-rewriting the path to ``/v2/models/<m>/versions/<v>/infer``; every response says which
-version answered (``X-Model-Version``). A change writes ``split.conf``, checks it with
+rewriting the path to ``/v2/models/<m>/versions/<v>/<action>``; ``/v1/*`` goes to the OpenAI
+front (``tasks/openai_api.py``) with the chosen version in ``X-Route-Version`` (a client's own
+header is overwritten). Every response says which version answered (``X-Model-Version``);
+streams are passed through unbuffered, each token as it comes. A change writes ``split.conf``, checks it with
 ``nginx -t`` and reloads (SIGHUP: new workers take new connections, old ones finish theirs, so
 no request is dropped: 0 of 500 lost here, where Caddy's config reload lost 2 of 2,664), then
 waits until the live router reports the new generation and the workers of the old one have
@@ -28,6 +31,7 @@ from pathlib import Path
 from tasks.lib.errors import StepError
 
 ROUTED_MODELS = ("llm", "llm_generate")
+ROUTE_HEADER = "X-Route-Version"  # the router tells the OpenAI front which version its split picked
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,11 @@ def nginx_binary() -> str:
     return found
 
 
-def nginx_conf(prefix: Path, listen_port: int, triton_port: int, listen_host: str = "127.0.0.1",
-               triton_host: str = "127.0.0.1") -> str:
+def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: int, listen_host: str = "127.0.0.1",
+               triton_host: str = "127.0.0.1", openai_host: str = "127.0.0.1") -> str:
     """The router's static configuration; the split itself lives in ``split.conf``. The hosts
     are loopback on the local stack; docker-compose.yaml's router listens on its network and
-    reaches Triton by service name."""
+    reaches Triton and the OpenAI front by service name."""
     models = "|".join(ROUTED_MODELS)
     temp = "\n".join(f"    {kind}_temp_path {prefix / 'tmp' / kind};" for kind in
                      ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
@@ -74,14 +78,27 @@ http {{
     client_max_body_size 16m;
     include {prefix / 'split.conf'};
     upstream triton {{ server {triton_host}:{triton_port}; keepalive 32; }}
+    upstream openai {{ server {openai_host}:{openai_port}; keepalive 32; }}
     server {{
         listen {listen_host}:{listen_port};
         location = /router/state {{ default_type application/json; return 200 $route_state; }}
-        location ~ ^/v2/models/(?<model>{models})/infer$ {{
+        location ~ ^/v2/models/(?<model>{models})/(?<action>infer|generate|generate_stream)$ {{
             if ($model_version = "") {{ return 503; }}
             proxy_http_version 1.1;
             proxy_set_header Connection "";
-            proxy_pass http://triton/v2/models/$model/versions/$model_version/infer;
+            proxy_buffering off;
+            proxy_read_timeout 300s;
+            proxy_pass http://triton/v2/models/$model/versions/$model_version/$action;
+            add_header X-Model-Version $model_version always;
+        }}
+        location /v1/ {{
+            if ($model_version = "") {{ return 503; }}
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header {ROUTE_HEADER} $model_version;
+            proxy_buffering off;
+            proxy_read_timeout 300s;
+            proxy_pass http://openai;
             add_header X-Model-Version $model_version always;
         }}
         location / {{
@@ -107,13 +124,14 @@ def split_conf(route: Route) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_router_config(prefix: Path, listen_port: int, triton_port: int, listen_host: str = "127.0.0.1",
-                        triton_host: str = "127.0.0.1") -> Path:
+def write_router_config(prefix: Path, listen_port: int, triton_port: int, openai_port: int,
+                        listen_host: str = "127.0.0.1", triton_host: str = "127.0.0.1",
+                        openai_host: str = "127.0.0.1") -> Path:
     """nginx.conf (always) and an empty split (only where none exists yet)."""
     for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (prefix / "tmp" / kind).mkdir(parents=True, exist_ok=True)
     conf = prefix / "nginx.conf"
-    conf.write_text(nginx_conf(prefix, listen_port, triton_port, listen_host, triton_host))
+    conf.write_text(nginx_conf(prefix, listen_port, triton_port, openai_port, listen_host, triton_host, openai_host))
     if not (prefix / "split.conf").exists():
         (prefix / "split.conf").write_text(split_conf(Route(stable=None)))
     return conf

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import shutil
@@ -35,11 +36,11 @@ from typing import Any, Protocol
 
 from tasks.lib import storage, triton
 from tasks.lib.errors import StepError
-from tasks.lib.router import NginxRouter, Route
+from tasks.lib.router import ROUTE_HEADER, NginxRouter, Route
 from tasks.lib.step import log
 
 TRACKS = ("stable", "canary")
-WEIGHTED_RULE = 2  # of the HTTPRoute (plugins/serving.py): after the two track-header rules
+WEIGHTED_RULES = (2, 5)  # of the HTTPRoute (plugins/serving.py): /v2 and /v1, each after its two track-header rules
 WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% steps expressible
 ANNOTATION = "llm-pipeline/"
 TRACK_HEADER = "X-Serving-Track"  # rules of the HTTPRoute: this header picks one track
@@ -117,6 +118,11 @@ class Serving(Protocol):
         analysis's baseline stream, on the same path as the routed traffic."""
         ...
 
+    def text_target(self, version: int) -> tuple[str, dict[str, str]]:
+        """The OpenAI completions URL (and headers) reaching only ``version``: the smoke test's
+        and the text baseline's path (not through the router's split)."""
+        ...
+
     def metrics(self) -> dict[int, dict[str, float]]:
         """Triton's per-version request counters of the logits model."""
         ...
@@ -186,6 +192,13 @@ class LocalServing:
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
         return self.router.url + triton.infer_path(self.serve["triton_model"], stable), {}
 
+    def text_target(self, version: int) -> tuple[str, dict[str, str]]:
+        # the OpenAI front itself, with the version the router would have picked
+        front = os.environ.get("OPENAI_API_URL", "").rstrip("/")
+        if not front:
+            raise StepError("OPENAI_API_URL not set: the OpenAI front is started by `python -m stack up`")
+        return front + "/v1/completions", {ROUTE_HEADER: str(version)}
+
     def metrics(self) -> dict[int, dict[str, float]]:
         url = os.environ.get("TRITON_METRICS_URL")
         if not url:
@@ -247,8 +260,8 @@ def route_patch(names: dict[str, str], route: Route) -> list[dict[str, Any]]:
     versions = {"stable": route.stable, "canary": route.canary}
     weights = {"stable": WEIGHT_SCALE - canary, "canary": canary}
     ops: list[dict[str, Any]] = []
-    for index, track in enumerate(TRACKS):
-        backend = f"/spec/rules/{WEIGHTED_RULE}/backendRefs/{index}"
+    for rule, (index, track) in itertools.product(WEIGHTED_RULES, enumerate(TRACKS)):
+        backend = f"/spec/rules/{rule}/backendRefs/{index}"
         ops += [
             {"op": "test", "path": f"{backend}/name", "value": names[track]},
             {"op": "replace", "path": f"{backend}/weight", "value": weights[track]},
@@ -385,6 +398,14 @@ class KubernetesServing:
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
         # the route's second rule sends requests carrying this header to the stable track alone
         return self.url + triton.infer_path(self.serve["triton_model"], stable), {TRACK_HEADER: "stable"}
+
+    def text_target(self, version: int) -> tuple[str, dict[str, str]]:
+        # the canary track's own Service (its pod's OpenAI front); stable through the route's
+        # track-header rule, as the logits baseline
+        if version == self.live().canary:
+            return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster['ports']['openai']}"
+                    "/v1/completions", {})
+        return self.url + "/v1/completions", {TRACK_HEADER: "stable"}
 
     def metrics(self) -> dict[int, dict[str, float]]:
         merged: dict[int, dict[str, float]] = {}

@@ -74,7 +74,8 @@ def generate_model_config(name: str, serve: Mapping[str, Any]) -> dict[str, Any]
     follow Triton's LLM backends (``text_input``, ``max_tokens``, ``stream``, sampling scalars)."""
     generate = serve["generate"]
     optional = [("max_tokens", "TYPE_INT32"), ("temperature", "TYPE_FP32"), ("top_k", "TYPE_INT32"),
-                ("top_p", "TYPE_FP32"), ("seed", "TYPE_INT64"), ("stop", "TYPE_STRING"), ("stream", "TYPE_BOOL")]
+                ("top_p", "TYPE_FP32"), ("seed", "TYPE_INT64"), ("stop", "TYPE_STRING"), ("stream", "TYPE_BOOL"),
+                ("ignore_eos", "TYPE_BOOL")]
     return {
         "name": name,
         "backend": "python",

@@ -41,7 +41,7 @@ def test_a_promoted_run_says_what_serves_and_how_to_query_it() -> None:
     assert "data-2026-11-22-7d-abc: 15000 records" in text and "1,200,000" in text
     assert "from models:/llm-retrain/1" in text and "vs champion v1 380" in text
     assert "promoted (10% -> 100%); champion v2, previous v1" in text
-    assert "make predict" in text and "/v2/models/llm_generate/infer" in text
+    assert "make predict" in text and "/v1/completions" in text
 
 
 @pytest.mark.parametrize(

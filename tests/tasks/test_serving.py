@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -36,7 +37,8 @@ from tasks.lib import serving, triton
 from tasks.lib.router import Route, split_conf
 
 # short canary steps: the analysis needs samples, not minutes
-CANARY = ["--set", "step_duration_s=3", "--set", "rate_rps=40", "--set", "min_samples=8"]
+CANARY = ["--set", "step_duration_s=3", "--set", "rate_rps=40", "--set", "min_samples=8", "--set", "text_rps=16",
+          "--set", "text_min_samples=6"]
 SMALL = {"vocab_size": 1000, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4}
 
 
@@ -162,12 +164,18 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
     objects = {o["metadata"]["name"]: o for o in rendered_serving_objects() if o["kind"] != "Service"}
     names = {track: f"triton-{track}" for track in serving.TRACKS}
     route = apply_json_patch(objects["llm-serving"], serving.route_patch(names, Route(4, 5, 12.5, 7)))
-    backends = route["spec"]["rules"][serving.WEIGHTED_RULE]["backendRefs"]
-    assert [(b["name"], b["weight"]) for b in backends] == [("triton-stable", 875), ("triton-canary", 125)]
-    assert [b["filters"][0]["responseHeaderModifier"]["set"][0]["value"] for b in backends] == ["4", "5"]
+    ports = {"/v2": 8000, "/v1": 8003}  # Triton's paths and the OpenAI front's: split alike
+    for rule in serving.WEIGHTED_RULES:
+        backends = route["spec"]["rules"][rule]["backendRefs"]
+        prefix = route["spec"]["rules"][rule]["matches"][0]["path"]["value"]
+        assert [(b["name"], b["port"], b["weight"]) for b in backends] == \
+            [("triton-stable", ports[prefix], 875), ("triton-canary", ports[prefix], 125)]
+        assert [b["filters"][0]["responseHeaderModifier"]["set"][0]["value"] for b in backends] == ["4", "5"]
+    assert {route["spec"]["rules"][r]["matches"][0]["path"]["value"] for r in serving.WEIGHTED_RULES} == set(ports)
     assert json.loads(route["metadata"]["annotations"]["llm-pipeline/route"])["generation"] == 7
     first = apply_json_patch(objects["llm-serving"], serving.route_patch(names, Route(4)))
-    assert [b["weight"] for b in first["spec"]["rules"][serving.WEIGHTED_RULE]["backendRefs"]] == [1000, 0]
+    for rule in serving.WEIGHTED_RULES:
+        assert [b["weight"] for b in first["spec"]["rules"][rule]["backendRefs"]] == [1000, 0]
     canary = merge_patch(objects["triton-canary"], serving.deployment_patch(5, "s3://pipeline/runs/x/export", 1))
     assert canary["spec"]["replicas"] == 1
     assert canary["spec"]["template"]["metadata"]["annotations"]["llm-pipeline/model-version"] == "5"
@@ -176,7 +184,7 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # a hand-edited route (backends swapped) is refused, not mis-weighted
     swapped = json.loads(json.dumps(objects["llm-serving"]))
-    swapped["spec"]["rules"][serving.WEIGHTED_RULE]["backendRefs"].reverse()
+    swapped["spec"]["rules"][serving.WEIGHTED_RULES[-1]]["backendRefs"].reverse()
     with pytest.raises(AssertionError, match="test failed"):
         apply_json_patch(swapped, serving.route_patch(names, Route(4, 5, 50.0, 1)))
 
@@ -242,6 +250,78 @@ def register_gpt(name: str, tokenizer_uri: str, seed: int, **overrides: int) -> 
     return str(version.version)
 
 
+def register_legacy_gpt(name: str, tokenizer_uri: str, seed: int) -> str:
+    """A model of the old layout (format 1: GELU MLP, interleaved rotary pairs), registered with
+    the description code before the Llama layout wrote (no format_version, mlp_ratio)."""
+    import mlflow
+    import torch
+
+    from tasks.lib.model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    saved = {**SMALL, "mlp_ratio": 4, "rope_theta": 10000.0}
+    model = GPT(GPTConfig.from_saved(saved, 1)).eval()
+    with mlflow.start_run(run_name=f"serving test {name} legacy seed {seed}"):
+        info = mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
+                                        code_paths=[str(REPO_ROOT / "tasks")], pip_requirements=["torch==2.13.0"])
+    token_hash = tokenizer_uri.rsplit("sha256-", 1)[1].split("/")[0]
+    description = {"config": saved, "tokenizer_uri": tokenizer_uri, "tokenizer_hash": token_hash}
+    return str(mlflow.register_model(info.model_uri, name, tags={"model_description": json.dumps(description)}).version)
+
+
+# Faults of the text endpoint only, appended to an exported version's engine.py: the logits
+# model of the same version stays healthy, so only the text canary can catch them.
+EMPTY_TEXT = """
+def _silent_add(self, token):
+    self.ids.append(token)
+    return "", False
+Detokenizer.add = _silent_add
+Detokenizer.flush = lambda self, text=None: ""
+"""
+SLOW_TOKENS = """
+_decode = KVDecoder.decode
+def _slow_decode(self, slots, tokens):
+    started = time.perf_counter()
+    logits = _decode(self, slots, tokens)
+    time.sleep(4 * (time.perf_counter() - started) + 0.004)
+    return logits
+KVDecoder.decode = _slow_decode
+"""
+FAILING_STREAMS = """
+import itertools
+_prefill, _count = Engine.prefill, itertools.count()
+def _flaky_prefill(self, sequence):
+    if next(_count) % 5 == 4:
+        return self.fail([sequence], RuntimeError("injected fault"))
+    return _prefill(self, sequence)
+Engine.prefill = _flaky_prefill
+"""
+
+
+def clone_export(source: Path, version: str, out: Path, new_version: str, engine_fault: str = "") -> Path:
+    """The export of ``version`` as the export of ``new_version`` (same files, version folders
+    renamed), its engine given ``engine_fault``, committed again: as if the export step had
+    produced it (readers check files against the manifest)."""
+    import shutil
+
+    from tasks.lib import storage
+
+    shutil.copytree(source, out)
+    for model in ("llm", "llm_generate"):
+        (out / "triton" / model / version).rename(out / "triton" / model / new_version)
+    engine = out / "triton" / "llm_generate" / new_version / "engine.py"
+    engine.write_text(engine.read_text() + engine_fault)
+    (out / storage.SUCCESS_MARKER).unlink()
+    (out / storage.SUCCESS_MARKER).write_text(json.dumps(storage.manifest_of(out)))
+    return out
+
+
+def openai_client(env: dict[str, str]) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{env['ROUTER_URL']}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 def export(version: str, out: Path, env: dict[str, str], eval_text: Path) -> dict[str, Any]:
     proc = run_module("tasks.export", "--model-version", version, "--output", str(out),
                       "--eval-set", str(eval_text), env=env)
@@ -298,11 +378,13 @@ def live_route(env: dict[str, str]) -> dict[str, Any]:
 
 
 def generate_text(env: dict[str, str], prompt: str) -> tuple[str, str]:
-    body = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [prompt]}]}).encode()
-    request = urllib.request.Request(f"{env['ROUTER_URL']}/v2/models/llm_generate/infer", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as resp:
-        return json.loads(resp.read())["outputs"][0]["data"][0], resp.headers["X-Model-Version"]
+    """A streamed completion through the router with the official client: text and version."""
+    client = openai_client(env)
+    served = client.models.list().data[0].id  # the front's one model (the stack's, not this module's name)
+    with client.completions.with_streaming_response.create(model=served, prompt=prompt, max_tokens=16,
+                                                           stream=True) as resp:
+        text = "".join(chunk.choices[0].text for chunk in resp.parse() if chunk.choices)
+        return text, resp.headers["X-Model-Version"]
 
 
 @pytest.mark.integration
@@ -315,15 +397,20 @@ def test_rollout_promotion_rollbacks_and_restart(
     env = {**stack_env, **serving_env}
     name = serving_env["MODEL_NAME"]
 
-    # export: parity against PyTorch, configs, registry tags
-    v1 = register_gpt(name, tokenizer_uri, seed=1)
+    # export of a champion of the old layout (format 1): parity against PyTorch (logits and the
+    # KV-cache decoder), configs, registry tags; it has no Hugging Face form (one line)
+    v1 = register_legacy_gpt(name, tokenizer_uri, seed=1)
     exported = export(v1, tmp_path / "export1", env, eval_text)
     assert exported["parity"]["max_abs_logit_diff"] < 1e-3 and exported["tensorrt"] == "skipped: no GPU"
+    assert exported["parity"]["decoder"]["max_abs_logit_diff"] < 1e-3
+    assert "gpt-v1 model has no Hugging Face Llama form" in exported["parity"]["hf_checkpoint"]["skipped"]
     assert (tmp_path / "export1" / "triton" / "llm" / v1 / "model.onnx").exists()
+    assert (tmp_path / "export1" / "triton" / "llm_generate" / v1 / "decoder.onnx").exists()
     from mlflow import MlflowClient
 
     tags = MlflowClient().get_model_version(name, v1).tags
     assert tags["export.uri"] == str(tmp_path / "export1") and tags["export.opset"] == "18"
+    assert tags["export.hf_checkpoint"] == "skipped"
 
     # a cluster track's init container: one version and the chosen backend's config
     proc = run_module("tasks.deploy", "stage", "--model-version", v1, "--export", str(tmp_path / "export1"),
@@ -341,18 +428,23 @@ def test_rollout_promotion_rollbacks_and_restart(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert step_result(proc)["verdict"] == "promoted" and aliases(name)["champion"] == v1
     assert live_route(env)["stable"] == int(v1)
-    text, answered_by = generate_text(env, "Return the number of")
-    assert isinstance(text, str) and answered_by == v1
+    text, answered_by = generate_text(env, "Return the number of")  # the old layout serves text
+    assert text and answered_by == v1
 
     reference = json.loads((tmp_path / "export1" / "parity.json").read_text())["reference"]["inputs"][0]
     with StableWatcher(env["ROUTER_URL"], reference) as watch:
         # a good canary walks 10 -> 50 -> 100 and is promoted; v1 becomes previous
         v2 = register_gpt(name, tokenizer_uri, seed=2)
-        export(v2, tmp_path / "export2", env, eval_text)
+        exported = export(v2, tmp_path / "export2", env, eval_text)
+        check_hf_checkpoint(tmp_path / "export2", exported)
         proc = deploy(v2, str(tmp_path / "export2"), tmp_path / "deploy2", env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         report = json.loads((tmp_path / "deploy2" / "report.json").read_text())
         assert [s["weight"] for s in report["steps"]] == [10.0, 50.0, 100.0] and all(s["passed"] for s in report["steps"])
+        for step in report["steps"]:  # the text endpoint was judged at every step, on TTFT/ITL and outputs
+            text_checks = {c["check"] for c in step["checks"]}
+            assert {"text_samples", "stream_error_rate", "text_agreement", "ttft", "itl"} <= text_checks, step["checks"]
+            assert step["text"]["canary"]["text_agreement"] >= 0.9 and step["text"]["canary"]["streams"] >= 6
         assert report["steps"][0]["canary"]["requests"] > 0 and report["steps"][0]["stable"]["requests"] > 0
         # at 100% the router gives stable nothing: its latency baseline went straight to it in the
         # same window as the canary's traffic (not pooled from earlier steps, under another load)
@@ -364,6 +456,24 @@ def test_rollout_promotion_rollbacks_and_restart(
         assert (tmp_path / "deploy2" / "canary.png").exists()
         assert aliases(name)["champion"] == v2 and aliases(name)["previous"] == v1
     assert watch.failures(v1) == 0 and watch.failures(v2) == 0, watch.answers
+    check_openai_api(env, v2, json.loads((tmp_path / "export2" / "parity.json").read_text())["reference"])
+    check_bad_input_while_streaming(env)
+    check_disconnect_frees_the_slot(env, v2)
+
+    with StableWatcher(env["ROUTER_URL"], reference) as watch:
+        # text endpoints broken while their logits model is healthy: each rolled back by the text
+        # canary, stable untouched
+        for fault, why, seed in ((EMPTY_TEXT, "text_agreement", 21), (SLOW_TOKENS, "itl", 22),
+                                 (FAILING_STREAMS, "stream_error_rate", 23)):
+            broken = register_gpt(name, tokenizer_uri, seed=seed)
+            clone = clone_export(tmp_path / "export2", v2, tmp_path / f"export{broken}", broken, fault)
+            proc = deploy(broken, str(clone), tmp_path / f"deploy{broken}", env)
+            assert proc.returncode == 2, proc.stderr[-3000:]
+            assert error_lines(proc)[0].split("rolled back at ")[1].split(": ", 1)[1].startswith(why), error_lines(proc)
+            assert aliases(name)["champion"] == v2 and live_route(env) | {"generation": 0} == \
+                {"stable": int(v2), "canary": None, "canary_weight": 0.0, "generation": 0}
+            assert generate_text(env, "Return the number of")[1] == v2
+    assert watch.failures(v2) == 0, watch.answers
 
     with StableWatcher(env["ROUTER_URL"], reference) as watch:
         # a model whose logits are NaN (its ONNX file replaced after export) is rolled back
@@ -423,6 +533,118 @@ def test_rollout_promotion_rollbacks_and_restart(
     assert answered_by == v2
     bad = run_module("tasks.deploy", "rollback", "--target", "no-such-alias", env=env)
     assert bad.returncode == 2 and "does not exist" in error_lines(bad)[0]
+
+
+def check_hf_checkpoint(export_dir: Path, exported: dict[str, Any]) -> None:
+    """transformers loads the export's Hugging Face folder and its logits match ours on the
+    held-out prompts and windows (the export checked it; this reads the folder again)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    assert exported["parity"]["hf_checkpoint"]["max_abs_logit_diff"] < 1e-4
+    folder = export_dir / "hf"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+    model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    reference = json.loads((export_dir / "parity.json").read_text())["reference"]
+    for generation in reference["generations"]:  # greedy with transformers' own generate() = ours
+        ids = tokenizer(generation["prompt"], return_tensors="pt").input_ids
+        assert ids[0].tolist() == generation["prompt_ids"]
+        out = model.generate(ids, max_new_tokens=len(generation["tokens"]), do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        new = out[0, ids.shape[1]:].tolist()
+        assert new[:len(generation["tokens"])] == generation["tokens"], generation["prompt"]
+
+
+def check_openai_api(env: dict[str, str], version: str, reference: dict[str, Any]) -> None:
+    """The official client through the router: models, completions and chat, streamed and not;
+    greedy text equals the export's PyTorch reference; every answer names its version."""
+    client = openai_client(env)
+    served = client.models.list().data[0].id
+    generation = reference["generations"][0]
+    whole = client.completions.with_raw_response.create(model=served, prompt=generation["prompt"],
+                                                        max_tokens=len(generation["tokens"]), temperature=0)
+    assert whole.headers["X-Model-Version"] == version
+    completion = whole.parse()
+    assert completion.choices[0].text == generation["text"]
+    assert completion.usage.prompt_tokens == len(generation["prompt_ids"])
+    chunks = list(client.completions.create(model=served, prompt=generation["prompt"], temperature=0,
+                                            max_tokens=len(generation["tokens"]), stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == generation["text"]
+    assert len(chunks) > 3 and chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
+    chat = client.chat.completions.create(model=served, messages=[{"role": "user", "content": "Return the number of"}],
+                                          max_tokens=8)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    deltas = list(client.chat.completions.create(model=served, stream=True, max_tokens=8,
+                                                 messages=[{"role": "user", "content": "This module provides"}]))
+    assert deltas[0].choices[0].delta.role == "assistant" and deltas[-1].choices[0].finish_reason in ("stop", "length")
+    seeded = [client.completions.create(model=served, prompt="Raise", max_tokens=12, temperature=1.0, top_p=0.9,
+                                        seed=11).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def check_bad_input_while_streaming(env: dict[str, str]) -> None:
+    """Each bad request gets a 400 and a one-line reason, while streams in flight complete
+    unharmed (the same greedy text as a stream alone)."""
+    import openai
+
+    client = openai_client(env)
+    served = client.models.list().data[0].id
+    alone = client.completions.create(model=served, prompt="This module provides", max_tokens=40, temperature=0)
+    texts: list[str] = []
+
+    def stream() -> None:
+        texts.append("".join(c.choices[0].text for c in client.completions.create(
+            model=served, prompt="This module provides", max_tokens=40, temperature=0, stream=True) if c.choices))
+
+    streams = [threading.Thread(target=stream) for _ in range(6)]
+    for thread in streams:
+        thread.start()
+    bad_settings = [{"prompt": "word " * 400, "max_tokens": 4}, {"prompt": "Return", "max_tokens": 100_000},
+                    {"prompt": "Return", "temperature": 9}, {"prompt": "Return", "top_p": 0},
+                    {"prompt": "Return", "extra_body": {"top_k": -3}}, {"prompt": "", "max_tokens": 4}]
+    for settings in bad_settings:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=served, **settings)
+        assert refused.value.message and "\n" not in refused.value.message, settings
+    for raw in (b"{not json", b'{"prompt": "caf\xc3", "max_tokens": 3}', b'{"prompt": "\\ud800", "max_tokens": 3}'):
+        request = urllib.request.Request(f"{env['ROUTER_URL']}/v1/completions", data=raw, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(request, timeout=30)
+        assert failed.value.code == 400 and "\n" not in json.loads(failed.value.read())["error"]["message"]
+    for thread in streams:
+        thread.join(60)
+    assert texts == [alone.choices[0].text] * 6
+
+
+def check_disconnect_frees_the_slot(env: dict[str, str], version: str) -> None:
+    """A client that goes away mid-stream frees its engine slot (Triton cancels its request)."""
+    import http.client
+    import urllib.parse
+
+    def metric(name: str) -> float:
+        with urllib.request.urlopen(env["TRITON_METRICS_URL"], timeout=10) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(f'{name}{{model="llm_generate",version="{version}"}}'):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    cancelled = metric("llm_requests_cancelled_total")
+    router = urllib.parse.urlsplit(env["ROUTER_URL"])
+    conn = http.client.HTTPConnection(router.hostname, router.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Return", "max_tokens": 60, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data:")
+    conn.sock.close()  # gone mid-stream
+    conn.close()
+    deadline = time.monotonic() + 20
+    while metric("llm_requests_cancelled_total") <= cancelled or metric("llm_slots_in_use") > 0:
+        assert time.monotonic() < deadline, "the engine never freed the disconnected client's slot"
+        time.sleep(0.2)
 
 
 def nan_model(path: Path, export: Path) -> None:

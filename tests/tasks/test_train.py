@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result, write_dataset
 
-from tasks.lib import checkpoint, parallel
+from tasks.lib import checkpoint, parallel, storage
 from tasks.lib.model import GPT, GPTConfig
 
 TORCHRUN = [str(RUNTIME_PY), "-m", "tasks.lib.torchrun"]  # torchrun keeping the step exit codes
@@ -268,6 +268,33 @@ def test_retrain_starts_from_the_given_model_and_keeps_that_on_resume(
     scratch = train(tmp_path / "d", dataset, 1, 1, *frozen, "--set", "init_from=scratch")
     assert scratch["initialized_from"] is None
     assert not torch.equal(weights(scratch["model_uri"])["embed.weight"], ref["embed.weight"])
+
+    # a champion of the old layout (format 1: no format_version, GELU MLP) loads, and a retrain
+    # from it starts from scratch with one line saying why
+    legacy = write_legacy_model(Path(parent), tmp_path / "legacy")
+    from tasks.lib.model_store import load_model_dir
+
+    with storage.scratch() as folder:
+        assert load_model_dir(str(legacy), folder).model.config.layout == "gpt-v1"
+    fresh = train(tmp_path / "e", dataset, 1, 1, *frozen[:-1], str(legacy))
+    assert fresh["initialized_from"] is None
+    assert "it is a format 1 model (gpt-v1 layout) and this run trains the llama layout" in \
+        (tmp_path / "e" / "logs" / "node0.log").read_text()
+
+
+def write_legacy_model(model_dir: Path, out: Path) -> Path:
+    """A train step's output as code before the Llama layout wrote it: config.json without a
+    format version (mlp_ratio, no layout), the gpt-v1 module's weights."""
+    description = json.loads((model_dir / "config.json").read_text())
+    del description["format_version"]
+    config = description["config"]
+    legacy = {k: config[k] for k in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "rope_theta")}
+    description["config"] = {**legacy, "mlp_ratio": 4}
+    model = GPT(GPTConfig.from_saved(description["config"], 1))
+    with storage.staged_output(str(out)) as staged:
+        torch.save(model.state_dict(), staged / "model.pt")
+        (staged / "config.json").write_text(json.dumps(description))
+    return out
 
 
 def test_retention_keeps_last_two_and_best(reference: tuple[Path, dict[str, Any]]) -> None:

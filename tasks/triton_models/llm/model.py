@@ -24,6 +24,7 @@ class TritonPythonModel:
         # one bigger call, which is what lets more threads pay off
         threads = config.get("parameters", {}).get("intra_op_thread_count", {}).get("string_value", "0")
         options.intra_op_num_threads = int(threads)
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # cores are shared (engine.py)
         self.session = ort.InferenceSession(os.path.join(folder, "model.onnx"), options,
                                             providers=["CPUExecutionProvider"])
         self.max_batch = max(int(config.get("max_batch_size", 1)), 1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: exactly max_tokens tokens (aiperf, vLLM's clients send it)
 
     @property
     def greedy(self) -> bool:
@@ -65,7 +67,8 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 64
 
 def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_tokens: int, context: int,
                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                   seed: int | None = None, stop: list[str] | None = None) -> SamplingParams:
+                   seed: int | None = None, stop: list[str] | None = None,
+                   ignore_eos: bool | None = None) -> SamplingParams:
     """The request's sampling settings, or :class:`RequestError` naming the first bad one."""
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
         low, high = LIMITS[name]
@@ -88,7 +91,7 @@ def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_token
         raise RequestError(f"stop {list(stops)!r}: expected at most {MAX_STOPS} non-empty strings of at most "
                            f"{MAX_STOP_CHARS} characters")
     return SamplingParams(int(max_tokens), float(temperature or 0.0), int(top_k or 0),
-                          1.0 if top_p is None else float(top_p), seed, stops)
+                          1.0 if top_p is None else float(top_p), seed, stops, bool(ignore_eos))
 
 
 def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.Generator) -> int:
@@ -120,17 +123,43 @@ class KVDecoder:
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(onnx_path, options, providers=self.providers(ort))
+        # no spin-waiting between ops: a Triton serving a stable and a canary runs four ONNX
+        # Runtime sessions (two engines, two logits models) on the same cores, and threads spinning
+        # for work took the CPU from the busy ones (a good canary's inter-token latency read 5x
+        # stable's at 50% in a test)
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(
+            onnx_path, options, providers=self.providers(ort, (layers, heads, head_dim, context), slots))
         shape = (layers, slots, heads, context, head_dim)
         self.keys, self.values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
         self.lengths = np.zeros(slots, np.int64)
         self.placeholder = np.zeros((layers, 1, heads, 1, head_dim), np.float32)
 
     @staticmethod
-    def providers(ort: Any) -> list[str]:
-        """CUDA where this onnxruntime has it (the GPU serving image), else the CPU."""
+    def providers(ort: Any, shape: tuple[int, int, int, int], slots: int) -> list[Any]:
+        """TensorRT, then CUDA where this onnxruntime has them (the GPU serving image), else the CPU.
+        TensorRT builds its engine from the same decoder.onnx, FP16, with one optimization profile
+        over the batch (1 prefill .. ``slots`` decoding) and the past length (1 .. context - 1),
+        cached in the scratch folder (the model's is read-only in a pod), so a restarted container
+        does not build it again."""
         available = ort.get_available_providers()
-        return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        chosen: list[Any] = []
+        if "TensorrtExecutionProvider" in available:
+            layers, heads, head_dim, context = shape
+
+            def shapes(batch: int, tokens: int, past: int) -> str:
+                kv = f"{layers}x{batch}x{heads}x{past}x{head_dim}"
+                return (f"input_ids:{batch}x{tokens},past_keys:{kv},past_values:{kv},"
+                        f"past_lengths:{batch}")
+
+            chosen.append(("TensorrtExecutionProvider", {
+                "trt_fp16_enable": True, "trt_engine_cache_enable": True,
+                "trt_engine_cache_path": os.path.join(tempfile.gettempdir(), "ort-trt-cache"),
+                "trt_profile_min_shapes": shapes(1, 1, 1),
+                "trt_profile_opt_shapes": shapes(slots, 1, context // 2),
+                "trt_profile_max_shapes": shapes(slots, context, context - 1)}))
+        chosen += [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        return chosen
 
     def prefill(self, slot: int, ids: list[int]) -> np.ndarray[Any, Any]:
         """The prompt's keys and values into ``slot``; returns its next-token logits (vocab,)."""
@@ -309,14 +338,18 @@ class Engine:
                     self.wake.wait()
                 if self.stopping:
                     break
-                admitted = []
-                while self.queue and self.free:
+                admitted: list[Sequence] = []
+                while self.queue and len(admitted) < len(self.free):
                     admitted.append(self.queue.popleft())
-            for sequence in admitted:
-                self.prefill(sequence)
-            self.drop_abandoned()
-            if self.running:
-                self.step()
+            try:
+                for sequence in admitted:
+                    self.prefill(sequence)
+                self.drop_abandoned()
+                if self.running:
+                    self.step()
+            except Exception as exc:  # a bug must not stop the engine: its requests fail, the rest go on
+                self.fail([*self.running.values(), *(s for s in admitted if s.finish_reason is None
+                                                     and s not in self.running.values())], exc)
         for sequence in [*self.running.values(), *self.queue]:
             self.finish(sequence, "abort")
 
@@ -356,7 +389,7 @@ class Engine:
             sequence.first_token_at = now
             self.stats.ttft_s.append(now - sequence.submitted)
         sequence.last_token_at = now
-        if token == self.eos_id:
+        if token == self.eos_id and not sequence.params.ignore_eos:
             self.finish(sequence, "stop")
             return
         sequence.tokens.append(token)

@@ -158,9 +158,9 @@ class TritonPythonModel:
             except (TypeError, ValueError):
                 raise RequestError(f"{name} {value!r}: expected a number") from None
         params = check_sampling(default_max_tokens=self.engine.default_max_tokens, prompt_tokens=len(prompt_ids),
-                                context=self.engine.context, stop=stop_strings(request), **settings)
-        stream = scalar(request, "stream")
-        return prompt_ids, params, bool(stream)
+                                context=self.engine.context, stop=stop_strings(request),
+                                ignore_eos=bool(scalar(request, "ignore_eos")), **settings)
+        return prompt_ids, params, bool(scalar(request, "stream"))
 
     def emitter(self, sender: Any, stream: bool, prompt_tokens: int) -> Any:
         """The engine's callback for one request: responses through its sender."""

@@ -1,0 +1,230 @@
+"""The generation engine in-process (unit): a tiny model exported to decoder.onnx, the real
+engine file the Triton model runs, a real tokenizer. Triton and the router: test_serving.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.lib import tokens
+from tasks.lib.model import GPT, GPTConfig, generate_greedy
+from tasks.triton_models.llm_generate.engine import (  # the file Triton loads beside model.py
+    Detokenizer,
+    Engine,
+    KVDecoder,
+    Overloaded,
+    RequestError,
+    Sequence,
+    check_sampling,
+    generate,
+)
+
+TEXTS = [f"Return the number of items in bucket {i}; raise ValueError if it is empty. café {i % 7}" for i in range(300)]
+CONTEXT = 48
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[GPT, Any, Path]:
+    from tasks.export import export_decoder
+
+    tokenizer = tokens.train_tokenizer(TEXTS, 400)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), seq_len=CONTEXT, d_model=32, n_layers=2,
+                          n_heads=4)).eval()
+    path = tmp_path_factory.mktemp("engine") / "decoder.onnx"
+    export_decoder(model, path, 18)
+    return model, tokenizer, path
+
+
+def engine_of(exported: tuple[GPT, Any, Path], slots: int = 4, queue: int = 8, timeout_s: float = 30.0) -> Engine:
+    model, tokenizer, path = exported
+    c = model.config
+    decoder = KVDecoder(str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, slots, threads=1)
+    return Engine(decoder, tokenizer, c.seq_len, slots, queue, 8, timeout_s).start()
+
+
+def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
+    return ids
+
+
+def test_requests_joining_a_running_batch_get_the_reference_continuations(exported: tuple[GPT, Any, Path]) -> None:
+    """Six requests of different prompts, submitted while others run, on four slots: each
+    greedy continuation equals PyTorch's (KV cache, batch 1) token for token."""
+    model, tokenizer, _ = exported
+    engine = engine_of(exported)
+    prompts = [prompt_ids(tokenizer, t) for t in ("Return the", "raise ValueError", "café", "items in bucket 3",
+                                                   "Return the number of items", "if it is")]
+    results: list[Sequence | None] = [None] * len(prompts)
+
+    def run(index: int) -> None:
+        time.sleep(0.01 * index)  # staggered: later ones join a batch already decoding
+        ids = prompts[index]
+        results[index] = generate(engine, ids, check_sampling(CONTEXT - len(ids), 8, len(ids), CONTEXT))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        engine.stop()
+    for ids, result in zip(prompts, results, strict=True):
+        assert result is not None and result.finish_reason in ("stop", "length")
+        assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_id)
+    assert engine.stats.steps < sum(len(r.tokens) for r in results if r)  # decode steps were shared
+    assert engine.in_use == 0 and len(engine.free) == 4
+
+
+def test_sampling_is_reproducible_by_seed_and_respects_stop_strings(exported: tuple[GPT, Any, Path]) -> None:
+    _, tokenizer, _ = exported
+    engine = engine_of(exported)
+    ids = prompt_ids(tokenizer, "Return the")
+    try:
+        def text(**kwargs: Any) -> tuple[str, str | None]:
+            pieces: list[str] = []
+            done = threading.Event()
+
+            def emit(sequence: Sequence, delta: str, reason: str | None) -> None:
+                pieces.append(delta)
+                if reason is not None:
+                    done.set()
+
+            sequence = engine.submit(ids, check_sampling(30, 8, len(ids), CONTEXT, **kwargs), emit)
+            assert done.wait(30)
+            return "".join(pieces), sequence.finish_reason
+
+        sampled = {"temperature": 1.5, "top_p": 0.95, "top_k": 50}
+        first, again, other = text(seed=7, **sampled), text(seed=7, **sampled), text(seed=8, **sampled)
+        assert first == again and first != other
+        whole, _ = text()
+        stop = whole[5:8]
+        cut, reason = text(stop=[stop])
+        assert reason == "stop" and cut == whole[:whole.find(stop)]
+    finally:
+        engine.stop()
+
+
+def test_ignore_eos_generates_exactly_max_tokens(exported: tuple[GPT, Any, Path]) -> None:
+    """Benchmark clients (aiperf, vLLM's) ask for exactly ``max_tokens`` tokens: EOS does not end
+    the sequence. The random model rarely says EOS, so the engine's EOS is taken to be the third
+    token of its greedy continuation."""
+    _, tokenizer, _ = exported
+    engine = engine_of(exported)
+    ids = prompt_ids(tokenizer, "Return the")
+    room = CONTEXT - len(ids)
+    try:
+        free = generate(engine, ids, check_sampling(room, 8, len(ids), CONTEXT)).tokens
+        engine.eos_id = free[2]
+        first_eos = free.index(engine.eos_id)
+        stopped = generate(engine, ids, check_sampling(room, 8, len(ids), CONTEXT))
+        forced = generate(engine, ids, check_sampling(room, 8, len(ids), CONTEXT, ignore_eos=True))
+    finally:
+        engine.stop()
+    assert stopped.finish_reason == "stop" and stopped.tokens == free[:first_eos]
+    assert forced.finish_reason == "length" and forced.tokens == free and len(free) == room
+
+
+def test_a_full_queue_refuses_at_once_and_memory_stays_bounded(exported: tuple[GPT, Any, Path]) -> None:
+    _, tokenizer, _ = exported
+    engine = engine_of(exported, slots=1, queue=2)
+    ids = prompt_ids(tokenizer, "Return the")
+    params = check_sampling(CONTEXT - len(ids), 8, len(ids), CONTEXT)
+    ended = threading.Semaphore(0)
+    try:
+        accepted, refused = 0, 0
+        for _ in range(12):
+            try:
+                engine.submit(ids, params, lambda s, d, r: r is not None and ended.release())  # type: ignore[func-returns-value]
+                accepted += 1
+            except Overloaded as exc:
+                assert "overloaded" in str(exc)
+                refused += 1
+        assert accepted <= 3 and refused >= 9 and engine.stats.rejected == refused
+        for _ in range(accepted):
+            assert ended.acquire(timeout=30)
+    finally:
+        engine.stop()
+
+
+def test_a_cancelled_request_frees_its_slot(exported: tuple[GPT, Any, Path]) -> None:
+    _, tokenizer, _ = exported
+    engine = engine_of(exported, slots=1)
+    ids = prompt_ids(tokenizer, "Return the")
+    gone = threading.Event()
+    reasons: list[str | None] = []
+    try:
+        engine.submit(ids, check_sampling(CONTEXT - len(ids), 8, len(ids), CONTEXT),
+                      lambda s, d, r: reasons.append(r), cancelled=gone.is_set)
+        gone.set()  # the client went away
+        follower = generate(engine, ids, check_sampling(4, 8, len(ids), CONTEXT))
+        assert follower.finish_reason == "length" and "cancelled" in reasons
+        assert engine.stats.cancelled == 1 and engine.in_use == 0
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_tokens": 100}, "plus max_tokens 100 exceeds the model's context of 48"),
+    ({"max_tokens": 0}, "max_tokens 0: expected at least 1"),
+    ({"temperature": 3.0}, "temperature 3.0"),
+    ({"top_p": 0.0}, "top_p 0.0"),
+    ({"top_k": -1}, "top_k -1"),
+    ({"stop": ["x" * 100]}, "stop"),
+    ({"prompt_tokens": 0}, "prompt is empty"),
+    ({"prompt_tokens": 48}, "leaves no room"),
+])
+def test_bad_settings_are_refused_with_one_line(kwargs: dict[str, Any], message: str) -> None:
+    settings = {"max_tokens": None, "default_max_tokens": 8, "prompt_tokens": 5, "context": CONTEXT, **kwargs}
+    with pytest.raises(RequestError, match=message.replace("(", r"\(")) as raised:
+        check_sampling(**settings)
+    assert "\n" not in str(raised.value)
+    assert check_sampling(None, 64, 40, CONTEXT).max_tokens == 8  # an absent max_tokens fits the room left
+
+
+def test_invalid_utf8_prompts_are_refused(exported: tuple[GPT, Any, Path]) -> None:
+    engine = engine_of(exported)
+    try:
+        with pytest.raises(RequestError, match="not valid UTF-8"):
+            engine.encode(b"caf\xc3")
+        assert engine.encode("café".encode()) == prompt_ids(exported[1], "café")
+    finally:
+        engine.stop()
+
+
+class ByteTokenizer:
+    """Token i is byte i: a character of several UTF-8 bytes spans several tokens."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_deltas_never_split_a_character_or_show_a_stop_string() -> None:
+    detok = Detokenizer(ByteTokenizer(), ())
+    deltas = [detok.add(b)[0] for b in "é€a".encode()]
+    assert deltas == ["", "é", "", "", "€", "a"]
+    stops = Detokenizer(ByteTokenizer(), ("\nUser:",))
+    shown: list[tuple[str, bool]] = []
+    for byte in b"hi\nUser: more":
+        shown.append(stops.add(byte))
+        if shown[-1][1]:
+            break
+    assert "".join(d for d, _ in shown) == "hi" and len(shown) == len("hi\nUser:")
+
+
+def test_greedy_sampling_is_argmax_and_top_k_one_is_greedy() -> None:
+    from tasks.triton_models.llm_generate.engine import SamplingParams, sample
+
+    logits = np.asarray([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    assert sample(logits, SamplingParams(4), rng) == 1
+    assert sample(logits, SamplingParams(4, temperature=1.0, top_k=1), rng) == 1
+    picks = {sample(logits, SamplingParams(4, temperature=1.0, top_k=2), rng) for _ in range(200)}
+    assert picks == {1, 2}
