@@ -118,8 +118,9 @@ def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
                  stable: int | None, version: int, weight: float) -> StepTraffic:
     """One canary step's traffic: windows through the router (repeated, up to ``max_windows``,
     until the canary has ``min_samples`` logits requests and ``text_min_samples`` streams) and,
-    in the same windows, the streams straight to stable that :func:`canary.baseline_rps` asks
-    for. Logits requests and streamed completions run side by side."""
+    in the same windows, the streams straight to stable that :func:`canary.baseline_rps` and
+    :func:`canary.text_baseline_rps` ask for. Logits requests and streamed completions run side
+    by side."""
     inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
     expected = reference["next_tokens"]
     texts = canary.text_requests(reference)
@@ -128,7 +129,7 @@ def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
     concurrency, timeout = int(params["concurrency"]), float(params["request_timeout_s"])
     text_rate, text_timeout = float(params["text_rps"]), float(params["text_timeout_s"])
     direct_rps = canary.baseline_rps(weight, stable, params)
-    direct_text_rps = text_rate * direct_rps / rate  # the same share of the text rate
+    direct_text_rps = canary.text_baseline_rps(weight, stable, params)
     baseline_url, baseline_headers = serving.baseline_target(stable) if stable is not None else ("", {})
     text_url, text_headers = serving.text_target(stable) if stable is not None else ("", {})
     traffic = StepTraffic()
@@ -137,7 +138,7 @@ def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
             baseline = beside.submit(canary.send_traffic, baseline_url, baseline_headers, inputs, expected,
                                      direct_rps, duration, concurrency, timeout, version=stable) if direct_rps else None
             text_baseline = beside.submit(canary.send_text_traffic, text_url, text_headers, texts, direct_text_rps,
-                                          duration, concurrency, text_timeout, stable) if direct_rps else None
+                                          duration, concurrency, text_timeout, stable) if direct_text_rps else None
             text = beside.submit(canary.send_text_traffic, routed_text_url, {}, texts, text_rate, duration,
                                  concurrency, text_timeout)
             traffic.samples += canary.send_traffic(routed_url, {}, inputs, expected, rate, duration, concurrency, timeout)

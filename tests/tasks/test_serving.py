@@ -106,6 +106,16 @@ def test_stable_gets_a_direct_stream_where_the_split_leaves_it_too_few_requests(
     assert baseline_rps(100.0, None, params) == 0  # the first model has no stable
 
 
+def test_stable_streams_at_the_canarys_rate_where_the_split_leaves_it_too_few() -> None:
+    """Streams are compared at equal load (an engine's latencies grow with its batch)."""
+    from tasks.lib.canary import text_baseline_rps
+
+    params = {"text_rps": 6, "text_min_samples": 8, "step_duration_s": 8}
+    assert text_baseline_rps(100.0, 3, params) == 6 and text_baseline_rps(90.0, 3, params) == 5.4  # 4.8 routed
+    assert text_baseline_rps(10.0, 3, params) == text_baseline_rps(50.0, 3, params) == 0
+    assert text_baseline_rps(100.0, None, params) == 0
+
+
 def test_mann_whitney_flags_a_slower_canary_only() -> None:
     from tasks.lib.canary import latency_test
 
