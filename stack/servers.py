@@ -466,14 +466,16 @@ def create_airflow_pools(airflow: str | None = None, env: Mapping[str, str] | No
 def init_compose_stack() -> None:
     """docker-compose.yaml's one-shot set-up (its airflow-init service, after ``airflow db
     migrate``), from that container's environment: the buckets, the router's config (listening
-    on the compose network, Triton by service name), the model repository folder, the pools."""
+    on the compose network, Triton and the OpenAI front by service name), the model repository folder, the pools."""
     env = dict(os.environ)
     create_buckets(env)
     router, triton = urllib.parse.urlsplit(env["ROUTER_URL"]), urllib.parse.urlsplit(env["TRITON_URL"])
+    openai = urllib.parse.urlsplit(env["OPENAI_API_URL"])
     from tasks.lib.router import write_router_config
 
-    write_router_config(Path(env["ROUTER_DIR"]), router.port or 80, triton.port or 80, ports()["openai_api"],
-                        listen_host="0.0.0.0", triton_host=triton.hostname or "triton", openai_host="openai-api")
+    write_router_config(Path(env["ROUTER_DIR"]), router.port or 80, triton.port or 80, openai.port or 80,
+                        listen_host="0.0.0.0", triton_host=triton.hostname or "triton",
+                        openai_host=openai.hostname or "openai-api")
     Path(env["TRITON_REPOSITORY"]).mkdir(parents=True, exist_ok=True)
     create_airflow_pools(shutil.which("airflow") or "airflow", env)
 

@@ -40,6 +40,7 @@ log = logging.getLogger("openai_api")
 MAX_BODY = 1 << 20
 CHAT_ROLES = ("system", "user", "assistant")
 CHAT_STOP = "\nUser:"
+MAX_STOPS = 4  # OpenAI's limit; chat adds CHAT_STOP to them (the engine takes 5)
 SAMPLING = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
 UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None, "tools": None,
                "functions": None, "top_logprobs": None}
@@ -100,8 +101,8 @@ def engine_inputs(body: dict[str, Any], prompt: str, extra_stop: list[str]) -> d
         inputs["ignore_eos"] = ignore_eos
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise ApiError(400, "stop: expected a string or a list of strings", "stop")
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop: expected a string or a list of at most {MAX_STOPS} strings", "stop")
     if stops or extra_stop:
         inputs["stop"] = json.dumps([*stops, *extra_stop])
     return inputs

@@ -402,7 +402,7 @@ class KubernetesServing:
     def text_target(self, version: int) -> tuple[str, dict[str, str]]:
         # the canary track's own Service (its pod's OpenAI front); stable through the route's
         # track-header rule, as the logits baseline
-        if version == self.live().canary:
+        if version != self.live().stable:  # the new version: before the first step moves traffic the route names no canary
             return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster['ports']['openai']}"
                     "/v1/completions", {})
         return self.url + "/v1/completions", {TRACK_HEADER: "stable"}

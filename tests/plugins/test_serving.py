@@ -48,11 +48,15 @@ def test_each_track_stages_its_version_and_is_ready_only_when_triton_is() -> Non
 def test_route_splits_by_weight_and_a_header_reaches_one_track_alone() -> None:
     """The smoke test reaches the canary alone, the canary analysis's baseline the stable alone."""
     route = by_kind(serving.serving_manifests(), "HTTPRoute")[0]
-    *header_rules, weighted = route["spec"]["rules"]
-    for rule, track in zip(header_rules, ("canary", "stable"), strict=True):
-        assert rule["matches"][0]["headers"][0] == {"type": "Exact", "name": serving.TRACK_HEADER, "value": track}
-        assert [b["name"] for b in rule["backendRefs"]] == [f"triton-{track}"]
-    assert [(b["name"], b["weight"]) for b in weighted["backendRefs"]] == [("triton-stable", 1000), ("triton-canary", 0)]
+    rules = route["spec"]["rules"]
+    # Triton's /v2 on the http port, then the OpenAI front's /v1 on the openai port, three rules each
+    for prefix, port, (*header_rules, weighted) in (("/v2", 8000, rules[:3]), ("/v1", 8003, rules[3:])):
+        for rule, track in zip(header_rules, ("canary", "stable"), strict=True):
+            assert rule["matches"][0]["path"]["value"] == prefix
+            assert rule["matches"][0]["headers"][0] == {"type": "Exact", "name": serving.TRACK_HEADER, "value": track}
+            assert [(b["name"], b["port"]) for b in rule["backendRefs"]] == [(f"triton-{track}", port)]
+        assert [(b["name"], b["port"], b["weight"]) for b in weighted["backendRefs"]] == \
+            [("triton-stable", port, 1000), ("triton-canary", port, 0)]
 
 
 def test_cpu_kind_has_no_gpu_request(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ def pids(stack_dir: str) -> dict[str, str]:
 
 def test_up_is_idempotent_and_reuses_healthy_servers(stack_env: dict[str, str]) -> None:
     before = pids(stack_env["STACK_DIR"])
-    assert set(before) == {"seaweedfs", "mlflow", "triton", "router", "pushgateway", "prometheus"}
+    assert set(before) == {"seaweedfs", "mlflow", "triton", "openai-api", "router", "pushgateway", "prometheus"}
     proc = run_module("stack", "up")
     assert proc.returncode == 0, proc.stderr
     assert pids(stack_env["STACK_DIR"]) == before

@@ -106,6 +106,17 @@ def test_stable_gets_a_direct_stream_where_the_split_leaves_it_too_few_requests(
     assert baseline_rps(100.0, None, params) == 0  # the first model has no stable
 
 
+def test_a_router_reload_outwaits_the_longest_stream() -> None:
+    """Old nginx workers finish the streams they carry (a request may hold its slot for the
+    engine's timeout); a route change waits for them, and nginx ends them past that."""
+    from tasks.lib.router import OLD_WORKERS_TIMEOUT_S, NginxRouter, nginx_conf
+
+    generate = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["serve"]["generate"]
+    assert float(generate["request_timeout_s"]) < OLD_WORKERS_TIMEOUT_S
+    assert NginxRouter(Path("."), "http://x").timeout_s > OLD_WORKERS_TIMEOUT_S
+    assert f"worker_shutdown_timeout {OLD_WORKERS_TIMEOUT_S}s;" in nginx_conf(Path("."), 1, 2, 3)
+
+
 def test_stable_streams_at_the_canarys_rate_where_the_split_leaves_it_too_few() -> None:
     """Streams are compared at equal load (an engine's latencies grow with its batch)."""
     from tasks.lib.canary import text_baseline_rps
@@ -473,8 +484,9 @@ def test_rollout_promotion_rollbacks_and_restart(
     with StableWatcher(env["ROUTER_URL"], reference) as watch:
         # text endpoints broken while their logits model is healthy: each rolled back by the text
         # canary, stable untouched
-        for fault, why, seed in ((EMPTY_TEXT, "text_agreement", 21), (SLOW_TOKENS, "itl", 22),
-                                 (FAILING_STREAMS, "stream_error_rate", 23)):
+        # (a 5x slower decode step delays the first token too: whichever latency check fails first)
+        for fault, why, seed in ((EMPTY_TEXT, ("text_agreement",), 21), (SLOW_TOKENS, ("itl", "ttft"), 22),
+                                 (FAILING_STREAMS, ("stream_error_rate",), 23)):
             broken = register_gpt(name, tokenizer_uri, seed=seed)
             clone = clone_export(tmp_path / "export2", v2, tmp_path / f"export{broken}", broken, fault)
             proc = deploy(broken, str(clone), tmp_path / f"deploy{broken}", env)

@@ -23,6 +23,7 @@ the same file, so what is parity-checked is what serves.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import tempfile
@@ -62,7 +63,7 @@ class SamplingParams:
 
 
 LIMITS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1 << 20), "seed": (0, (1 << 63) - 1)}
-MAX_STOPS, MAX_STOP_CHARS = 4, 64
+MAX_STOPS, MAX_STOP_CHARS = 5, 64  # OpenAI's 4, plus the chat template's (tasks/openai_api.py)
 
 
 def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_tokens: int, context: int,
@@ -354,10 +355,13 @@ class Engine:
             self.finish(sequence, "abort")
 
     def prefill(self, sequence: Sequence) -> None:
-        if sequence.cancelled() or time.monotonic() > sequence.deadline:
+        if sequence.cancelled():
             self.stats.cancelled += 1
             sequence.finish_reason = "cancelled"
             self.deliver(sequence, "", "cancelled")  # the channel is closed, if still open
+            return
+        if time.monotonic() > sequence.deadline:  # waited in the queue past the request timeout
+            self.finish(sequence, "timeout")
             return
         sequence.slot = self.free.pop()
         self.running[sequence.slot] = sequence
@@ -367,7 +371,15 @@ class Engine:
         except Exception as exc:  # a failed run fails this request only
             self.fail([sequence], exc)
             return
-        self.take(sequence, sample(logits, sequence.params, sequence.rng))
+        self.sample_and_take(sequence, logits)
+
+    def sample_and_take(self, sequence: Sequence, logits: np.ndarray[Any, Any]) -> None:
+        try:
+            token = sample(logits, sequence.params, sequence.rng)
+        except Exception as exc:  # e.g. non-finite logits with temperature > 0: this request only
+            self.fail([sequence], exc)
+            return
+        self.take(sequence, token)
 
     def step(self) -> None:
         batch = list(self.running.values())
@@ -378,7 +390,7 @@ class Engine:
             return
         self.stats.steps += 1
         for row, sequence in enumerate(batch):
-            self.take(sequence, sample(logits[row], sequence.params, sequence.rng))
+            self.sample_and_take(sequence, logits[row])
 
     def take(self, sequence: Sequence, token: int) -> None:
         """A new token of ``sequence``: emit its text, or end it (EOS, stop string, max_tokens)."""
@@ -390,7 +402,7 @@ class Engine:
             self.stats.ttft_s.append(now - sequence.submitted)
         sequence.last_token_at = now
         if token == self.eos_id and not sequence.params.ignore_eos:
-            self.finish(sequence, "stop")
+            self.finish(sequence, "stop", sequence.detok.flush())  # with the text held back for stop strings
             return
         sequence.tokens.append(token)
         self.stats.output_tokens += 1
@@ -405,9 +417,12 @@ class Engine:
     def deliver(self, sequence: Sequence, delta: str, reason: str | None) -> None:
         try:
             sequence.emit(sequence, delta, reason)
-        except Exception:  # the client's channel is gone: its slot is freed below
+        except Exception:  # the client's channel is gone: free its slot and end the request
             if reason is None:
+                self.stats.cancelled += 1
                 self.release(sequence, "cancelled")
+                with contextlib.suppress(Exception):
+                    sequence.emit(sequence, "", "cancelled")
 
     def finish(self, sequence: Sequence, reason: str, delta: str = "") -> None:
         self.release(sequence, reason)

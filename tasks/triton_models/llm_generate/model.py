@@ -134,6 +134,12 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)),
                             flags=FINAL)
                 self.refresh_metrics()
+            except Exception as exc:  # a bug fails this request alone, with its final flag
+                message = f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0]
+                try:
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+                except Exception as lost:  # its channel is gone too: say so in the server's log
+                    pb_utils.Logger.log_error(f"llm_generate: {message}; not sent: {lost}")
         return None
 
     def refresh_metrics(self) -> None:

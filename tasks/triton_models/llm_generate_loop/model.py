@@ -1,8 +1,14 @@
-"""Triton python backend: text in, text out.
+"""Triton python backend: the generation loop the engine replaced, kept as the LLM serving
+benchmark's baseline (``benchmarks/serve_llm.py``); nothing in the pipeline serves it.
 
 Encodes the prompt with the tokenizer shipped in this version's folder, then asks the logits
-model of the *same version* for one token at a time through BLS (Triton's in-process
-inference API), greedy or top-k, until EOS or ``max_tokens``.
+model of the *same version* for one token at a time through BLS (Triton's in-process inference
+API), greedy or top-k, until EOS or ``max_tokens``: no KV cache (each token recomputes the whole
+window) and one request at a time per instance. It speaks the engine's generate-extension names
+(``text_input``, ``max_tokens``, ``ignore_eos``; ``text_output``, ``finish_reason``,
+``prompt_tokens``, ``completion_tokens``) so the same OpenAI front can sit in front of it, but it
+is not decoupled: a streamed request gets one event, at the end, with the whole text.
+The engine's other inputs (sampling values, ``stop``, ``stream``) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -16,6 +22,11 @@ import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
 
 EOS = "<|endoftext|>"
+
+
+def scalar(request: Any, name: str) -> Any:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy().reshape(-1)[0]
 
 
 class TritonPythonModel:
@@ -54,21 +65,31 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
         for request in requests:
-            prompt = pb_utils.get_input_tensor_by_name(request, "text").as_numpy().reshape(-1)[0]
-            prompt = prompt.decode() if isinstance(prompt, bytes) else str(prompt)
-            limit_tensor = pb_utils.get_input_tensor_by_name(request, "max_tokens")
-            limit = int(limit_tensor.as_numpy().reshape(-1)[0]) if limit_tensor is not None else self.max_tokens
-            ids = self.tokenizer.encode(prompt).ids or [self.eos_id]
+            prompt = scalar(request, "text_input")
+            if prompt is None:
+                error = pb_utils.TritonError("text_input is missing", pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                continue
+            prompt = prompt.decode("utf-8", errors="replace") if isinstance(prompt, bytes) else str(prompt)
+            limit = scalar(request, "max_tokens")
+            limit = self.max_tokens if limit is None else int(limit)
+            ignore_eos = bool(scalar(request, "ignore_eos") or False)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids or [self.eos_id]
             new: list[int] = []
+            reason = "length"
             try:
-                for _ in range(max(0, min(limit, 4 * self.max_tokens))):
+                for _ in range(max(0, min(limit, self.seq_len))):  # the window slides: at most a context's worth
                     token = self.next_token(ids + new)
-                    if token == self.eos_id:
+                    if token == self.eos_id and not ignore_eos:
+                        reason = "stop"
                         break
                     new.append(token)
             except pb_utils.TritonModelException as exc:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
                 continue
-            text = np.asarray([self.tokenizer.decode(new).encode()], dtype=object)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text", text)]))
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("text_output", np.asarray([self.tokenizer.decode(new).encode()], dtype=object)),
+                pb_utils.Tensor("finish_reason", np.asarray([reason.encode()], dtype=object)),
+                pb_utils.Tensor("prompt_tokens", np.asarray([len(ids)], dtype=np.int32)),
+                pb_utils.Tensor("completion_tokens", np.asarray([len(new)], dtype=np.int32))]))
         return responses
