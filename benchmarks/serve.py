@@ -42,7 +42,7 @@ from tasks.lib.params import load_params  # noqa: E402
 
 PORT_OFFSET = 700  # apart from a dev stack (defaults) and the tests (+100)
 PORT_NAMES = ("s3", "seaweedfs_master", "seaweedfs_volume", "seaweedfs_filer", "mlflow", "airflow",
-              "triton_http", "triton_grpc", "triton_metrics", "router", "prometheus", "pushgateway")
+              "triton_http", "triton_grpc", "triton_metrics", "openai_api", "router", "prometheus", "pushgateway")
 
 
 def run_step(module: str, *args: str, env: dict[str, str]) -> dict[str, Any]:
