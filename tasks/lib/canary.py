@@ -235,8 +235,8 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
         if len(mine) >= wanted and len(theirs) >= wanted:
             tests[key] = latency_test(mine, theirs)
             slower = tests[key]["p_value"] < params["latency_alpha"] and \
-                tests[key]["median_ratio"] > params["max_latency_ratio"]
-            check(key.removesuffix("_ms"), not slower, tests[key]["median_ratio"], params["max_latency_ratio"],
+                tests[key]["median_ratio"] > params["text_max_latency_ratio"]
+            check(key.removesuffix("_ms"), not slower, tests[key]["median_ratio"], params["text_max_latency_ratio"],
                   f"median {label} {tests[key]['median_ratio']:.2f}x stable's (Mann-Whitney U "
                   f"p={tests[key]['p_value']:.2g}, alpha {params['latency_alpha']})")
         elif stable is not None and len(theirs) < wanted:  # (a canary short of samples fails text_samples)

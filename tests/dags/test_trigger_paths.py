@@ -119,7 +119,7 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], st
     # three runs train and canary at once on a small machine: latency there says nothing about
     # the models (tests/tasks/test_serving.py tests the latency rollback); this test is about
     # how runs are triggered
-    params["canary"].update(max_latency_ratio=1e9)
+    params["canary"].update(max_latency_ratio=1e9, text_max_latency_ratio=1e9)
     # seven runs share two cores: lighter than the defaults where that changes nothing checked
     # here (the evaluation, export parity and canary steps have tests of their own)
     params["evaluate"]["max_eval_tokens"] = 4096
