@@ -245,26 +245,16 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
     return {"canary": canary_stats, "stable": stable_stats, "direct_to_stable": len(direct), "tests": tests}, checks
 
 
-def baseline_rps(weight: float, stable: int | None, params: dict[str, Any]) -> float:
-    """The rate of the stream sent straight to stable during a step, beside the routed traffic:
-    0 where stable's routed share of a window already gives ``min_samples`` latencies. At 100%
-    stable gets no routed traffic, and a baseline taken from earlier steps would read any change
-    of the machine's load between steps as a slower canary: the baseline is measured in the
-    same window instead."""
-    routed = float(params["rate_rps"]) * float(params["step_duration_s"]) * (1 - weight / 100)
-    return float(params["baseline_rps"]) if stable is not None and routed < params["min_samples"] else 0.0
-
-
-def text_baseline_rps(weight: float, stable: int | None, params: dict[str, Any]) -> float:
-    """The rate of streamed completions sent straight to stable during a step: where the router
-    leaves stable fewer than ``text_min_samples`` streams (100%), the canary's routed rate, not a
-    fraction of it. An engine's time to first token and inter-token latency grow with the
-    sequences it decodes together: with a fifth of the rate at 100%, a canary of a model no slower
-    read 2.2x stable's inter-token latency (10.7 vs 4.8 ms, `make pipeline`), the load told apart,
-    not the model."""
-    rate = float(params["text_rps"])
-    routed = rate * float(params["step_duration_s"]) * (1 - weight / 100)
-    return rate * weight / 100 if stable is not None and routed < params["text_min_samples"] else 0.0
+def baseline_rate(rate: float, wanted: float, weight: float, stable: int | None, duration_s: float) -> float:
+    """The rate of a stream sent straight to stable during a step, beside routed traffic of
+    ``rate``: 0 where stable's routed share of a window gives it ``wanted`` samples, else (100%)
+    the canary's routed rate, so both versions answer the same load in the same window. A
+    baseline from earlier steps read a change of the machine's load as a slower canary; one of a
+    fifth of the canary's rate read the canary's heavier load as a slower model (a better model
+    rolled back in `make pipeline` at 2.51x stable's logits latency, 135 vs 54 ms, and 2.2x its
+    inter-token latency: latencies grow with the requests a version answers at once)."""
+    routed_to_stable = rate * duration_s * (1 - weight / 100)
+    return rate * weight / 100 if stable is not None and routed_to_stable < wanted else 0.0
 
 
 def _share(count: int, of: int) -> float:
@@ -295,7 +285,7 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
                params: dict[str, Any], text: list[TextSample] | None = None,
                text_direct: list[TextSample] | None = None) -> dict[str, Any]:
     """One step's summary and checks (``passed`` False when any failed): ``samples`` came through
-    the router, ``direct`` went straight to stable in the same window (see :func:`baseline_rps`);
+    the router, ``direct`` went straight to stable in the same window (see :func:`baseline_rate`);
     the canary's latencies are compared with all of stable's. ``text``/``text_direct``: the
     streamed completions of the same window (:func:`judge_text`)."""
     canary_stats, stable_stats = summarize(samples, canary), summarize(samples + direct, stable)

@@ -96,14 +96,15 @@ def test_tensorrt_is_skipped_visibly_without_a_gpu(tmp_path: Path) -> None:
     assert not (tmp_path / "m.plan").exists()
 
 
-def test_stable_gets_a_direct_stream_where_the_split_leaves_it_too_few_requests() -> None:
-    from tasks.lib.canary import baseline_rps
+def test_stable_gets_the_canarys_load_where_the_split_leaves_it_too_few_samples() -> None:
+    """Both versions answer the same load: stable's baseline runs at the canary's routed rate
+    (logits requests and streams alike), only where its routed share falls short."""
+    from tasks.lib.canary import baseline_rate
 
-    params = {**yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["canary"], "min_samples": 10,
-              "rate_rps": 25, "step_duration_s": 8, "baseline_rps": 5}
-    assert baseline_rps(100.0, 3, params) == 5 and baseline_rps(96.0, 3, params) == 5  # 8 routed requests
-    assert baseline_rps(10.0, 3, params) == baseline_rps(50.0, 3, params) == 0
-    assert baseline_rps(100.0, None, params) == 0  # the first model has no stable
+    assert baseline_rate(25, 10, 100.0, 3, 8) == 25 and baseline_rate(25, 10, 96.0, 3, 8) == 24  # 8 routed
+    assert baseline_rate(25, 10, 10.0, 3, 8) == baseline_rate(25, 10, 50.0, 3, 8) == 0
+    assert baseline_rate(25, 10, 100.0, None, 8) == 0  # the first model has no stable
+    assert baseline_rate(6, 8, 100.0, 3, 8) == 6 and baseline_rate(6, 8, 90.0, 3, 8) == 5.4  # 4.8 routed
 
 
 def test_a_router_reload_outwaits_the_longest_stream() -> None:
@@ -115,16 +116,6 @@ def test_a_router_reload_outwaits_the_longest_stream() -> None:
     assert float(generate["request_timeout_s"]) < OLD_WORKERS_TIMEOUT_S
     assert NginxRouter(Path("."), "http://x").timeout_s > OLD_WORKERS_TIMEOUT_S
     assert f"worker_shutdown_timeout {OLD_WORKERS_TIMEOUT_S}s;" in nginx_conf(Path("."), 1, 2, 3)
-
-
-def test_stable_streams_at_the_canarys_rate_where_the_split_leaves_it_too_few() -> None:
-    """Streams are compared at equal load (an engine's latencies grow with its batch)."""
-    from tasks.lib.canary import text_baseline_rps
-
-    params = {"text_rps": 6, "text_min_samples": 8, "step_duration_s": 8}
-    assert text_baseline_rps(100.0, 3, params) == 6 and text_baseline_rps(90.0, 3, params) == 5.4  # 4.8 routed
-    assert text_baseline_rps(10.0, 3, params) == text_baseline_rps(50.0, 3, params) == 0
-    assert text_baseline_rps(100.0, None, params) == 0
 
 
 def test_mann_whitney_flags_a_slower_canary_only() -> None:
