@@ -70,7 +70,7 @@ def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> Non
             raise StepError(f"version {version}: smoke inference through {url} returned non-finite logits")
     text_url, text_headers = serving.text_target(version)
     for body, _ in canary.text_requests(reference):
-        sample = canary._one_stream(text_url, text_headers, body, "", 60.0, version)
+        sample = canary.one_stream(text_url, text_headers, body, "", 60.0, version)
         if not sample.ok:
             raise StepError(f"version {version}: smoke completion through {text_url} failed "
                             f"({sample.status} {sample.error})")

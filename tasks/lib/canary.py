@@ -22,17 +22,21 @@ slightly-faster-or-slower model never does either.
 from __future__ import annotations
 
 import http.client
+import json
 import math
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from tasks.lib import triton
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -78,17 +82,27 @@ def send_traffic(url: str, headers: dict[str, str], inputs: list[np.ndarray[Any,
                  rate_rps: float, duration_s: float, concurrency: int, timeout_s: float,
                  stop: threading.Event | None = None, version: int | None = None) -> list[Sample]:
     """``rate_rps * duration_s`` requests to ``url`` at a fixed rate (bounded in count and time)."""
+    def one(index: int) -> Sample:
+        pick = index % len(inputs)
+        return _one_request(url, headers, inputs[pick], expected[pick], timeout_s, version)
+
+    return at_rate(one, rate_rps, duration_s, concurrency, stop)
+
+
+def at_rate(one: Callable[[int], T], rate_rps: float, duration_s: float, concurrency: int,
+            stop: threading.Event | None = None) -> list[T]:
+    """``one(i)`` for ``rate_rps * duration_s`` indices, each started at its time on the fixed
+    rate by ``concurrency`` threads; those not started before ``stop`` is set are left out."""
     total = max(1, int(rate_rps * duration_s))
     start = time.monotonic()
 
-    def fire(index: int) -> Sample | None:
+    def fire(index: int) -> T | None:
         delay = start + index / rate_rps - time.monotonic()
         if delay > 0:
             time.sleep(delay)
         if stop is not None and stop.is_set():
             return None
-        pick = index % len(inputs)
-        return _one_request(url, headers, inputs[pick], expected[pick], timeout_s, version)
+        return one(index)
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         results = list(pool.map(fire, range(total)))
@@ -110,11 +124,9 @@ class TextSample:
     error: str = ""
 
 
-def _one_stream(url: str, headers: dict[str, str], body: bytes, expected: str, timeout_s: float,
+def one_stream(url: str, headers: dict[str, str], body: bytes, expected: str, timeout_s: float,
                 version: int | None = None) -> TextSample:
     """POST one streamed completion to ``url`` (OpenAI ``/v1/completions``) and time its chunks."""
-    import json
-
     parsed = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=timeout_s)
     sent = time.monotonic()
@@ -161,8 +173,6 @@ def text_requests(reference: dict[str, Any]) -> list[tuple[bytes, str]]:
     """Greedy streamed completions of the export's reference prompts, each as long as its
     reference continuation, with the text it must produce. They name no ``model``: the front
     serves one, whatever a deployment calls it."""
-    import json
-
     requests = []
     for generation in reference.get("generations", []):
         body = {"prompt": generation["prompt"], "max_tokens": max(1, len(generation["tokens"])),
@@ -177,18 +187,12 @@ def send_text_traffic(url: str, headers: dict[str, str], requests: list[tuple[by
     """``rate_rps * duration_s`` streamed completions at a fixed rate (bounded in count and time)."""
     if not requests or rate_rps <= 0:
         return []
-    total = max(1, int(rate_rps * duration_s))
-    start = time.monotonic()
 
-    def fire(index: int) -> TextSample:
-        delay = start + index / rate_rps - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+    def one(index: int) -> TextSample:
         body, expected = requests[index % len(requests)]
-        return _one_stream(url, headers, body, expected, timeout_s, version)
+        return one_stream(url, headers, body, expected, timeout_s, version)
 
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(pool.map(fire, range(total)))
+    return at_rate(one, rate_rps, duration_s, concurrency)
 
 
 def summarize_text(samples: list[TextSample], version: int | None) -> dict[str, Any]:
@@ -196,10 +200,7 @@ def summarize_text(samples: list[TextSample], version: int | None) -> dict[str, 
     ok = [s for s in mine if s.ok]
     ttft = np.asarray([s.ttft_ms for s in ok if math.isfinite(s.ttft_ms)])
     itl = np.asarray([s.itl_ms for s in ok if math.isfinite(s.itl_ms)])
-
-    def pct(values: np.ndarray[Any, Any], q: float) -> float:
-        return float(np.percentile(values, q)) if len(values) else math.nan
-
+    pct = _percentile
     errors = [s.error or str(s.status) for s in mine if not s.ok]
     return {"version": version, "streams": len(mine), "errors": len(errors),
             "error_rate": _share(len(errors), len(mine)), "first_error": errors[0] if errors else "",
@@ -215,9 +216,7 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
     Mann-Whitney rule as the logits latency)."""
     canary_stats, stable_stats = summarize_text(samples, canary), summarize_text(samples + direct, stable)
     checks: list[dict[str, Any]] = []
-
-    def check(name: str, passed: bool, value: float, limit: float, detail: str) -> None:
-        checks.append({"check": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail})
+    check = _recorder(checks)
 
     n, wanted = canary_stats["streams"], int(params["text_min_samples"])
     check("text_samples", n >= wanted, n, wanted, f"{n} canary streams at {weight:g}%")
@@ -261,11 +260,26 @@ def _share(count: int, of: int) -> float:
     return count / of if of else 0.0
 
 
+def _percentile(values: Any, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def _recorder(checks: list[dict[str, Any]]) -> Callable[[str, bool, float, float, str], None]:
+    """``check(name, passed, value, limit, detail)`` appending to ``checks``."""
+    def check(name: str, passed: bool, value: float, limit: float, detail: str) -> None:
+        checks.append({"check": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail})
+
+    return check
+
+
 def summarize(samples: list[Sample], version: int | None) -> dict[str, Any]:
     mine = [s for s in samples if s.version == version]
     latencies = np.asarray([s.latency_ms for s in mine if s.ok]) if mine else np.asarray([])
     ok = [s for s in mine if s.ok]
-    pct = (lambda q: float(np.percentile(latencies, q))) if len(latencies) else (lambda q: math.nan)
+
+    def pct(q: float) -> float:
+        return _percentile(latencies, q)
+
     return {"version": version, "requests": len(mine), "errors": len(mine) - len(ok),
             "error_rate": _share(len(mine) - len(ok), len(mine)),
             "non_finite": sum(not s.finite for s in ok), "agreement": _share(sum(s.agrees for s in ok), len(ok)),
@@ -293,10 +307,7 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
     canary_ms = [s.latency_ms for s in samples if s.version == canary and s.ok]
     baseline_ms = [s.latency_ms for s in samples + direct if s.version == stable and s.ok]
     checks: list[dict[str, Any]] = []
-
-    def check(name: str, passed: bool, value: float, limit: float, detail: str) -> None:
-        checks.append({"check": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail})
-
+    check = _recorder(checks)
     n = canary_stats["requests"]
     check("canary_samples", n >= params["min_samples"], n, params["min_samples"],
           f"{n} canary requests at {weight:g}%")
