@@ -66,6 +66,18 @@ def start_stack(folder: Path) -> dict[str, str]:
     return {**env, **client}
 
 
+def start_benchmark_stack(folder: Path, settings: dict[str, Any], prefix: str) -> tuple[dict[str, str], str]:
+    """The stack on the benchmark's ports, this process's environment pointed at it, and a params
+    file (PIPELINE_PARAMS) naming a registered model of its own: ``(env, model name)``."""
+    env = start_stack(folder)
+    os.environ.update({k: v for k, v in env.items() if k.startswith(("MLFLOW", "AWS", "S3", "TRITON", "ROUTER"))})
+    name = f"{prefix}-{time.time_ns()}"
+    params = folder / "params.yaml"
+    params.write_text(json.dumps({**settings, "pipeline": {**settings["pipeline"], "model_name": name}}))
+    env["PIPELINE_PARAMS"] = os.environ["PIPELINE_PARAMS"] = str(params)
+    return env, name
+
+
 def make_tokenizer_and_eval_text(folder: Path, vocab: int) -> tuple[str, Path]:
     from tasks import seed
     from tasks.lib import tokens
@@ -203,13 +215,8 @@ def main() -> None:
     preset = settings["train"]["presets"]["cpu-tiny"]
     vocab = settings["tokenize"]["vocab_size"]
     folder = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    env = start_stack(folder)
-    os.environ.update({k: v for k, v in env.items() if k.startswith(("MLFLOW", "AWS", "S3", "TRITON", "ROUTER"))})
+    env, name = start_benchmark_stack(folder, settings, "bench-serve")
     try:
-        name = f"bench-serve-{time.time_ns()}"
-        params = folder / "params.yaml"
-        params.write_text(json.dumps({**settings, "pipeline": {**settings["pipeline"], "model_name": name}}))
-        env["PIPELINE_PARAMS"] = os.environ["PIPELINE_PARAMS"] = str(params)
         tokenizer_uri, eval_text = make_tokenizer_and_eval_text(folder, vocab)
         versions = [register(name, tokenizer_uri, seed, preset, vocab) for seed in (1, 2)]
         exports = [folder / f"export{v}" for v in versions]

@@ -74,7 +74,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import PORT_OFFSET, make_tokenizer_and_eval_text, register, run_step, start_stack
+from serve import PORT_OFFSET, make_tokenizer_and_eval_text, register, run_step, start_benchmark_stack
 
 from stack.servers import _terminate_groups as terminate_groups
 from tasks.lib import triton
@@ -547,12 +547,7 @@ def main() -> None:
     memory_rows: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     try:
-        env = start_stack(folder)
-        os.environ.update({k: v for k, v in env.items() if k.startswith(("MLFLOW", "AWS", "S3", "TRITON", "ROUTER"))})
-        name = f"bench-serve-llm-{time.time_ns()}"
-        params = folder / "params.yaml"
-        params.write_text(json.dumps({**settings, "pipeline": {**settings["pipeline"], "model_name": name}}))
-        env["PIPELINE_PARAMS"] = os.environ["PIPELINE_PARAMS"] = str(params)
+        env, name = start_benchmark_stack(folder, settings, "bench-serve-llm")
         tokenizer_uri, eval_text = make_tokenizer_and_eval_text(folder, vocab)
         client = triton.TritonClient(env["TRITON_URL"])
         repository = Path(env["TRITON_REPOSITORY"])
