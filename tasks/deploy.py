@@ -35,6 +35,7 @@ import os
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,14 +101,14 @@ def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str
     return delta
 
 
+@dataclass
 class StepTraffic:
     """One canary step's samples: logits requests and streamed completions, routed and direct."""
 
-    def __init__(self) -> None:
-        self.samples: list[canary.Sample] = []
-        self.direct: list[canary.Sample] = []
-        self.text: list[canary.TextSample] = []
-        self.text_direct: list[canary.TextSample] = []
+    samples: list[canary.Sample] = field(default_factory=list)
+    direct: list[canary.Sample] = field(default_factory=list)
+    text: list[canary.TextSample] = field(default_factory=list)
+    text_direct: list[canary.TextSample] = field(default_factory=list)
 
     def enough(self, version: int, params: dict[str, Any]) -> bool:
         return (sum(s.version == version for s in self.samples) >= params["min_samples"]

@@ -10,9 +10,9 @@ into 429). Inputs follow Triton's LLM backends' names (``text_input``, ``max_tok
 ``stream``, sampling values as optional scalars), so ``/v2/models/llm_generate/generate`` works
 with a plain JSON body.
 
-Metrics on Triton's endpoint (:8002/metrics), labelled by model and version: time to first
-token and inter-token latency (histograms), output tokens, slots in use, queue length, rejected
-and cancelled requests.
+Metrics on Triton's endpoint (:8002/metrics), labelled by model and version, published every
+half second: time to first token and inter-token latency (histograms), output tokens, slots in
+use, queue length, rejected and cancelled requests.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine import Engine, Overloaded, RequestError, Sequence, check_sampling
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+METRICS_PERIOD_S = 0.5  # how stale Triton's engine metrics may be
 LATENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 SCALARS = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
 
@@ -60,7 +61,7 @@ def stop_strings(request: Any) -> list[str] | None:
 
 
 class Metrics:
-    """The engine's figures as Triton custom metrics (refreshed after each request ends)."""
+    """The engine's figures as Triton custom metrics (published by TritonPythonModel.publish_metrics)."""
 
     def __init__(self, model: str, version: str) -> None:
         labels = {"model": model, "version": version}
@@ -119,6 +120,9 @@ class TritonPythonModel:
             request_timeout_s=float(params["request_timeout_s"]), threads=int(params.get("intra_op_thread_count", "0")))
         self.metrics = Metrics(args["model_name"], args["model_version"])
         self.engine.start()
+        self.stopped = threading.Event()
+        self.publisher = threading.Thread(target=self.publish_metrics, name="metrics", daemon=True)
+        self.publisher.start()
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -133,7 +137,6 @@ class TritonPythonModel:
             except Overloaded as exc:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)),
                             flags=FINAL)
-                self.refresh_metrics()
             except Exception as exc:  # a bug fails this request alone, with its final flag
                 message = f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0]
                 try:
@@ -141,6 +144,15 @@ class TritonPythonModel:
                 except Exception as lost:  # its channel is gone too: say so in the server's log
                     pb_utils.Logger.log_error(f"llm_generate: {message}; not sent: {lost}")
         return None
+
+    def publish_metrics(self) -> None:
+        """The engine's figures to Triton's metrics every METRICS_PERIOD_S, on a thread of their
+        own: each metric update is a call to the server process, and made by the engine thread
+        when a request ended (one per inter-token gap) they held up every other sequence's next
+        token."""
+        while not self.stopped.wait(METRICS_PERIOD_S):
+            self.refresh_metrics()
+        self.refresh_metrics()
 
     def refresh_metrics(self) -> None:
         try:
@@ -186,18 +198,17 @@ class TritonPythonModel:
                 else:
                     pieces.append(delta)
                 return
-            try:
-                if reason in ("error", "timeout"):
-                    message = delta if reason == "error" else f"request timed out after {self.engine.request_timeout_s:g}s"
-                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
-                elif reason == "cancelled" or reason == "abort":
-                    sender.send(flags=FINAL)
-                else:
-                    sender.send(response(delta if stream else "".join(pieces) + delta, reason, sequence), flags=FINAL)
-            finally:
-                self.refresh_metrics()
+            if reason in ("error", "timeout"):
+                message = delta if reason == "error" else f"request timed out after {self.engine.request_timeout_s:g}s"
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+            elif reason == "cancelled" or reason == "abort":
+                sender.send(flags=FINAL)
+            else:
+                sender.send(response(delta if stream else "".join(pieces) + delta, reason, sequence), flags=FINAL)
 
         return emit
 
     def finalize(self) -> None:
         self.engine.stop()
+        self.stopped.set()
+        self.publisher.join(timeout=10)
