@@ -119,7 +119,7 @@ def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
                  stable: int | None, version: int, weight: float) -> StepTraffic:
     """One canary step's traffic: windows through the router (repeated, up to ``max_windows``,
     until the canary has ``min_samples`` logits requests and ``text_min_samples`` streams) and,
-    in the same windows, the streams straight to stable that :func:`canary.baseline_rate` asks
+    in the same windows, the streams straight to stable that :func:`canary.split_rates` asks
     for. Logits requests and streamed completions run side by side."""
     inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
     expected = reference["next_tokens"]
@@ -128,8 +128,8 @@ def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
     rate, duration = float(params["rate_rps"]), float(params["step_duration_s"])
     concurrency, timeout = int(params["concurrency"]), float(params["request_timeout_s"])
     text_rate, text_timeout = float(params["text_rps"]), float(params["text_timeout_s"])
-    direct_rps = canary.baseline_rate(rate, params["min_samples"], weight, stable, duration)
-    direct_text_rps = canary.baseline_rate(text_rate, params["text_min_samples"], weight, stable, duration)
+    rate, direct_rps = canary.split_rates(rate, params["min_samples"], weight, stable, duration)
+    text_rate, direct_text_rps = canary.split_rates(text_rate, params["text_min_samples"], weight, stable, duration)
     baseline_url, baseline_headers = serving.baseline_target(stable) if stable is not None else ("", {})
     text_url, text_headers = serving.text_target(stable) if stable is not None else ("", {})
     traffic = StepTraffic()

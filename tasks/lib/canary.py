@@ -244,16 +244,23 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
     return {"canary": canary_stats, "stable": stable_stats, "direct_to_stable": len(direct), "tests": tests}, checks
 
 
-def baseline_rate(rate: float, wanted: float, weight: float, stable: int | None, duration_s: float) -> float:
-    """The rate of a stream sent straight to stable during a step, beside routed traffic of
-    ``rate``: 0 where stable's routed share of a window gives it ``wanted`` samples, else (100%)
-    the canary's routed rate, so both versions answer the same load in the same window. A
-    baseline from earlier steps read a change of the machine's load as a slower canary; one of a
-    fifth of the canary's rate read the canary's heavier load as a slower model (a better model
-    rolled back in `make pipeline` at 2.51x stable's logits latency, 135 vs 54 ms, and 2.2x its
-    inter-token latency: latencies grow with the requests a version answers at once)."""
+def split_rates(rate: float, wanted: float, weight: float, stable: int | None,
+                duration_s: float) -> tuple[float, float]:
+    """``(routed, direct)``: the rates of the stream through the router and of the one sent
+    straight to stable during a step. Where stable's routed share of a window gives it ``wanted``
+    samples, all of ``rate`` is routed. Else (100%) stable gets, straight, the load the canary
+    gets through the router, and the two together keep the step's load at ``rate``: a baseline
+    from earlier steps read a change of the machine's load as a slower canary, and one of a fifth
+    of the canary's rate read the canary's heavier load as a slower model (a better model rolled
+    back in `make pipeline` at 2.51x stable's logits latency, 135 vs 54 ms; 2.2x its inter-token
+    latency); adding the canary's rate on top doubled the step's load and the client's timing
+    of it drifted (a good canary's inter-token latency read 2.8x stable's in the serving test)."""
     routed_to_stable = rate * duration_s * (1 - weight / 100)
-    return rate * weight / 100 if stable is not None and routed_to_stable < wanted else 0.0
+    if stable is None or routed_to_stable >= wanted:
+        return rate, 0.0
+    to_canary = weight / 100
+    routed = rate / (1 + to_canary)
+    return routed, routed * to_canary
 
 
 def _share(count: int, of: int) -> float:
@@ -299,7 +306,7 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
                params: dict[str, Any], text: list[TextSample] | None = None,
                text_direct: list[TextSample] | None = None) -> dict[str, Any]:
     """One step's summary and checks (``passed`` False when any failed): ``samples`` came through
-    the router, ``direct`` went straight to stable in the same window (see :func:`baseline_rate`);
+    the router, ``direct`` went straight to stable in the same window (see :func:`split_rates`);
     the canary's latencies are compared with all of stable's. ``text``/``text_direct``: the
     streamed completions of the same window (:func:`judge_text`)."""
     canary_stats, stable_stats = summarize(samples, canary), summarize(samples + direct, stable)

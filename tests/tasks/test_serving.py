@@ -97,14 +97,17 @@ def test_tensorrt_is_skipped_visibly_without_a_gpu(tmp_path: Path) -> None:
 
 
 def test_stable_gets_the_canarys_load_where_the_split_leaves_it_too_few_samples() -> None:
-    """Both versions answer the same load: stable's baseline runs at the canary's routed rate
-    (logits requests and streams alike), only where its routed share falls short."""
-    from tasks.lib.canary import baseline_rate
+    """Both versions answer the same load and the step's load stays the same: where stable's
+    routed share falls short, the rate is split between the router (all to the canary at 100%)
+    and a stream straight to stable (logits requests and streams alike)."""
+    from tasks.lib.canary import split_rates
 
-    assert baseline_rate(25, 10, 100.0, 3, 8) == 25 and baseline_rate(25, 10, 96.0, 3, 8) == 24  # 8 routed
-    assert baseline_rate(25, 10, 10.0, 3, 8) == baseline_rate(25, 10, 50.0, 3, 8) == 0
-    assert baseline_rate(25, 10, 100.0, None, 8) == 0  # the first model has no stable
-    assert baseline_rate(6, 8, 100.0, 3, 8) == 6 and baseline_rate(6, 8, 90.0, 3, 8) == 5.4  # 4.8 routed
+    assert split_rates(25, 10, 100.0, 3, 8) == (12.5, 12.5)
+    routed, direct = split_rates(25, 10, 96.0, 3, 8)  # 8 routed to stable: short of 10
+    assert routed + direct == 25 and direct == routed * 0.96
+    assert split_rates(25, 10, 10.0, 3, 8) == split_rates(25, 10, 50.0, 3, 8) == (25, 0)
+    assert split_rates(25, 10, 100.0, None, 8) == (25, 0)  # the first model has no stable
+    assert split_rates(6, 8, 100.0, 3, 8) == (3, 3)
 
 
 def test_a_router_reload_outwaits_the_longest_stream() -> None:
