@@ -150,6 +150,29 @@ def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
     return traffic
 
 
+def analyse_step(serving: Serving, serve: dict[str, Any], params: dict[str, Any], reference: dict[str, Any],
+                 stable: int | None, version: int, weight: float) -> dict[str, Any]:
+    """One analysis of a step: its traffic, judged, with Triton's counters over the same time."""
+    before = serving.metrics()
+    started = time.monotonic()
+    traffic = step_traffic(serving, serve, params, reference, stable, version, weight)
+    result = canary.judge_step(traffic.samples, traffic.direct, stable, version, weight, params,
+                               traffic.text, traffic.text_direct)
+    result["seconds"] = round(time.monotonic() - started, 2)
+    result["sent_s"] = {"routed": canary.sent_span(traffic.samples, started),
+                        "direct": canary.sent_span(traffic.direct, started)}
+    result["triton"] = metrics_delta(before, serving.metrics())
+    text = result["text"]
+    log.info("canary %g%%: %d requests (stable %d, %d of them direct; canary %d), canary p50 %.1f ms vs "
+             "stable %.1f ms; %d streams (canary %d), TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms: %s",
+             weight, len(traffic.samples) + len(traffic.direct), result["stable"]["requests"], len(traffic.direct),
+             result["canary"]["requests"], result["canary"]["p50_ms"], result["stable"]["p50_ms"],
+             len(traffic.text) + len(traffic.text_direct), text["canary"]["streams"],
+             text["canary"]["ttft_p50_ms"], text["stable"]["ttft_p50_ms"], text["canary"]["itl_p50_ms"],
+             text["stable"]["itl_p50_ms"], "pass" if result["passed"] else "; ".join(result["failed"]))
+    return result
+
+
 def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Serving, serve: dict[str, Any],
                scratch: Path) -> dict[str, Any]:
     version = int(args.model_version)
@@ -176,24 +199,15 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Servin
     steps = [float(w) for w in params["steps"]] if stable is not None else [100.0]
     for weight in steps:
         serving.route(stable, version, weight)
-        before = serving.metrics()
-        started = time.monotonic()
-        traffic = step_traffic(serving, serve, params, reference, stable, version, weight)
-        result = canary.judge_step(traffic.samples, traffic.direct, stable, version, weight, params,
-                                   traffic.text, traffic.text_direct)
-        result["seconds"] = round(time.monotonic() - started, 2)
-        result["sent_s"] = {"routed": canary.sent_span(traffic.samples, started),
-                            "direct": canary.sent_span(traffic.direct, started)}
-        result["triton"] = metrics_delta(before, serving.metrics())
-        report["steps"].append(result)
-        text = result["text"]
-        log.info("canary %g%%: %d requests (stable %d, %d of them direct; canary %d), canary p50 %.1f ms vs "
-                 "stable %.1f ms; %d streams (canary %d), TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms: %s",
-                 weight, len(traffic.samples) + len(traffic.direct), result["stable"]["requests"], len(traffic.direct),
-                 result["canary"]["requests"], result["canary"]["p50_ms"], result["stable"]["p50_ms"],
-                 len(traffic.text) + len(traffic.text_direct), text["canary"]["streams"],
-                 text["canary"]["ttft_p50_ms"], text["stable"]["ttft_p50_ms"], text["canary"]["itl_p50_ms"],
-                 text["stable"]["itl_p50_ms"], "pass" if result["passed"] else "; ".join(result["failed"]))
+        analyses = int(params["latency_analyses"])
+        for analysis in range(1, analyses + 1):
+            result = analyse_step(serving, serve, params, reference, stable, version, weight)
+            result["analysis"] = analysis
+            report["steps"].append(result)
+            if result["passed"] or not canary.only_latency_failed(result) or analysis == analyses:
+                break
+            log.info("canary %g%%: slower than stable on this traffic only (analysis %d of %d): measuring again "
+                     "on fresh traffic", weight, analysis, analyses)
         if not result["passed"]:
             serving.roll_back(stable)
             report.update(verdict="rolled back", failed_at=weight, reason=result["failed"][0])

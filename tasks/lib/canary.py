@@ -345,6 +345,16 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
             "failed": [f"{c['check']}: {c['detail']} (limit {c['limit']:g})" for c in failed]}
 
 
+LATENCY_CHECKS = frozenset({"latency", "ttft", "itl"})
+
+
+def only_latency_failed(result: dict[str, Any]) -> bool:
+    """The step failed on latency alone: a verdict worth confirming on fresh traffic (a canary's
+    outputs, errors and sample counts are facts; a slower median on one window may be noise)."""
+    failed = {c["check"] for c in result["checks"] if not c["passed"]}
+    return bool(failed) and failed <= LATENCY_CHECKS
+
+
 def plot_report(report: dict[str, Any], path: Any) -> None:
     """Per step: requests by version, and p50/p99 latency of canary vs stable."""
     import matplotlib
@@ -353,7 +363,7 @@ def plot_report(report: dict[str, Any], path: Any) -> None:
     import matplotlib.pyplot as plt
 
     steps = report["steps"]
-    labels = [f"{s['weight']:g}%" for s in steps]
+    labels = [f"{s['weight']:g}%" + (f" #{s['analysis']}" if s.get("analysis", 1) > 1 else "") for s in steps]
     x = np.arange(len(steps))
     fig, (left, right, text) = plt.subplots(1, 3, figsize=(15, 4))
     left.bar(x - 0.2, [s["stable"]["requests"] for s in steps], 0.4, label=f"stable v{report['stable']}")

@@ -131,7 +131,15 @@ def test_mann_whitney_flags_a_slower_canary_only() -> None:
     assert slow["p_value"] < 1e-6 and slow["median_ratio"] > 4
 
 
-# -- integration: the real servers -----------------------------------------------------------
+def test_only_a_latency_verdict_is_measured_again() -> None:
+    from tasks.lib.canary import only_latency_failed
+
+    def step(*failed: str) -> dict[str, Any]:
+        return {"checks": [{"check": c, "passed": c not in failed} for c in ("latency", "ttft", "error_rate")]}
+
+    assert only_latency_failed(step("ttft")) and only_latency_failed(step("latency", "ttft"))
+    assert not only_latency_failed(step()) and not only_latency_failed(step("ttft", "error_rate"))
+
 
 # -- unit: the cluster path's patches on the objects plugins/serving.py renders ----------------
 
@@ -486,6 +494,8 @@ def test_rollout_promotion_rollbacks_and_restart(
             proc = deploy(broken, str(clone), tmp_path / f"deploy{broken}", env)
             assert proc.returncode == 2, proc.stderr[-3000:]
             assert error_lines(proc)[0].split("rolled back at ")[1].split(": ", 1)[1].startswith(why), error_lines(proc)
+            last = json.loads((tmp_path / f"deploy{broken}" / "report.json").read_text())["steps"][-1]
+            assert last["analysis"] == (2 if why[0] == "itl" else 1), last["checks"]  # latency: confirmed
             assert aliases(name)["champion"] == v2 and live_route(env) | {"generation": 0} == \
                 {"stable": int(v2), "canary": None, "canary_weight": 0.0, "generation": 0}
             assert generate_text(env, "Return the number of")[1] == v2
@@ -514,6 +524,7 @@ def test_rollout_promotion_rollbacks_and_restart(
         tests = {"latency": step["latency_test"], **{k.removesuffix("_ms"): v for k, v in step["text"]["tests"].items()}}
         failed = next(c["check"] for c in step["checks"] if not c["passed"])
         assert report["verdict"] == "rolled back" and tests[failed]["p_value"] < 0.01, step["checks"]
+        assert step["analysis"] == 2 and not report["steps"][-2]["passed"], "slower on both analyses"
         assert aliases(name)["champion"] == v2 and live_route(env)["stable"] == int(v2)
     assert watch.failures(v2) == 0, watch.answers
 
