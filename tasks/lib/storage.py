@@ -223,24 +223,46 @@ def read_manifest(uri: str) -> dict[str, Any]:
 def download_tree(uri: str, local_dir: Path, manifest: dict[str, Any] | None = None) -> Path:
     """Copy a committed output folder to ``local_dir`` (a local folder is used in place), and
     check every file against its ``_SUCCESS`` manifest (``manifest``: already read by the
-    caller): what is read is what was committed."""
+    caller): what is read is what was committed. A file that differs is read again once, with
+    the manifest (a writer may have replaced the output meanwhile: retried as transient); a
+    difference that persists is bad input (a tampered or corrupted output: exit 2, no retry)."""
     manifest = manifest if manifest is not None else read_manifest(uri)
     root = Path(uri) if not is_s3(uri) else local_dir
-    if is_s3(uri):
-        for name in manifest.get("files", {}):
-            download(join(uri, name), local_dir / name)
-    verify_manifest(uri, root, manifest)
-    return root
+    for attempt in (1, 2):
+        names = manifest_names(uri, manifest, root)
+        if is_s3(uri):
+            for name in names:
+                download(join(uri, name), local_dir / name)
+        differing = manifest_mismatches(root, manifest)
+        if not differing:
+            return root
+        if attempt == 1:
+            manifest = read_manifest(uri)
+    raise StepError(f"{join(uri, differing[0])}: differs from its {SUCCESS_MARKER} manifest (size or sha256), read "
+                    "twice: a tampered or corrupted output")
 
 
-def verify_manifest(uri: str, root: Path, manifest: dict[str, Any]) -> None:
-    """Every file of the manifest present under ``root`` with its size and sha256. A mismatch is
-    transient (a writer replacing the output meanwhile): the task retries."""
-    for name, expected in manifest.get("files", {}).items():
-        path = root / name
-        if not path.is_file() or path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
-            raise StorageUnavailable(f"{join(uri, name)}: differs from its {SUCCESS_MARKER} manifest "
-                                     "(replaced while being read?)")
+def manifest_names(uri: str, manifest: dict[str, Any], root: Path) -> list[str]:
+    """The manifest's file names, each a relative path inside ``root``: an absolute name, a
+    ``..`` or one that resolves outside (a symlink) would write or read elsewhere (a ``.pth``
+    file in the venv runs code in every later step), so it is bad input, refused before any
+    file is written."""
+    names = list(manifest.get("files", {}))
+    inside = root.resolve()
+    for name in names:
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
+            raise StepError(f"{join(uri, SUCCESS_MARKER)}: file name {name!r} is not a path inside the output folder")
+        if not (root / name).resolve().is_relative_to(inside):
+            raise StepError(f"{join(uri, SUCCESS_MARKER)}: file name {name!r} resolves outside the output folder")
+    return names
+
+
+def manifest_mismatches(root: Path, manifest: dict[str, Any]) -> list[str]:
+    """The manifest's files missing under ``root`` or differing in size or sha256."""
+    return [name for name, expected in manifest.get("files", {}).items()
+            if not (path := root / name).is_file() or path.stat().st_size != expected["bytes"]
+            or sha256_file(path) != expected["sha256"]]
 
 
 def delete_tree(uri: str) -> None:

@@ -117,9 +117,36 @@ def test_readers_verify_what_they_read_against_the_manifest(tmp_path: Path) -> N
     with storage.staged_output(str(out)) as scratch:
         (scratch / "tokens.bin").write_bytes(b"\x01" * 64)
     assert storage.download_tree(str(out), tmp_path / "copy") == out
-    (out / "tokens.bin").write_bytes(b"\x02" * 64)  # same size, other bytes: replaced under the reader
-    with pytest.raises(storage.StorageUnavailable, match="differs from its _SUCCESS manifest"):
+    committed = storage.read_manifest(str(out))
+    # replaced by a retried writer while being read: the second read (manifest too) agrees
+    with storage.staged_output(str(out)) as scratch:
+        (scratch / "tokens.bin").write_bytes(b"\x03" * 64)
+    assert storage.download_tree(str(out), tmp_path / "copy", committed) == out
+    # changed and staying so (same size, other bytes): bad input, named, no retry
+    (out / "tokens.bin").write_bytes(b"\x02" * 64)
+    with pytest.raises(StepError, match=r"tokens.bin: differs from its _SUCCESS manifest .* read twice: a tampered"):
         storage.download_tree(str(out), tmp_path / "copy")
+
+
+@pytest.mark.parametrize("name", ["../escaped.pth", "/tmp/escaped.pth", "a/../../escaped.pth"])
+def test_a_manifest_name_outside_the_folder_is_refused_before_anything_is_written(
+        stack_env: dict[str, str], tmp_path: Path, name: str) -> None:
+    """A ``_SUCCESS`` naming a file outside its folder (absolute, ``..``) would have the reader
+    write it there (a ``.pth`` in the venv runs code in every later step): refused, exit 2."""
+    import json
+
+    out = f"s3://pipeline/tests/{uuid.uuid4().hex}/step"
+    bucket, key = storage.split_s3(out)
+    manifest = {"files": {"ok.txt": {"bytes": 2, "sha256": storage.sha256_file(Path(__file__))},
+                          name: {"bytes": 2, "sha256": "0" * 64}}}
+    for part, body in (("ok.txt", b"ok"), ("_SUCCESS", json.dumps(manifest).encode())):  # (S3 refuses ".." keys)
+        storage.s3_client().put_object(Bucket=bucket, Key=f"{key}/{part}", Body=body)
+    local = tmp_path / "deep" / "copy"
+    with pytest.raises(StepError, match=r"_SUCCESS: file name .* (is not a path inside|resolves outside)"):
+        storage.download_tree(out, local)
+    assert not any(tmp_path.rglob("*.pth")) and not Path("/tmp/escaped.pth").exists() and not local.exists()
+    with pytest.raises(StepError, match="is not a path inside"):  # a local output too
+        storage.manifest_names(str(tmp_path), manifest, tmp_path)
 
 
 def test_content_addressed_output_is_written_once_and_never_replaced(tmp_path: Path) -> None:
