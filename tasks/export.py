@@ -6,6 +6,7 @@ holding a Triton model-repository fragment for that version
     triton/llm/config.pbtxt                 the served backend (params.yaml serve.backend)
     triton/llm/<version>/model.onnx         next-token logits, dynamic batch and sequence axes
     triton/llm/<version>/model.py           python backend (ONNX Runtime), used by that backend
+    triton/llm/<version>/model.json         its vocabulary size and context (requests are checked)
     triton/llm_generate/config.pbtxt        text in, text out or streamed (python backend, decoupled)
     triton/llm_generate/<version>/          decoder.onnx (KV cache), engine.py + model.py (the
                                             generation engine), tokenizer.json, generation.json
@@ -282,6 +283,8 @@ def write_repository(out: Path, version: str, onnx_path: Path, decoder_path: Pat
     generate_dir.mkdir(parents=True)
     shutil.copy(onnx_path, logits_dir / "model.onnx")
     shutil.copy(TRITON_MODELS / "llm" / "model.py", logits_dir / "model.py")
+    # the bounds it checks each request against before batching it with others
+    (logits_dir / "model.json").write_text(json.dumps({k: shape[k] for k in ("vocab_size", "seq_len")}))
     for name in ENGINE_FILES:
         shutil.copy(TRITON_MODELS / "llm_generate" / name, generate_dir / name)
     shutil.copy(decoder_path, generate_dir / "decoder.onnx")

@@ -33,7 +33,7 @@ from tasks.lib.errors import StepError
 
 BACKENDS = ("python", "onnxruntime_onnx", "tensorrt_plan")
 MODEL_FILES = {"python": "model.onnx", "onnxruntime_onnx": "model.onnx", "tensorrt_plan": "model.plan"}
-ENUM = re.compile(r"^(TYPE|KIND)_[A-Z0-9_]+$")
+ENUM = re.compile(r"^((TYPE|KIND)_[A-Z0-9_]+|REJECT|DELAY)$")
 
 
 def logits_model_config(name: str, backend: str, serve: Mapping[str, Any], gpu: bool = False) -> dict[str, Any]:
@@ -55,6 +55,9 @@ def logits_model_config(name: str, backend: str, serve: Mapping[str, Any], gpu: 
         "dynamic_batching": {
             "preferred_batch_size": [int(b) for b in serve["preferred_batch_sizes"]],
             "max_queue_delay_microseconds": int(serve["max_queue_delay_us"]),
+            # overload is a fast refusal (HTTP 503), not a queue that grows until clients time out
+            "default_queue_policy": {"max_queue_size": int(serve["queue"]["max_size"]), "timeout_action": "REJECT",
+                                     "default_timeout_microseconds": int(serve["queue"]["timeout_ms"]) * 1000},
         },
         "instance_group": [{"count": int(serve["instances"]), "kind": "KIND_GPU" if gpu else "KIND_CPU"}],
     }
