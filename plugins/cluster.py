@@ -1,7 +1,7 @@
 """The cluster's own objects, before Airflow and serving go in (README "Running on Kubernetes").
 
     python plugins/cluster.py base | kubectl apply -f -
-    AWS_ACCESS_KEY_ID=... MLFLOW_TRACKING_URI=... ROUTER_URL=... python plugins/cluster.py secrets | kubectl apply -f -
+    AWS_ACCESS_KEY_ID=... MLFLOW_TRACKING_URI=... ROUTER_URL=... ROUTER_INTERNAL_URL=... python plugins/cluster.py secrets | kubectl apply -f -
     python plugins/cluster.py helm-values > values.yaml
     helm install airflow apache-airflow/airflow -n llm-pipeline -f values.yaml
 
@@ -57,7 +57,7 @@ LAUNCHER_RULES: list[dict[str, Any]] = [
 SECRET_VARIABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "llm-pipeline-storage": (("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
                              ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "DVC_REGISTRY_GIT_REMOTE")),
-    "llm-pipeline-mlflow": (("MLFLOW_TRACKING_URI", "ROUTER_URL"),
+    "llm-pipeline-mlflow": (("MLFLOW_TRACKING_URI", "ROUTER_URL", "ROUTER_INTERNAL_URL"),
                             ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
                              "PUSHGATEWAY_URL")),  # the run report pushes each run's figures there
 }

@@ -12,14 +12,15 @@
   image) on its ``openai`` port, translating ``/v1/*`` to the local Triton's generate endpoints.
   Both tracks start at 0 replicas: the first deploy gives them a version.
 - A Service per track (HTTP, gRPC, metrics, openai).
-- A Gateway API ``HTTPRoute``, for Triton's ``/v2`` (rules 0-2) and then the same three for the
-  OpenAI ``/v1`` on the openai port (rules 3-5): the first sends requests carrying
-  ``X-Serving-Track: canary`` to the canary track alone (the smoke test before any traffic
-  moves), the second those carrying ``X-Serving-Track: stable`` to the stable track (the canary
-  analysis's baseline where the split gives stable too little traffic); the third splits
-  everything else between the tracks by ``weight`` (per mille) and each backend stamps
-  ``X-Model-Version`` on its responses. Deploy patches both weighted rules together. Its
-  annotations hold the rollout state and the deploy lock.
+- A Gateway API ``HTTPRoute`` on the gateway's public listener: an allowlist (Triton's inference,
+  generate and stream paths, health and metadata, exact; the OpenAI front's ``/v1/`` on the
+  openai port), each split between the tracks by ``weight`` (per mille); each backend stamps
+  ``X-Model-Version`` on its responses. Deploy patches both rules together. Its annotations hold
+  the rollout state and the deploy lock. Triton's repository control and a version's own paths
+  match nothing: 404 at the gateway.
+- A second ``HTTPRoute`` (``<route>-internal``) on the gateway's internal listener (in-cluster
+  only): ``X-Serving-Track: canary|stable`` reaches one track alone (the smoke test before any
+  traffic moves; the canary analysis's baseline). A client outside cannot pick a track.
 - A Role + RoleBinding letting the pipeline's service account get and patch exactly these.
 
 Plain dicts, no Airflow import: tests render them and validate the core objects against the
@@ -157,7 +158,21 @@ def track_service(params: dict[str, Any], track: str) -> dict[str, Any]:
     }
 
 
+ROUTED_ACTIONS = ("infer", "generate", "generate_stream")  # as the local router's (tasks/lib/router.py)
+
+
+def public_triton_paths(serve: dict[str, Any]) -> list[str]:
+    """What clients may call of Triton's: each served model's inference paths and metadata,
+    the server's health and metadata."""
+    models = (serve["triton_model"], serve["generate_model"])
+    return [*(f"/v2/models/{m}/{a}" for m in models for a in ROUTED_ACTIONS), *(f"/v2/models/{m}" for m in models),
+            "/v2", "/v2/health/live", "/v2/health/ready"]
+
+
 def http_route(params: dict[str, Any]) -> dict[str, Any]:
+    """The public route: an allowlist, split between the tracks by weight (rules 0: Triton's
+    inference, health and metadata paths, exact; 1: the OpenAI front's ``/v1``). Nothing else of
+    Triton's (repository control, a version's own paths) matches: the gateway answers 404."""
     settings = params["serve"]["kubernetes"]
     names = {track: f"{settings['name']}-{track}" for track in TRACKS}
 
@@ -166,14 +181,10 @@ def http_route(params: dict[str, Any]) -> dict[str, Any]:
         return {"name": names[track], "port": port, "weight": weight,
                 "filters": [{"type": "ResponseHeaderModifier", "responseHeaderModifier": stamp}]}
 
-    def rules(prefix: str, port: int) -> list[dict[str, Any]]:
-        """A track-header rule per track, then the weighted split (WEIGHTED_RULES in tasks/lib/serving.py)."""
-        path = {"path": {"type": "PathPrefix", "value": prefix}}
-        return [*({"matches": [{**path, "headers": [{"type": "Exact", "name": TRACK_HEADER, "value": track}]}],
-                   "backendRefs": [{"name": names[track], "port": port}]} for track in ("canary", "stable")),
-                {"matches": [path], "backendRefs": [backend("stable", 1000, port), backend("canary", 0, port)]}]
+    def weighted(matches: list[dict[str, Any]], port: int) -> dict[str, Any]:
+        return {"matches": matches, "backendRefs": [backend("stable", 1000, port), backend("canary", 0, port)]}
 
-    gateway = settings["gateway"]
+    triton_paths = [{"path": {"type": "Exact", "value": path}} for path in public_triton_paths(params["serve"])]
     state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}
     return {
         "apiVersion": "gateway.networking.k8s.io/v1",
@@ -182,13 +193,43 @@ def http_route(params: dict[str, Any]) -> dict[str, Any]:
                      "labels": {"app.kubernetes.io/part-of": "llm-pipeline"},
                      "annotations": {f"{ANNOTATION}route": json.dumps(state), f"{ANNOTATION}deploy-lock": ""}},
         "spec": {
-            "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
-                            "name": gateway["name"], "namespace": gateway["namespace"]}],
+            "parentRefs": [_gateway_ref(settings, settings["gateway"]["listener"])],
             "hostnames": [settings["hostname"]],
-            # Triton's paths, then the OpenAI front's (the pod's sidecar): split the same way
-            "rules": [*rules("/v2", settings["ports"]["http"]), *rules("/v1", settings["ports"]["openai"])],
+            "rules": [weighted(triton_paths, settings["ports"]["http"]),
+                      weighted([{"path": {"type": "PathPrefix", "value": "/v1/"}}], settings["ports"]["openai"])],
         },
     }
+
+
+def internal_route(params: dict[str, Any]) -> dict[str, Any]:
+    """Deploy's route, on the gateway's internal listener (not reachable from outside the
+    cluster): ``X-Serving-Track: canary|stable`` reaches one track alone, Triton's paths (a
+    version's own included) and the OpenAI front's, for the smoke test before any traffic moves
+    and the canary analysis's baseline; through the same gateway hop as the split's requests."""
+    settings = params["serve"]["kubernetes"]
+
+    def rule(prefix: str, track: str, port: int) -> dict[str, Any]:
+        header = {"type": "Exact", "name": TRACK_HEADER, "value": track}
+        return {"matches": [{"path": {"type": "PathPrefix", "value": prefix}, "headers": [header]}],
+                "backendRefs": [{"name": f"{settings['name']}-{track}", "port": port}]}
+
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": f"{settings['route']}-internal", "namespace": params["launcher"]["kubernetes"]["namespace"],
+                     "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
+        "spec": {
+            "parentRefs": [_gateway_ref(settings, settings["gateway"]["internal_listener"])],
+            "rules": [rule(prefix, track, settings["ports"][port]) for prefix, port in (("/v2/", "http"), ("/v1/", "openai"))
+                      for track in ("canary", "stable")],
+        },
+    }
+
+
+def _gateway_ref(settings: dict[str, Any], listener: str) -> dict[str, Any]:
+    gateway = settings["gateway"]
+    return {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway["name"],
+            "namespace": gateway["namespace"], "sectionName": listener}
 
 
 def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -214,7 +255,7 @@ def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
 def serving_manifests(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     params = params or pipeline_params()
     tracks = [obj for track in TRACKS for obj in (track_deployment(params, track), track_service(params, track))]
-    return [*tracks, http_route(params), *deployer_rbac(params)]
+    return [*tracks, http_route(params), internal_route(params), *deployer_rbac(params)]
 
 
 if __name__ == "__main__":

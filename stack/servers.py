@@ -82,6 +82,7 @@ def client_env() -> dict[str, str]:
         "TRITON_METRICS_URL": f"http://127.0.0.1:{port['triton_metrics']}/metrics",
         "TRITON_REPOSITORY": str(triton_repository()),
         "ROUTER_URL": f"http://127.0.0.1:{port['router']}",
+        "ROUTER_INTERNAL_URL": f"http://127.0.0.1:{port['router_internal']}",  # deploy's: a version by its path
         "OPENAI_API_URL": f"http://127.0.0.1:{port['openai_api']}",  # the front behind the router's /v1
         "ROUTER_DIR": str(router_dir()),
         # observability: steps push run figures, people and tests query Prometheus
@@ -398,7 +399,8 @@ def _router_command() -> list[str]:
     from tasks.lib.router import nginx_binary, write_router_config
 
     port = ports()
-    conf = write_router_config(router_dir(), port["router"], port["triton_http"], port["openai_api"])
+    conf = write_router_config(router_dir(), port["router"], port["triton_http"], port["openai_api"],
+                               port["router_internal"])
     return [nginx_binary(), "-p", str(router_dir()), "-c", str(conf)]
 
 
@@ -470,10 +472,11 @@ def init_compose_stack() -> None:
     env = dict(os.environ)
     create_buckets(env)
     router, triton = urllib.parse.urlsplit(env["ROUTER_URL"]), urllib.parse.urlsplit(env["TRITON_URL"])
-    openai = urllib.parse.urlsplit(env["OPENAI_API_URL"])
+    openai, internal = urllib.parse.urlsplit(env["OPENAI_API_URL"]), urllib.parse.urlsplit(env["ROUTER_INTERNAL_URL"])
     from tasks.lib.router import write_router_config
 
     write_router_config(Path(env["ROUTER_DIR"]), router.port or 80, triton.port or 80, openai.port or 80,
+                        internal.port or 80,
                         listen_host="0.0.0.0", triton_host=triton.hostname or "triton",
                         openai_host=openai.hostname or "openai-api")
     Path(env["TRITON_REPOSITORY"]).mkdir(parents=True, exist_ok=True)
@@ -549,8 +552,48 @@ SERVERS = (
 )
 
 
+def route_versions_ready() -> tuple[list[int], bool]:
+    """The versions the router's saved route sends traffic to (stable, any canary), and whether
+    Triton has each of them READY in both models."""
+    from tasks.lib import triton
+    from tasks.lib.params import load_params
+    from tasks.lib.router import saved_route
+
+    serve = load_params()["serve"]
+    versions = saved_route(router_dir()).versions()
+    client = triton.TritonClient(client_env()["TRITON_URL"])
+    return versions, all(client.model_ready(model, version) for model in (serve["triton_model"], serve["generate_model"])
+                         for version in versions)
+
+
+def reconcile_serving() -> list[int]:
+    """Triton (explicit model control) starts with no model loaded: load what the router's saved
+    route serves (stable and any canary) from the model repository, before the router starts
+    taking traffic, so a restarted Triton serves the champion with no deploy. Returns the versions
+    it had to load."""
+    from tasks.lib import triton
+    from tasks.lib.errors import StepError
+    from tasks.lib.params import load_params
+    from tasks.lib.serving import serve_versions
+
+    versions, ready = route_versions_ready()
+    if ready:
+        return []
+    try:
+        serve_versions(triton.TritonClient(client_env()["TRITON_URL"]), triton_repository(), load_params()["serve"],
+                       versions)
+    except StepError as exc:
+        raise StackError(f"serving: the route serves versions {versions}, but {exc}") from None
+    return versions
+
+
 def up(with_airflow: bool = False) -> dict[str, str]:
     for server in SERVERS:
+        if server.name == "router":
+            try:
+                reconcile_serving()
+            except StackError as exc:  # the rest of the stack still comes up: a deploy repairs serving
+                print(f"warning: {exc}; the router answers 404 until a deploy", file=sys.stderr)
         server.start()
         if server.name == "seaweedfs":
             create_buckets()
@@ -568,4 +611,8 @@ def down() -> None:
 
 def status() -> dict[str, bool]:
     running = [s for s in AIRFLOW_SERVERS if s.pid()]
-    return {server.name: bool(server.pid()) and server.healthy() for server in (*SERVERS, *running)}
+    healthy = {server.name: bool(server.pid()) and server.healthy() for server in (*SERVERS, *running)}
+    if healthy["triton"]:  # the route names only versions Triton has READY
+        versions, ready = route_versions_ready()
+        healthy[f"serving (route: versions {versions or 'none'})"] = ready
+    return healthy

@@ -30,6 +30,7 @@ TEST_PORTS = {
         "triton_metrics": 8202,
         "openai_api": 8203,
         "router": 8290,
+        "router_internal": 8291,
         "prometheus": 9190,
         "pushgateway": 9191,
     }.items()

@@ -40,10 +40,10 @@ from tasks.lib.router import ROUTE_HEADER, NginxRouter, Route
 from tasks.lib.step import log
 
 TRACKS = ("stable", "canary")
-WEIGHTED_RULES = (2, 5)  # of the HTTPRoute (plugins/serving.py): /v2 and /v1, each after its two track-header rules
+WEIGHTED_RULES = (0, 1)  # of the public HTTPRoute (plugins/serving.py): Triton's allowlist, then /v1
 WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% steps expressible
 ANNOTATION = "llm-pipeline/"
-TRACK_HEADER = "X-Serving-Track"  # rules of the HTTPRoute: this header picks one track
+TRACK_HEADER = "X-Serving-Track"  # rules of the internal HTTPRoute: this header picks one track
 NO_VERSION = "none"  # the version header of a backend serving none (a header may not be empty)
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -76,6 +76,22 @@ def stage_version(export_uri: str, version: int, repository: Path, serve: dict[s
         shutil.copy(exported / "configs" / f"{model}.json", repository / model / "config.json")
     reference: dict[str, Any] = json.loads((exported / "parity.json").read_text())["reference"]
     return reference
+
+
+def serve_versions(client: triton.TritonClient, repository: Path, serve: dict[str, Any], versions: list[int]) -> None:
+    """Make Triton serve exactly ``versions`` of both models from ``repository`` (none: unload them)."""
+    models = (serve["triton_model"], serve["generate_model"])  # generate calls llm: llm first
+    if not versions:
+        for model in reversed(models):
+            client.unload(model)
+        return
+    for model in models:
+        missing = [v for v in versions if not (repository / model / str(v)).is_dir()]
+        if missing:
+            raise StepError(f"{repository / model}: holds no version {', '.join(map(str, missing))} to serve")
+        config = json.loads((repository / model / "config.json").read_text())
+        client.load(model, triton.with_versions(config, versions))
+        client.wait_ready(model, versions, float(serve["load_timeout_s"]))
 
 
 class Serving(Protocol):
@@ -160,16 +176,7 @@ class LocalServing:
         return stage_version(export_uri, version, self.repository, self.serve, scratch)
 
     def serve_versions(self, versions: list[int]) -> None:
-        """Make Triton serve exactly ``versions`` of both models (none: unload them)."""
-        models = (self.serve["triton_model"], self.serve["generate_model"])  # generate calls llm: llm first
-        if not versions:
-            for model in reversed(models):
-                self.client.unload(model)
-            return
-        for model in models:
-            config = json.loads((self.repository / model / "config.json").read_text())
-            self.client.load(model, triton.with_versions(config, versions))
-            self.client.wait_ready(model, versions, float(self.serve["load_timeout_s"]))
+        serve_versions(self.client, self.repository, self.serve, versions)
 
     def prepare(self, stable: int | None, canary: int) -> None:
         self.serve_versions(sorted({v for v in (stable, canary) if v is not None}))
@@ -187,10 +194,10 @@ class LocalServing:
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
         path = triton.infer_path(self.serve["triton_model"], version)
-        return [(self.client.url + path, {}), (self.router.url + path, {})]
+        return [(self.client.url + path, {}), (self.router.internal_url + path, {})]
 
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
-        return self.router.url + triton.infer_path(self.serve["triton_model"], stable), {}
+        return self.router.internal_url + triton.infer_path(self.serve["triton_model"], stable), {}
 
     def text_target(self, version: int) -> tuple[str, dict[str, str]]:
         # the OpenAI front itself, with the version the router would have picked
@@ -298,11 +305,14 @@ class KubernetesServing:
     """A Triton Deployment per track behind a Gateway API HTTPRoute (``plugins/serving.py``)."""
 
     def __init__(self, serve: dict[str, Any], namespace: str, api: KubeApi | None = None) -> None:
-        if not os.environ.get("ROUTER_URL"):
-            raise StepError("ROUTER_URL is not set: the gateway's address (in the pods' Secret)")
+        missing = [k for k in ("ROUTER_URL", "ROUTER_INTERNAL_URL") if not os.environ.get(k)]
+        if missing:
+            raise StepError(f"{', '.join(missing)} not set: the gateway's public and internal addresses "
+                            "(in the pods' Secret)")
         self.serve, self.cluster = serve, serve["kubernetes"]
         self.namespace, self.api = namespace, api or KubeApi.in_cluster()
         self.url = os.environ["ROUTER_URL"].rstrip("/")
+        self.internal_url = os.environ["ROUTER_INTERNAL_URL"].rstrip("/")  # the track-header rules
         self.names = {track: f"{self.cluster['name']}-{track}" for track in TRACKS}
         self.exports: dict[int, str] = {}
 
@@ -392,20 +402,20 @@ class KubernetesServing:
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
         path = triton.infer_path(self.serve["triton_model"], version)
         direct = f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster['ports']['http']}"
-        # the route's first rule sends requests carrying this header to the canary track alone
-        return [(direct + path, {}), (self.url + path, {TRACK_HEADER: "canary"})]
+        # the internal route sends requests carrying this header to the canary track alone
+        return [(direct + path, {}), (self.internal_url + path, {TRACK_HEADER: "canary"})]
 
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
-        # the route's second rule sends requests carrying this header to the stable track alone
-        return self.url + triton.infer_path(self.serve["triton_model"], stable), {TRACK_HEADER: "stable"}
+        # the internal route sends requests carrying this header to the stable track alone
+        return self.internal_url + triton.infer_path(self.serve["triton_model"], stable), {TRACK_HEADER: "stable"}
 
     def text_target(self, version: int) -> tuple[str, dict[str, str]]:
-        # the canary track's own Service (its pod's OpenAI front); stable through the route's
-        # track-header rule, as the logits baseline
+        # the canary track's own Service (its pod's OpenAI front); stable through the internal
+        # route's track-header rule, as the logits baseline
         if version != self.live().stable:  # the new version: before the first step moves traffic the route names no canary
             return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster['ports']['openai']}"
                     "/v1/completions", {})
-        return self.url + "/v1/completions", {TRACK_HEADER: "stable"}
+        return self.internal_url + "/v1/completions", {TRACK_HEADER: "stable"}
 
     def metrics(self) -> dict[int, dict[str, float]]:
         merged: dict[int, dict[str, float]] = {}

@@ -159,7 +159,8 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
     assert set(client_env()) <= set(env), set(client_env()) - set(env)
     serving = {"AWS_ENDPOINT_URL": ("seaweedfs", "s3"), "MLFLOW_TRACKING_URI": ("mlflow", "mlflow"),
                "TRITON_URL": ("triton", "triton_http"), "TRITON_METRICS_URL": ("triton", "triton_metrics"),
-               "ROUTER_URL": ("router", "router"), "OPENAI_API_URL": ("openai-api", "openai_api"),
+               "ROUTER_URL": ("router", "router"), "ROUTER_INTERNAL_URL": ("router", "router_internal"),
+               "OPENAI_API_URL": ("openai-api", "openai_api"),
                "PUSHGATEWAY_URL": ("pushgateway", "pushgateway"),
                "PROMETHEUS_URL": ("prometheus", "prometheus")}
     for key, (service, port) in serving.items():

@@ -40,7 +40,8 @@ REQUESTS = {
     "create_namespaced_service": ("", "services", "create"), "delete_namespaced_service": ("", "services", "delete"),
 }
 ENV = {"AWS_ACCESS_KEY_ID": "key-id", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_ENDPOINT_URL": "http://s3:8333",
-       "MLFLOW_TRACKING_URI": "http://mlflow:5000", "ROUTER_URL": "http://gateway"}
+       "MLFLOW_TRACKING_URI": "http://mlflow:5000", "ROUTER_URL": "http://gateway",
+       "ROUTER_INTERNAL_URL": "http://gateway-internal"}
 
 
 def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:

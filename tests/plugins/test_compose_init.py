@@ -30,6 +30,7 @@ def test_compose_init_writes_the_router_config_and_imports_the_pools(
     env = {
         "STACK_DIR": str(tmp_path / "stack"),
         "ROUTER_URL": "http://router:8090",
+        "ROUTER_INTERNAL_URL": "http://router:8091",
         "ROUTER_DIR": str(router_dir),
         "TRITON_URL": "http://localhost:8000",  # a service name in compose; one that resolves here
         "OPENAI_API_URL": "http://localhost:8003",
@@ -40,7 +41,7 @@ def test_compose_init_writes_the_router_config_and_imports_the_pools(
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     conf = (router_dir / "nginx.conf").read_text()
-    assert "listen 0.0.0.0:8090;" in conf and "server localhost:8000;" in conf and "server localhost:8003;" in conf
+    assert "listen 0.0.0.0:8090;" in conf and "listen 0.0.0.0:8091;" in conf and "server localhost:8000;" in conf and "server localhost:8003;" in conf
     checked = subprocess.run([nginx_binary(), "-t", "-p", str(router_dir), "-c", str(router_dir / "nginx.conf")],
                              capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr

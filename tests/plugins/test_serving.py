@@ -20,11 +20,12 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def test_serving_objects_are_valid_kubernetes_and_gateway_api(tmp_path: Path) -> None:
     objects = serving.serving_manifests()
-    assert sorted(o["kind"] for o in objects) == ["Deployment", "Deployment", "HTTPRoute", "Role", "RoleBinding",
-                                                  "Service", "Service"]
+    assert sorted(o["kind"] for o in objects) == ["Deployment", "Deployment", "HTTPRoute", "HTTPRoute", "Role",
+                                                  "RoleBinding", "Service", "Service"]
     proc = validate_objects(objects, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving" in proc.stdout
+    assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving-internal" in proc.stdout
 
 
 def test_each_track_stages_its_version_and_is_ready_only_when_triton_is() -> None:
@@ -45,18 +46,47 @@ def test_each_track_stages_its_version_and_is_ready_only_when_triton_is() -> Non
         assert {"name": "shm", "mountPath": "/dev/shm"} in server["volumeMounts"]
 
 
-def test_route_splits_by_weight_and_a_header_reaches_one_track_alone() -> None:
-    """The smoke test reaches the canary alone, the canary analysis's baseline the stable alone."""
-    route = by_kind(serving.serving_manifests(), "HTTPRoute")[0]
-    rules = route["spec"]["rules"]
-    # Triton's /v2 on the http port, then the OpenAI front's /v1 on the openai port, three rules each
-    for prefix, port, (*header_rules, weighted) in (("/v2", 8000, rules[:3]), ("/v1", 8003, rules[3:])):
-        for rule, track in zip(header_rules, ("canary", "stable"), strict=True):
-            assert rule["matches"][0]["path"]["value"] == prefix
-            assert rule["matches"][0]["headers"][0] == {"type": "Exact", "name": serving.TRACK_HEADER, "value": track}
-            assert [(b["name"], b["port"]) for b in rule["backendRefs"]] == [(f"triton-{track}", port)]
-        assert [(b["name"], b["port"], b["weight"]) for b in weighted["backendRefs"]] == \
+def matching_rule(route: dict[str, Any], path: str, headers: dict[str, str]) -> int | None:
+    """The rule a Gateway API implementation picks for a request (Exact over PathPrefix, longer
+    prefix first, more header matches first; the spec's precedence), or None: a 404."""
+    candidates = []
+    for index, rule in enumerate(route["spec"]["rules"]):
+        for match in rule["matches"]:
+            kind, value = match["path"]["type"], match["path"]["value"]
+            if (kind == "Exact" and path != value) or (kind == "PathPrefix" and not (
+                    path == value.rstrip("/") or path.startswith(value.rstrip("/") + "/"))):
+                continue
+            if any(headers.get(h["name"]) != h["value"] for h in match.get("headers", [])):
+                continue
+            candidates.append(((kind == "Exact", len(value), len(match.get("headers", []))), index))
+    return max(candidates)[1] if candidates else None
+
+
+def test_public_route_splits_an_allowlist_and_only_the_internal_one_reaches_a_track() -> None:
+    """Clients reach inference, generate/stream, /v1, health and metadata, split by weight; not
+    Triton's repository control, not a version's own path, and their X-Serving-Track picks nothing.
+    Deploy's internal route reaches each track alone (the smoke test, the canary's baseline)."""
+    public, internal = by_kind(serving.serving_manifests(), "HTTPRoute")
+    assert public["spec"]["parentRefs"][0]["sectionName"] == "public"
+    assert internal["spec"]["parentRefs"][0]["sectionName"] == "internal"
+    for rule, port in zip(public["spec"]["rules"], (8000, 8003), strict=True):
+        assert [(b["name"], b["port"], b["weight"]) for b in rule["backendRefs"]] == \
             [("triton-stable", port, 1000), ("triton-canary", port, 0)]
+    for track in ("", "canary", "stable"):
+        headers = {serving.TRACK_HEADER: track} if track else {}
+        for path in ("/v2/models/llm/infer", "/v2/models/llm_generate/generate_stream", "/v2/health/ready",
+                     "/v2/models/llm"):
+            assert matching_rule(public, path, headers) == 0, path
+        assert matching_rule(public, "/v1/chat/completions", headers) == 1
+        for path in ("/v2/repository/index", "/v2/repository/models/llm/unload", "/v2/repository/models/llm/load",
+                     "/v2/models/llm/versions/3/infer", "/v2/models/llm/config", "/v2/logging", "/v1beta/x"):
+            assert matching_rule(public, path, headers) is None, path
+    rules = internal["spec"]["rules"]
+    for path, port in (("/v2/models/llm/versions/3/infer", 8000), ("/v1/completions", 8003)):
+        for track in ("canary", "stable"):
+            rule = rules[matching_rule(internal, path, {serving.TRACK_HEADER: track})]  # type: ignore[index]
+            assert [(b["name"], b["port"]) for b in rule["backendRefs"]] == [(f"triton-{track}", port)]
+        assert matching_rule(internal, path, {}) is None
 
 
 def test_cpu_kind_has_no_gpu_request(tmp_path: Path) -> None:

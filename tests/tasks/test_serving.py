@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,8 @@ def test_a_router_reload_outwaits_the_longest_stream() -> None:
 
     generate = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["serve"]["generate"]
     assert float(generate["request_timeout_s"]) < OLD_WORKERS_TIMEOUT_S
-    assert NginxRouter(Path("."), "http://x").timeout_s > OLD_WORKERS_TIMEOUT_S
-    assert f"worker_shutdown_timeout {OLD_WORKERS_TIMEOUT_S}s;" in nginx_conf(Path("."), 1, 2, 3)
+    assert NginxRouter(Path("."), "http://x", "http://y").timeout_s > OLD_WORKERS_TIMEOUT_S
+    assert f"worker_shutdown_timeout {OLD_WORKERS_TIMEOUT_S}s;" in nginx_conf(Path("."), 1, 2, 3, 4)
 
 
 def test_mann_whitney_flags_a_slower_canary_only() -> None:
@@ -190,11 +191,11 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
     ports = {"/v2": 8000, "/v1": 8003}  # Triton's paths and the OpenAI front's: split alike
     for rule in serving.WEIGHTED_RULES:
         backends = route["spec"]["rules"][rule]["backendRefs"]
-        prefix = route["spec"]["rules"][rule]["matches"][0]["path"]["value"]
+        prefix = route["spec"]["rules"][rule]["matches"][0]["path"]["value"][:3]
         assert [(b["name"], b["port"], b["weight"]) for b in backends] == \
             [("triton-stable", ports[prefix], 875), ("triton-canary", ports[prefix], 125)]
         assert [b["filters"][0]["responseHeaderModifier"]["set"][0]["value"] for b in backends] == ["4", "5"]
-    assert {route["spec"]["rules"][r]["matches"][0]["path"]["value"] for r in serving.WEIGHTED_RULES} == set(ports)
+    assert {route["spec"]["rules"][r]["matches"][0]["path"]["value"][:3] for r in serving.WEIGHTED_RULES} == set(ports)
     assert json.loads(route["metadata"]["annotations"]["llm-pipeline/route"])["generation"] == 7
     first = apply_json_patch(objects["llm-serving"], serving.route_patch(names, Route(4)))
     for rule in serving.WEIGHTED_RULES:
@@ -240,7 +241,7 @@ def test_a_route_change_returns_once_the_old_router_workers_are_gone(stack_env: 
     canary step once counted a request answered by stable; an unloaded version would fail one."""
     from tasks.lib.router import NginxRouter
 
-    router = NginxRouter(Path(stack_env["ROUTER_DIR"]), stack_env["ROUTER_URL"])
+    router = NginxRouter(Path(stack_env["ROUTER_DIR"]), stack_env["ROUTER_URL"], stack_env["ROUTER_INTERNAL_URL"])
     for _ in range(3):
         live, old_workers = router.live(), router.worker_pids()
         assert old_workers, "the local router's nginx workers are not visible"
@@ -416,7 +417,8 @@ def test_rollout_promotion_rollbacks_and_restart(
 ) -> None:
     """One scenario on one Triton, in the order a real registry lives through:
     first model -> good canary promoted -> NaN canary rolled back -> 5x slower canary rolled
-    back -> a deploy killed mid-canary, then retried, converges -> manual rollback."""
+    back -> a deploy killed mid-canary, then retried, converges -> manual rollback -> Triton
+    killed and brought back up serving the champion."""
     env = {**stack_env, **serving_env}
     name = serving_env["MODEL_NAME"]
 
@@ -481,6 +483,8 @@ def test_rollout_promotion_rollbacks_and_restart(
     assert watch.failures(v1) == 0 and watch.failures(v2) == 0, watch.answers
     check_openai_api(env, v2, json.loads((tmp_path / "export2" / "parity.json").read_text())["reference"])
     check_bad_input_while_streaming(env)
+    check_poisoned_batch(env, reference[0])
+    check_router_allowlist(env, v2)
     check_disconnect_frees_the_slot(env, v2)
 
     with StableWatcher(env["ROUTER_URL"], reference) as watch:
@@ -564,6 +568,17 @@ def test_rollout_promotion_rollbacks_and_restart(
     assert answered_by == v2
     bad = run_module("tasks.deploy", "rollback", "--target", "no-such-alias", env=env)
     assert bad.returncode == 2 and "does not exist" in error_lines(bad)[0]
+
+    # Triton killed (its whole process group, as a crashed container), then `stack up`: it comes
+    # back with the route's versions loaded from the model repository before the router is
+    # checked, and the champion answers with no deploy; `stack status` says serving is whole
+    os.killpg(int((Path(env["STACK_DIR"]) / "triton.pid").read_text()), signal.SIGKILL)
+    proc = run_module("stack", "up", env=env)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr[-3000:]
+    text, answered_by = generate_text(env, "This module provides")
+    assert text and answered_by == v2
+    proc = run_module("stack", "status", env=env)
+    assert proc.returncode == 0 and f"serving (route: versions [{v2}]): healthy" in proc.stdout, proc.stdout
 
 
 def check_hf_checkpoint(export_dir: Path, exported: dict[str, Any]) -> None:
@@ -649,6 +664,68 @@ def check_bad_input_while_streaming(env: dict[str, str]) -> None:
     for thread in streams:
         thread.join(60)
     assert texts == [alone.choices[0].text] * 6
+
+
+def check_poisoned_batch(env: dict[str, str], ids: list[int], rounds: int = 3) -> None:
+    """6 malformed logits requests (a token id of 10^6 at the valid requests' length, so they share
+    their batches; 5,000 tokens) mixed into 60 valid ones, all at once through the router: every
+    valid one answered, every malformed one a 400 naming input_ids, in each round."""
+    def send(window: np.ndarray[Any, Any]) -> tuple[int, str]:
+        request = urllib.request.Request(f"{env['ROUTER_URL']}/v2/models/llm/infer", method="POST",
+                                         data=triton.infer_request(window), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                return resp.status, ""
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read()).get("error", "")
+
+    valid = np.asarray([ids], dtype=np.int64)
+    poisoned = valid.copy()
+    poisoned[0, len(ids) // 2] = 10**6
+    too_long = np.ones((1, 5000), dtype=np.int64)
+    mix = [valid] * 60
+    for at, bad in zip((5, 15, 25, 35, 45, 55), [poisoned, too_long] * 3, strict=True):
+        mix.insert(at, bad)
+    for _ in range(rounds):
+        with ThreadPoolExecutor(max_workers=len(mix)) as pool:
+            answers = list(pool.map(send, mix))
+        good = [a for window, a in zip(mix, answers, strict=True) if window is valid]
+        bad = [a for window, a in zip(mix, answers, strict=True) if window is not valid]
+        assert good == [(200, "")] * 60, Counter(good)
+        assert all(status == 400 and reason.startswith("input_ids: ") and "\n" not in reason
+                   for status, reason in bad), bad
+
+
+def check_router_allowlist(env: dict[str, str], stable: str) -> None:
+    """Clients reach inference, /v1, health and metadata through the router, nothing else:
+    Triton's repository control and a version's own paths are 404 (the champion keeps serving); a
+    client's own X-Route-Version picks nothing; deploy's internal listener reaches a version."""
+    def call(url: str, method: str = "GET", body: bytes | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, str]:
+        request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return resp.status, resp.headers.get("X-Model-Version", "")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")
+
+    router, infer = env["ROUTER_URL"], triton.infer_request(np.ones((1, 4), dtype=np.int64))
+    for path in ("/v2/repository/index", "/v2/repository/models/llm/unload", "/v2/repository/models/llm_generate/unload",
+                 "/v2/repository/models/llm/load", f"/v2/models/llm/versions/{stable}/infer"):
+        status, body = call(router + path, "POST", b"{}" if "infer" not in path else infer,
+                            {"Content-Type": "application/json"})
+        assert status == 404 and "not served by this router" in body, (path, status, body)
+    assert call(f"{router}/v2/models/llm/versions/{stable}")[0] == 404
+    assert call(f"{router}/v2/health/ready")[0] == 200 and call(f"{router}/v2/models/llm")[0] == 200
+    assert call(f"{router}/v2/health/ready", "POST", b"")[0] == 403
+    assert generate_text(env, "Return the number of")[1] == stable  # still loaded, still served
+    completion = json.dumps({"prompt": "Return", "max_tokens": 2}).encode()
+    status, answered_by = call(f"{router}/v1/completions", "POST", completion,
+                               {"Content-Type": "application/json", "X-Route-Version": "999"})
+    assert (status, answered_by) == (200, stable)
+    status, answered_by = call(f"{env['ROUTER_INTERNAL_URL']}/v2/models/llm/versions/{stable}/infer", "POST", infer,
+                               {"Content-Type": "application/json"})
+    assert (status, answered_by) == (200, stable)
 
 
 def check_disconnect_frees_the_slot(env: dict[str, str], version: str) -> None:
