@@ -165,6 +165,7 @@ benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) benchmarks/fsdp_units.py
 	$(RT_PY) benchmarks/serve.py
 	$(RT_PY) benchmarks/serve_llm.py
+	$(RT_PY) benchmarks/canary_aa.py
 
 clean: down
 	rm -rf .stack .airflow

@@ -42,7 +42,8 @@ from tasks.lib.params import load_params  # noqa: E402
 
 PORT_OFFSET = 700  # apart from a dev stack (defaults) and the tests (+100)
 PORT_NAMES = ("s3", "seaweedfs_master", "seaweedfs_volume", "seaweedfs_filer", "mlflow", "airflow",
-              "triton_http", "triton_grpc", "triton_metrics", "openai_api", "router", "prometheus", "pushgateway")
+              "triton_http", "triton_grpc", "triton_metrics", "openai_api", "router", "router_internal", "prometheus",
+              "pushgateway")
 
 
 def run_step(module: str, *args: str, env: dict[str, str]) -> dict[str, Any]:
@@ -93,7 +94,11 @@ def make_tokenizer_and_eval_text(folder: Path, vocab: int) -> tuple[str, Path]:
     return str(path), eval_text
 
 
-def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, Any], vocab: int) -> str:
+def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, Any], vocab: int,
+             weight_scale: float = 1.0) -> str:
+    """A random-weight GPT registered the way the register step does. ``weight_scale`` multiplies
+    the blocks' matrices: at 1 the tied embedding dominates and greedy decoding repeats the
+    prompt's last token whatever the seed; at 10 the text depends on the weights."""
     import mlflow
     import torch
 
@@ -101,8 +106,13 @@ def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, Any], v
 
     torch.manual_seed(seed)
     config = GPTConfig(vocab_size=vocab, **preset)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param.dim() == 2 and not param_name.startswith("embed"):
+                param.mul_(weight_scale)
     with mlflow.start_run(run_name=f"benchmark {name} seed {seed}"):
-        info = mlflow.pytorch.log_model(GPT(config).eval(), name="model", serialization_format="pickle",
+        info = mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
                                         code_paths=[str(REPO_ROOT / "tasks")], pip_requirements=["torch==2.13.0"])
     description = {"format_version": FORMAT_VERSION, "config": config.to_dict(), "tokenizer_uri": tokenizer_uri,
                    "tokenizer_hash": tokenizer_uri.rsplit("sha256-", 1)[1].split("/")[0]}
