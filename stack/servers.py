@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -543,7 +544,8 @@ SERVERS = (
            lambda: _http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60, port="triton_http"),
     Server("openai-api", _openai_api_command, lambda: {"PYTHONPATH": str(REPO_ROOT)},
            lambda: _http_ok(f"http://127.0.0.1:{ports()['openai_api']}/health"), start_timeout_s=30, port="openai_api"),
-    Server("router", _router_command, dict, lambda: _http_ok(f"{client_env()['ROUTER_URL']}/router/state"),
+    Server("router", _router_command, dict, lambda: all(_http_ok(f"{client_env()[url]}/router/state")
+                                                        for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")),
            start_timeout_s=20, port="router"),
     Server("pushgateway", _pushgateway_command, dict,
            lambda: _http_ok(f"{client_env()['PUSHGATEWAY_URL']}/-/ready"), start_timeout_s=20, port="pushgateway"),
@@ -576,14 +578,20 @@ def reconcile_serving() -> list[int]:
     from tasks.lib.params import load_params
     from tasks.lib.serving import serve_versions
 
-    versions, ready = route_versions_ready()
-    if ready:
-        return []
-    try:
-        serve_versions(triton.TritonClient(client_env()["TRITON_URL"]), triton_repository(), load_params()["serve"],
-                       versions)
-    except StepError as exc:
-        raise StackError(f"serving: the route serves versions {versions}, but {exc}") from None
+    router_dir().mkdir(parents=True, exist_ok=True)
+    with (router_dir() / "deploy.lock").open("w") as lock:
+        try:  # a deploy running now owns what Triton serves (it may be loading a canary)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return []
+        try:
+            versions, ready = route_versions_ready()
+            if ready:
+                return []
+            serve_versions(triton.TritonClient(client_env()["TRITON_URL"]), triton_repository(),
+                           load_params()["serve"], versions)
+        except (StepError, OSError, ValueError, IndexError, KeyError) as exc:
+            raise StackError(f"serving: the route's versions could not be loaded ({exc})") from None
     return versions
 
 
@@ -593,7 +601,7 @@ def up(with_airflow: bool = False) -> dict[str, str]:
             try:
                 reconcile_serving()
             except StackError as exc:  # the rest of the stack still comes up: a deploy repairs serving
-                print(f"warning: {exc}; the router answers 404 until a deploy", file=sys.stderr)
+                print(f"warning: {exc}; requests for them fail until a deploy", file=sys.stderr)
         server.start()
         if server.name == "seaweedfs":
             create_buckets()
@@ -613,6 +621,9 @@ def status() -> dict[str, bool]:
     running = [s for s in AIRFLOW_SERVERS if s.pid()]
     healthy = {server.name: bool(server.pid()) and server.healthy() for server in (*SERVERS, *running)}
     if healthy["triton"]:  # the route names only versions Triton has READY
-        versions, ready = route_versions_ready()
-        healthy[f"serving (route: versions {versions or 'none'})"] = ready
+        try:
+            versions, ready = route_versions_ready()
+            healthy[f"serving (route: versions {versions or 'none'})"] = ready
+        except (OSError, ValueError, IndexError, KeyError) as exc:
+            healthy[f"serving (route unreadable: {exc})"] = False
     return healthy

@@ -249,6 +249,8 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number")
     check_steps(params["steps"])
+    if not str(params["latency_analyses"]).isdigit() or int(params["latency_analyses"]) < 1:
+        raise StepError(f"canary.latency_analyses {params['latency_analyses']!r}: expected a whole number >= 1")
     serving = serving_platform(settings)
     with serving.lock(), storage.scratch() as scratch:
         report = run_canary(args, params, serving, serve, scratch)
@@ -260,7 +262,16 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
                         f"{report['reason']}; stable version {report['stable']} keeps all traffic")
     summary: dict[str, Any] = {k: report[k] for k in ("verdict", "stable", "canary", "aliases") if k in report}
     return {**summary, "report_uri": storage.join(args.output, "report.json"),
-            "steps": [{"weight": s["weight"], "passed": s["passed"]} for s in report["steps"]]}
+            "steps": step_summary(report["steps"])}
+
+
+def step_summary(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per weight, its last analysis's verdict and how many analyses it took (XCom, run report)."""
+    summary: dict[float, dict[str, Any]] = {}
+    for step in steps:
+        summary[step["weight"]] = {"weight": step["weight"], "passed": step["passed"],
+                                   "analyses": step.get("analysis", 1)}
+    return list(summary.values())
 
 
 def rollback_main(args: argparse.Namespace) -> dict[str, Any]:

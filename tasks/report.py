@@ -151,7 +151,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if reg.get("version"):
         lines.append(f"  registered  {reg['model_uri']} (alias challenger: v{reg.get('challenger')}, the newest data window)")
     if canary.get("verdict"):
-        path = " -> ".join(f"{s['weight']:g}%{'' if s['passed'] else ' (failed)'}" for s in canary.get("steps") or [])
+        path = " -> ".join(f"{s['weight']:g}%{'' if s['passed'] else ' (failed)'}"
+                           + (f" ({s['analyses']} analyses)" if s.get("analyses", 1) > 1 else "")
+                           for s in canary.get("steps") or [])
         aliases = ", ".join(f"{k} v{v}" for k, v in (canary.get("aliases") or {}).items() if v)
         lines.append(f"  canary      {canary['verdict']} ({path or 'first model: no canary'}){'; ' + aliases if aliases else ''}")
     if report["verdict"] == "success":
@@ -182,7 +184,9 @@ def render_html(report: dict[str, Any], lines: list[str], loss_png: Path | None,
     sample_rows = [(s["prompt"], s["completion"], next((c["completion"] for c in (samples or {}).get("champion") or []
                                                          if c["prompt"] == s["prompt"]), "-"))
                    for s in (samples or {}).get("challenger") or []]
-    canary_rows = [(f"{s['weight']:g}%", "pass" if s["passed"] else "fail") for s in report["canary"].get("steps") or []]
+    canary_rows = [(f"{s['weight']:g}%", ("pass" if s["passed"] else "fail")
+                    + (f" ({s['analyses']} analyses)" if s.get("analyses", 1) > 1 else ""))
+                   for s in report["canary"].get("steps") or []]
     links = [f'<li>MLflow run: <a href="{html.escape(mlflow_url)}">{html.escape(mlflow_url)}</a> '
              "(artifacts: validation/ holds the Great Expectations Data Docs, report/ this page)</li>"] if mlflow_url else []
     links += [f"<li>{html.escape(k)}: <code>{html.escape(str(v))}</code></li>" for k, v in (

@@ -118,6 +118,10 @@ http {{
     access_log {prefix / 'access.log'};
 {temp}
     client_max_body_size 16m;
+    # bodies and buffered answers stay in memory, never in temp files: a root master runs its
+    # workers as nobody, who may not reach the prefix folder (a request over 16 KB had failed with 500)
+    client_body_buffer_size 16m;
+    proxy_max_temp_file_size 0;
     include {prefix / 'split.conf'};
     upstream triton {{ server {triton_host}:{triton_port}; keepalive 32; }}
     upstream openai {{ server {openai_host}:{openai_port}; keepalive 32; }}

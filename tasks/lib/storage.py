@@ -223,9 +223,11 @@ def read_manifest(uri: str) -> dict[str, Any]:
 def download_tree(uri: str, local_dir: Path, manifest: dict[str, Any] | None = None) -> Path:
     """Copy a committed output folder to ``local_dir`` (a local folder is used in place), and
     check every file against its ``_SUCCESS`` manifest (``manifest``: already read by the
-    caller): what is read is what was committed. A file that differs is read again once, with
-    the manifest (a writer may have replaced the output meanwhile: retried as transient); a
-    difference that persists is bad input (a tampered or corrupted output: exit 2, no retry)."""
+    caller): what is read is what was committed. A file that differs is read again once: if
+    the manifest changed meanwhile (or is gone), a writer is replacing the output, which is
+    transient (:class:`StorageUnavailable`: the task retries and reads the new one whole; the
+    caller keeps no half of either); if the same manifest still disagrees, the output was
+    tampered with or corrupted: bad input (exit 2, no retry)."""
     manifest = manifest if manifest is not None else read_manifest(uri)
     root = Path(uri) if not is_s3(uri) else local_dir
     for attempt in (1, 2):
@@ -237,7 +239,13 @@ def download_tree(uri: str, local_dir: Path, manifest: dict[str, Any] | None = N
         if not differing:
             return root
         if attempt == 1:
-            manifest = read_manifest(uri)
+            try:
+                reread = read_manifest(uri)
+            except StepError:
+                reread = None
+            if reread != manifest:
+                raise StorageUnavailable(f"{join(uri, differing[0])}: differs from its {SUCCESS_MARKER} manifest, "
+                                         "which changed meanwhile (the output is being replaced)")
     raise StepError(f"{join(uri, differing[0])}: differs from its {SUCCESS_MARKER} manifest (size or sha256), read "
                     "twice: a tampered or corrupted output")
 

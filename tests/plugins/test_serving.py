@@ -87,6 +87,7 @@ def test_public_route_splits_an_allowlist_and_only_the_internal_one_reaches_a_tr
             rule = rules[matching_rule(internal, path, {serving.TRACK_HEADER: track})]  # type: ignore[index]
             assert [(b["name"], b["port"]) for b in rule["backendRefs"]] == [(f"triton-{track}", port)]
         assert matching_rule(internal, path, {}) is None
+    assert matching_rule(internal, "/v2/repository/models/llm/unload", {serving.TRACK_HEADER: "stable"}) is None
 
 
 def test_cpu_kind_has_no_gpu_request(tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ def test_up_is_idempotent_and_reuses_healthy_servers(stack_env: dict[str, str]) 
     assert proc.returncode == 0, proc.stderr
     assert pids(stack_env["STACK_DIR"]) == before
     status = run_module("stack", "status")
-    assert status.returncode == 0 and status.stdout.count("healthy") == 7
+    assert status.returncode == 0 and status.stdout.count("healthy") == 8  # 7 servers and serving (the route's versions)
+    assert "serving (route: versions " in status.stdout
 
 
 def test_up_refuses_a_port_another_stack_holds(stack_env: dict[str, str], tmp_path: Path) -> None:
