@@ -197,9 +197,9 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Servin
         return report
     report["warmup_streams"] = warm_up(serving, version, reference, params)
     steps = [float(w) for w in params["steps"]] if stable is not None else [100.0]
+    analyses = int(params["latency_analyses"])
     for weight in steps:
         serving.route(stable, version, weight)
-        analyses = int(params["latency_analyses"])
         for analysis in range(1, analyses + 1):
             result = analyse_step(serving, serve, params, reference, stable, version, weight)
             result["analysis"] = analysis

@@ -200,13 +200,12 @@ def summarize_text(samples: list[TextSample], version: int | None) -> dict[str, 
     ok = [s for s in mine if s.ok]
     ttft = np.asarray([s.ttft_ms for s in ok if math.isfinite(s.ttft_ms)])
     itl = np.asarray([s.itl_ms for s in ok if math.isfinite(s.itl_ms)])
-    pct = _percentile
     errors = [s.error or str(s.status) for s in mine if not s.ok]
     return {"version": version, "streams": len(mine), "errors": len(errors),
             "error_rate": _share(len(errors), len(mine)), "first_error": errors[0] if errors else "",
             "text_agreement": _share(sum(s.matches for s in ok), len(ok)),
-            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}
+            "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
+            "itl_p50_ms": _percentile(itl, 50), "itl_p99_ms": _percentile(itl, 99)}
 
 
 def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int | None, canary: int, weight: float,
@@ -232,12 +231,8 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
         theirs = [getattr(s, key) for s in samples + direct
                   if s.version == stable and s.ok and math.isfinite(getattr(s, key))]
         if len(mine) >= wanted and len(theirs) >= wanted:
-            tests[key] = latency_test(mine, theirs)
-            slower = tests[key]["p_value"] < params["latency_alpha"] and \
-                tests[key]["median_ratio"] > params["text_max_latency_ratio"]
-            check(key.removesuffix("_ms"), not slower, tests[key]["median_ratio"], params["text_max_latency_ratio"],
-                  f"median {label} {tests[key]['median_ratio']:.2f}x stable's (Mann-Whitney U "
-                  f"p={tests[key]['p_value']:.2g}, alpha {params['latency_alpha']})")
+            tests[key] = judge_latency(check, key.removesuffix("_ms"), label, mine, theirs,
+                                       params["text_max_latency_ratio"], params["latency_alpha"])
         elif stable is not None and len(theirs) < wanted:  # (a canary short of samples fails text_samples)
             check(f"stable_{key.removesuffix('_ms')}_samples", False, len(theirs), wanted,
                   f"{len(theirs)} stable streams with a {label} at {weight:g}%: no baseline to compare with")
@@ -302,6 +297,17 @@ def latency_test(canary_ms: list[float], baseline_ms: list[float]) -> dict[str, 
             "median_ratio": float(np.median(canary_ms)) / max(float(np.median(baseline_ms)), 1e-9)}
 
 
+def judge_latency(check: Callable[[str, bool, float, float, str], None], name: str, label: str,
+                  canary_ms: list[float], baseline_ms: list[float], max_ratio: float, alpha: float) -> dict[str, float]:
+    """The canary fails ``name`` when it is slower (Mann-Whitney U, p < ``alpha``) **and** its
+    median is over ``max_ratio`` times stable's; returns the test."""
+    test = latency_test(canary_ms, baseline_ms)
+    slower = test["p_value"] < alpha and test["median_ratio"] > max_ratio
+    check(name, not slower, test["median_ratio"], max_ratio,
+          f"median {label} {test['median_ratio']:.2f}x stable's (Mann-Whitney U p={test['p_value']:.2g}, alpha {alpha})")
+    return test
+
+
 def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, canary: int, weight: float,
                params: dict[str, Any], text: list[TextSample] | None = None,
                text_direct: list[TextSample] | None = None) -> dict[str, Any]:
@@ -326,11 +332,8 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
           params["min_agreement"], f"{canary_stats['agreement']:.1%} of canary next tokens equal the export reference")
     latency: dict[str, float] = {}
     if len(canary_ms) >= params["min_samples"] and len(baseline_ms) >= params["min_samples"]:
-        latency = latency_test(canary_ms, baseline_ms)
-        slower = latency["p_value"] < params["latency_alpha"] and latency["median_ratio"] > params["max_latency_ratio"]
-        check("latency", not slower, latency["median_ratio"], params["max_latency_ratio"],
-              f"median latency {latency['median_ratio']:.2f}x stable's (Mann-Whitney U p={latency['p_value']:.2g}, "
-              f"alpha {params['latency_alpha']})")
+        latency = judge_latency(check, "latency", "latency", canary_ms, baseline_ms, params["max_latency_ratio"],
+                                params["latency_alpha"])
     elif stable is not None:
         check("stable_samples", False, len(baseline_ms), params["min_samples"],
               f"{len(baseline_ms)} stable latencies at {weight:g}%: no baseline to compare the canary with")
