@@ -230,24 +230,30 @@ def download_tree(uri: str, local_dir: Path, manifest: dict[str, Any] | None = N
     tampered with or corrupted: bad input (exit 2, no retry)."""
     manifest = manifest if manifest is not None else read_manifest(uri)
     root = Path(uri) if not is_s3(uri) else local_dir
-    for attempt in (1, 2):
-        names = manifest_names(uri, manifest, root)
-        if is_s3(uri):
-            for name in names:
-                download(join(uri, name), local_dir / name)
-        differing = manifest_mismatches(root, manifest)
-        if not differing:
-            return root
-        if attempt == 1:
-            try:
-                reread = read_manifest(uri)
-            except StepError:
-                reread = None
-            if reread != manifest:
-                raise StorageUnavailable(f"{join(uri, differing[0])}: differs from its {SUCCESS_MARKER} manifest, "
-                                         "which changed meanwhile (the output is being replaced)")
-    raise StepError(f"{join(uri, differing[0])}: differs from its {SUCCESS_MARKER} manifest (size or sha256), read "
-                    "twice: a tampered or corrupted output")
+    names = manifest_names(uri, manifest, root)
+    differing = _fetch_and_check(uri, names, root, manifest)
+    if differing:  # read again: a writer replacing the output meanwhile, or a lasting difference
+        try:
+            reread = read_manifest(uri)
+        except StepError:
+            reread = None
+        if reread != manifest:
+            raise StorageUnavailable(f"{join(uri, differing[0])}: differs from its {SUCCESS_MARKER} manifest, "
+                                     "which changed meanwhile (the output is being replaced)")
+        differing = _fetch_and_check(uri, names, root, manifest)
+        if differing:
+            raise StepError(f"{join(uri, differing[0])}: differs from its {SUCCESS_MARKER} manifest (size or sha256), "
+                            "read twice: a tampered or corrupted output")
+    return root
+
+
+def _fetch_and_check(uri: str, names: list[str], root: Path, manifest: dict[str, Any]) -> list[str]:
+    """Download ``names`` into ``root`` (an S3 output; a local one is read in place) and return
+    those missing or differing from ``manifest``."""
+    if is_s3(uri):
+        for name in names:
+            download(join(uri, name), root / name)
+    return manifest_mismatches(root, manifest)
 
 
 def manifest_names(uri: str, manifest: dict[str, Any], root: Path) -> list[str]:
