@@ -554,18 +554,25 @@ SERVERS = (
 )
 
 
-def route_versions_ready() -> tuple[list[int], bool]:
+ROUTE_READ_ERRORS = (OSError, ValueError, IndexError, KeyError)  # Triton not answering, a split.conf unreadable
+
+
+def route_versions_ready(client: Any, serve: dict[str, Any]) -> tuple[list[int], bool]:
     """The versions the router's saved route sends traffic to (stable, any canary), and whether
-    Triton has each of them READY in both models."""
-    from tasks.lib import triton
-    from tasks.lib.params import load_params
+    Triton (``client``) has each of them READY in both models."""
     from tasks.lib.router import saved_route
 
-    serve = load_params()["serve"]
     versions = saved_route(router_dir()).versions()
-    client = triton.TritonClient(client_env()["TRITON_URL"])
     return versions, all(client.model_ready(model, version) for model in (serve["triton_model"], serve["generate_model"])
                          for version in versions)
+
+
+def serving_client() -> tuple[Any, dict[str, Any]]:
+    """A client of the stack's Triton and the ``serve`` settings."""
+    from tasks.lib import triton
+    from tasks.lib.params import load_params
+
+    return triton.TritonClient(client_env()["TRITON_URL"]), load_params()["serve"]
 
 
 def reconcile_serving() -> list[int]:
@@ -573,9 +580,7 @@ def reconcile_serving() -> list[int]:
     route serves (stable and any canary) from the model repository, before the router starts
     taking traffic, so a restarted Triton serves the champion with no deploy. Returns the versions
     it had to load."""
-    from tasks.lib import triton
     from tasks.lib.errors import StepError
-    from tasks.lib.params import load_params
     from tasks.lib.serving import serve_versions
 
     router_dir().mkdir(parents=True, exist_ok=True)
@@ -585,12 +590,12 @@ def reconcile_serving() -> list[int]:
         except BlockingIOError:
             return []
         try:
-            versions, ready = route_versions_ready()
+            client, serve = serving_client()
+            versions, ready = route_versions_ready(client, serve)
             if ready:
                 return []
-            serve_versions(triton.TritonClient(client_env()["TRITON_URL"]), triton_repository(),
-                           load_params()["serve"], versions)
-        except (StepError, OSError, ValueError, IndexError, KeyError) as exc:
+            serve_versions(client, triton_repository(), serve, versions)
+        except (StepError, *ROUTE_READ_ERRORS) as exc:
             raise StackError(f"serving: the route's versions could not be loaded ({exc})") from None
     return versions
 
@@ -622,8 +627,8 @@ def status() -> dict[str, bool]:
     healthy = {server.name: bool(server.pid()) and server.healthy() for server in (*SERVERS, *running)}
     if healthy["triton"]:  # the route names only versions Triton has READY
         try:
-            versions, ready = route_versions_ready()
+            versions, ready = route_versions_ready(*serving_client())
             healthy[f"serving (route: versions {versions or 'none'})"] = ready
-        except (OSError, ValueError, IndexError, KeyError) as exc:
+        except ROUTE_READ_ERRORS as exc:
             healthy[f"serving (route unreadable: {exc})"] = False
     return healthy

@@ -122,6 +122,11 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
+def analyses_note(step: dict[str, Any]) -> str:
+    """" (2 analyses)" for a canary step measured again (a latency verdict confirmed), else ""."""
+    return f" ({step['analyses']} analyses)" if step.get("analyses", 1) > 1 else ""
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
     data, val, tok, train = report["data"], report["validation"], report["tokens"], report["training"]
     ev, reg, canary, serving = report["evaluation"], report["registered"], report["canary"], report["serving"]
@@ -151,8 +156,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if reg.get("version"):
         lines.append(f"  registered  {reg['model_uri']} (alias challenger: v{reg.get('challenger')}, the newest data window)")
     if canary.get("verdict"):
-        path = " -> ".join(f"{s['weight']:g}%{'' if s['passed'] else ' (failed)'}"
-                           + (f" ({s['analyses']} analyses)" if s.get("analyses", 1) > 1 else "")
+        path = " -> ".join(f"{s['weight']:g}%{'' if s['passed'] else ' (failed)'}{analyses_note(s)}"
                            for s in canary.get("steps") or [])
         aliases = ", ".join(f"{k} v{v}" for k, v in (canary.get("aliases") or {}).items() if v)
         lines.append(f"  canary      {canary['verdict']} ({path or 'first model: no canary'}){'; ' + aliases if aliases else ''}")
@@ -184,8 +188,7 @@ def render_html(report: dict[str, Any], lines: list[str], loss_png: Path | None,
     sample_rows = [(s["prompt"], s["completion"], next((c["completion"] for c in (samples or {}).get("champion") or []
                                                          if c["prompt"] == s["prompt"]), "-"))
                    for s in (samples or {}).get("challenger") or []]
-    canary_rows = [(f"{s['weight']:g}%", ("pass" if s["passed"] else "fail")
-                    + (f" ({s['analyses']} analyses)" if s.get("analyses", 1) > 1 else ""))
+    canary_rows = [(f"{s['weight']:g}%", ("pass" if s["passed"] else "fail") + analyses_note(s))
                    for s in report["canary"].get("steps") or []]
     links = [f'<li>MLflow run: <a href="{html.escape(mlflow_url)}">{html.escape(mlflow_url)}</a> '
              "(artifacts: validation/ holds the Great Expectations Data Docs, report/ this page)</li>"] if mlflow_url else []

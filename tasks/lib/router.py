@@ -33,6 +33,8 @@ from pathlib import Path
 from tasks.lib.errors import StepError
 
 ROUTED_MODELS = ("llm", "llm_generate")
+ROUTED_ACTIONS = "infer|generate|generate_stream"  # the inference paths of each routed model
+TEMP_KINDS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")  # nginx's temp folders, kept in the prefix
 ROUTE_HEADER = "X-Route-Version"  # the router tells the OpenAI front which version its split picked
 # how long a reload waits for the old workers, and how long nginx lets them finish what they
 # answer: a stream in flight finishes on its old worker, and one may last the engine's
@@ -78,14 +80,13 @@ def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: in
     inference paths: the smoke test and stable's baseline through the same nginx hop as the
     split's requests. Triton's control plane is on neither: deploy calls Triton itself."""
     models = "|".join(ROUTED_MODELS)
-    temp = "\n".join(f"    {kind}_temp_path {prefix / 'tmp' / kind};" for kind in
-                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    temp = "\n".join(f"    {kind}_temp_path {prefix / 'tmp' / kind};" for kind in TEMP_KINDS)
     to_triton = """proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
             proxy_read_timeout 300s;"""
     routed = f"""location = /router/state {{ default_type application/json; return 200 $route_state; }}
-        location ~ ^/v2/models/(?<model>{models})/(?<action>infer|generate|generate_stream)$ {{
+        location ~ ^/v2/models/(?<model>{models})/(?<action>{ROUTED_ACTIONS})$ {{
             if ($model_version = "") {{ return 503; }}
             {to_triton}
             proxy_pass http://triton/v2/models/$model/versions/$model_version/$action;
@@ -131,7 +132,7 @@ http {{
     }}
     server {{  # internal: deploy's smoke test and stable's baseline, a version by its path
         listen {listen_host}:{internal_port};
-        location ~ ^/v2/models/(?<model>{models})/versions/(?<version>[0-9]+)/(?<action>infer|generate|generate_stream)$ {{
+        location ~ ^/v2/models/(?<model>{models})/versions/(?<version>[0-9]+)/(?<action>{ROUTED_ACTIONS})$ {{
             {to_triton}
             proxy_pass http://triton/v2/models/$model/versions/$version/$action;
             add_header X-Model-Version $version always;
@@ -168,7 +169,7 @@ def write_router_config(prefix: Path, listen_port: int, triton_port: int, openai
                         listen_host: str = "127.0.0.1", triton_host: str = "127.0.0.1",
                         openai_host: str = "127.0.0.1") -> Path:
     """nginx.conf (always) and an empty split (only where none exists yet)."""
-    for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+    for kind in TEMP_KINDS:
         (prefix / "tmp" / kind).mkdir(parents=True, exist_ok=True)
     conf = prefix / "nginx.conf"
     conf.write_text(nginx_conf(prefix, listen_port, triton_port, openai_port, internal_port, listen_host, triton_host,
