@@ -330,13 +330,12 @@ def clone_export(source: Path, version: str, out: Path, new_version: str, engine
 
     from tasks.lib import storage
 
-    shutil.copytree(source, out)
-    for model in ("llm", "llm_generate"):
-        (out / "triton" / model / version).rename(out / "triton" / model / new_version)
-    engine = out / "triton" / "llm_generate" / new_version / "engine.py"
-    engine.write_text(engine.read_text() + engine_fault)
-    (out / storage.SUCCESS_MARKER).unlink()
-    (out / storage.SUCCESS_MARKER).write_text(json.dumps(storage.manifest_of(out)))
+    with storage.staged_output(str(out)) as staging:
+        shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns(storage.SUCCESS_MARKER))
+        for model in ("llm", "llm_generate"):
+            (staging / "triton" / model / version).rename(staging / "triton" / model / new_version)
+        engine = staging / "triton" / "llm_generate" / new_version / "engine.py"
+        engine.write_text(engine.read_text() + engine_fault)
     return out
 
 
@@ -666,18 +665,25 @@ def check_bad_input_while_streaming(env: dict[str, str]) -> None:
     assert texts == [alone.choices[0].text] * 6
 
 
+def http_call(url: str, method: str = "GET", body: bytes | None = None,
+              headers: dict[str, str] | None = None) -> tuple[int, str]:
+    """One request: ``(status, the version that answered)``, or ``(status, its body)`` when refused."""
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, resp.headers.get("X-Model-Version", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
 def check_poisoned_batch(env: dict[str, str], ids: list[int], rounds: int = 3) -> None:
     """6 malformed logits requests (a token id of 10^6 at the valid requests' length, so they share
     their batches; 5,000 tokens) mixed into 60 valid ones, all at once through the router: every
     valid one answered, every malformed one a 400 naming input_ids, in each round."""
     def send(window: np.ndarray[Any, Any]) -> tuple[int, str]:
-        request = urllib.request.Request(f"{env['ROUTER_URL']}/v2/models/llm/infer", method="POST",
-                                         data=triton.infer_request(window), headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=60) as resp:
-                return resp.status, ""
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read()).get("error", "")
+        status, text = http_call(f"{env['ROUTER_URL']}/v2/models/llm/infer", "POST", triton.infer_request(window),
+                                 {"Content-Type": "application/json"})
+        return (status, "") if status == 200 else (status, json.loads(text).get("error", ""))
 
     valid = np.asarray([ids], dtype=np.int64)
     poisoned = valid.copy()
@@ -700,30 +706,21 @@ def check_router_allowlist(env: dict[str, str], stable: str) -> None:
     """Clients reach inference, /v1, health and metadata through the router, nothing else:
     Triton's repository control and a version's own paths are 404 (the champion keeps serving); a
     client's own X-Route-Version picks nothing; deploy's internal listener reaches a version."""
-    def call(url: str, method: str = "GET", body: bytes | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, str]:
-        request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                return resp.status, resp.headers.get("X-Model-Version", "")
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode(errors="replace")
-
     router, infer = env["ROUTER_URL"], triton.infer_request(np.ones((1, 4), dtype=np.int64))
     for path in ("/v2/repository/index", "/v2/repository/models/llm/unload", "/v2/repository/models/llm_generate/unload",
                  "/v2/repository/models/llm/load", f"/v2/models/llm/versions/{stable}/infer"):
-        status, body = call(router + path, "POST", b"{}" if "infer" not in path else infer,
+        status, body = http_call(router + path, "POST", b"{}" if "infer" not in path else infer,
                             {"Content-Type": "application/json"})
         assert status == 404 and "not served by this router" in body, (path, status, body)
-    assert call(f"{router}/v2/models/llm/versions/{stable}")[0] == 404
-    assert call(f"{router}/v2/health/ready")[0] == 200 and call(f"{router}/v2/models/llm")[0] == 200
-    assert call(f"{router}/v2/health/ready", "POST", b"")[0] == 403
+    assert http_call(f"{router}/v2/models/llm/versions/{stable}")[0] == 404
+    assert http_call(f"{router}/v2/health/ready")[0] == 200 and http_call(f"{router}/v2/models/llm")[0] == 200
+    assert http_call(f"{router}/v2/health/ready", "POST", b"")[0] == 403
     assert generate_text(env, "Return the number of")[1] == stable  # still loaded, still served
     completion = json.dumps({"prompt": "Return", "max_tokens": 2}).encode()
-    status, answered_by = call(f"{router}/v1/completions", "POST", completion,
+    status, answered_by = http_call(f"{router}/v1/completions", "POST", completion,
                                {"Content-Type": "application/json", "X-Route-Version": "999"})
     assert (status, answered_by) == (200, stable)
-    status, answered_by = call(f"{env['ROUTER_INTERNAL_URL']}/v2/models/llm/versions/{stable}/infer", "POST", infer,
+    status, answered_by = http_call(f"{env['ROUTER_INTERNAL_URL']}/v2/models/llm/versions/{stable}/infer", "POST", infer,
                                {"Content-Type": "application/json"})
     assert (status, answered_by) == (200, stable)
 
