@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
-from serve import make_tokenizer_and_eval_text, register, run_step, start_benchmark_stack  # noqa: E402
+from serve import benchmark_stack, make_tokenizer_and_eval_text, register, run_module, run_step  # noqa: E402
 
 from tasks.lib.params import load_params  # noqa: E402
 
@@ -55,20 +53,18 @@ def swap_decoder(export: Path, version: str, donor: Path, donor_version: str, ou
     as the export step would: the logits model and the reference stay, the engine's text does not."""
     from tasks.lib import storage
 
-    shutil.copytree(export, out)
-    decoder = Path("triton") / "llm_generate" / version / "decoder.onnx"
-    shutil.copyfile(donor / "triton" / "llm_generate" / donor_version / "decoder.onnx", out / decoder)
-    (out / storage.SUCCESS_MARKER).unlink()
-    (out / storage.SUCCESS_MARKER).write_text(json.dumps(storage.manifest_of(out)))
+    with storage.staged_output(str(out)) as staging:
+        shutil.copytree(export, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns(storage.SUCCESS_MARKER))
+        decoder = Path("triton") / "llm_generate" / version / "decoder.onnx"
+        shutil.copyfile(donor / "triton" / "llm_generate" / donor_version / "decoder.onnx", staging / decoder)
     return out
 
 
 def rollout(kind: str, version: str, export: Path, output: Path, env: dict[str, str]) -> dict[str, Any]:
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "tasks.deploy", "canary", "--model-version", version, "--export",
-                           str(export), "--output", str(output), "--no-promote"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode not in (0, 2) or not (output / "report.json").exists():
+    proc = run_module("tasks.deploy", "canary", "--model-version", version, "--export", str(export), "--output",
+                      str(output), "--no-promote", env=env, ok=(0, 2))  # 2: rolled back
+    if not (output / "report.json").exists():
         raise SystemExit(f"deploy of version {version} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     report = json.loads((output / "report.json").read_text())
     steps = [{"weight": s["weight"], "analysis": s.get("analysis", 1), "passed": s["passed"],
@@ -102,10 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     settings = load_params()
     preset, vocab = settings["train"]["presets"]["cpu-tiny"], settings["tokenize"]["vocab_size"]
-    folder = Path(tempfile.mkdtemp(prefix="bench-canary-aa-"))
-    env, name = start_benchmark_stack(folder, settings, "bench-canary-aa")
     results: list[dict[str, Any]] = []
-    try:
+    with benchmark_stack(settings, "bench-canary-aa") as (folder, env, name):
         tokenizer_uri, eval_text = make_tokenizer_and_eval_text(folder, vocab)
         champion = register(name, tokenizer_uri, 1, preset, vocab)
         versions = {"a": champion, "b": register_copy(name, champion), "wrong": register_copy(name, champion),
@@ -128,9 +122,6 @@ def main() -> None:
         for i in range(args.bad_rollouts):
             for kind in ("slow", "wrong"):
                 results.append(rollout(kind, versions[kind], exports[kind], folder / f"deploy-{kind}-{i}", env))
-    finally:
-        subprocess.run([sys.executable, "-m", "stack", "down"], cwd=REPO_ROOT, env=env, capture_output=True)
-        shutil.rmtree(folder, ignore_errors=True)
 
     if args.output:
         args.output.write_text(json.dumps(results, indent=1))

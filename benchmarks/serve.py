@@ -20,6 +20,7 @@ weights: speed does not depend on them), exports them with the export step, then
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +48,18 @@ PORT_NAMES = ("s3", "seaweedfs_master", "seaweedfs_volume", "seaweedfs_filer", "
               "pushgateway")
 
 
-def run_step(module: str, *args: str, env: dict[str, str]) -> dict[str, Any]:
+def run_module(module: str, *args: str, env: dict[str, str], ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
+    """``python -m module args``; an exit code outside ``ok`` ends the benchmark with its stderr."""
     proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{module} {' '.join(args[:2])} failed:\n{proc.stderr[-3000:]}")
+    if proc.returncode not in ok:
+        raise SystemExit(f"{module} {' '.join(args[:2])} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def run_step(module: str, *args: str, env: dict[str, str]) -> dict[str, Any]:
+    """A step that must succeed, and its result."""
+    proc = run_module(module, *args, env=env)
     line = next(x for x in reversed(proc.stderr.splitlines()) if " result {" in x)
     loaded: dict[str, Any] = json.loads(line.split(" result ", 1)[1])
     return loaded
@@ -77,6 +86,19 @@ def start_benchmark_stack(folder: Path, settings: dict[str, Any], prefix: str) -
     params.write_text(json.dumps({**settings, "pipeline": {**settings["pipeline"], "model_name": name}}))
     env["PIPELINE_PARAMS"] = os.environ["PIPELINE_PARAMS"] = str(params)
     return env, name
+
+
+@contextlib.contextmanager
+def benchmark_stack(settings: dict[str, Any], prefix: str) -> Iterator[tuple[Path, dict[str, str], str]]:
+    """A temporary folder, the stack in it (:func:`start_benchmark_stack`): ``(folder, env, model
+    name)``; at the end the stack is stopped and the folder removed, also when it failed to start."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
+    try:
+        yield (folder, *start_benchmark_stack(folder, settings, prefix))
+    finally:
+        subprocess.run([sys.executable, "-m", "stack", "down"], cwd=REPO_ROOT,
+                       env={**os.environ, "STACK_DIR": str(folder / "stack")}, capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def make_tokenizer_and_eval_text(folder: Path, vocab: int) -> tuple[str, Path]:
@@ -224,9 +246,7 @@ def main() -> None:
     serve = settings["serve"]
     preset = settings["train"]["presets"]["cpu-tiny"]
     vocab = settings["tokenize"]["vocab_size"]
-    folder = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    env, name = start_benchmark_stack(folder, settings, "bench-serve")
-    try:
+    with benchmark_stack(settings, "bench-serve") as (folder, env, name):
         tokenizer_uri, eval_text = make_tokenizer_and_eval_text(folder, vocab)
         versions = [register(name, tokenizer_uri, seed, preset, vocab) for seed in (1, 2)]
         exports = [folder / f"export{v}" for v in versions]
@@ -259,9 +279,6 @@ def main() -> None:
             report = json.loads((folder / f"deploy{version}" / "report.json").read_text())
             decisions.append((version, result["verdict"], time.monotonic() - started,
                               [(s["weight"], s["seconds"]) for s in report["steps"]]))
-    finally:
-        subprocess.run([sys.executable, "-m", "stack", "down"], cwd=REPO_ROOT, env=env, capture_output=True)
-        shutil.rmtree(folder, ignore_errors=True)
 
     print(f"\ncpu-tiny GPT ({preset['n_layers']} layers, d_model {preset['d_model']}, vocab {vocab}), "
           f"batch-1 requests of {preset['seq_len']} tokens, {os.cpu_count()} CPUs")

@@ -61,12 +61,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +73,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import PORT_OFFSET, make_tokenizer_and_eval_text, register, run_step, start_benchmark_stack
+from serve import PORT_OFFSET, benchmark_stack, make_tokenizer_and_eval_text, register, run_step
 
 from stack.servers import _terminate_groups as terminate_groups
 from tasks.lib import triton
@@ -124,6 +123,16 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
     until the whole group is gone, as the stack stops its servers: vLLM's engine and worker
     processes outlive its API server by seconds, busy."""
     terminate_groups([proc.pid], grace_s=30.0)
+
+
+@contextlib.contextmanager
+def stopped_at_exit(processes: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+    """Stop every process of ``processes`` (filled meanwhile) when the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        for proc in processes:
+            stop_process(proc)
 
 
 def spawn(command: list[str], log: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
@@ -196,10 +205,7 @@ def loop_model_config(name: str, logits_model: str, serve: Mapping[str, Any]) ->
     """Today's engine as the pipeline served it (``serve.instances`` instances, greedy), with the
     new engine's generate-extension inputs and outputs (plus ``ignore_eos``), not decoupled."""
     config = triton.generate_model_config(name, serve)
-    config.pop("model_transaction_policy")
-    if not any(i["name"] == "ignore_eos" for i in config["input"]):
-        config["input"] = [*config["input"], {"name": "ignore_eos", "data_type": "TYPE_BOOL", "dims": [1],
-                                              "optional": True}]
+    config.pop("model_transaction_policy")  # (generate_model_config declares ignore_eos already)
     config["instance_group"] = [{"count": int(serve["instances"]), "kind": "KIND_CPU"}]
     config["parameters"] = {"logits_model": {"string_value": logits_model},
                             "max_tokens": {"string_value": str(int(serve["generate"]["max_tokens"]))},
@@ -429,10 +435,10 @@ def memory(triton_pid: int, url: str, served: str, prompt: str, max_tokens: int,
 # -- report ---------------------------------------------------------------------------------------
 
 
-def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key_a: str, key_b: str) -> float | None:
-    if not a or not b or key_a not in a or key_b not in b or not b[key_b]:
+def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> float | None:
+    if not a or not b or key not in a or key not in b or not b[key]:
         return None
-    return float(a[key_a] / b[key_b])
+    return float(a[key] / b[key])
 
 
 def ordered(rows: dict[tuple[str, int], dict[str, Any]]) -> list[tuple[tuple[str, int], dict[str, Any]]]:
@@ -444,16 +450,14 @@ def goals(rows: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
     """The issue's goals, computed from this run's rows (None where a side was not measured)."""
     engine1, engine8 = rows.get(("engine", 1)), rows.get(("engine", 8))
     return {
-        "engine_c8_over_baseline_c8_tok_s": {"value": ratio(engine8, rows.get(("baseline", 8)), "output_tok_s",
-                                                            "output_tok_s"), "goal": ">= 5"},
-        "engine_c8_over_engine_c1_tok_s": {"value": ratio(engine8, engine1, "output_tok_s", "output_tok_s"),
-                                           "goal": ">= 4"},
-        "engine_itl_p50_c1_over_in_process": {"value": ratio(engine1, rows.get(("pytorch", 1)), "itl_p50_ms",
-                                                             "itl_p50_ms"), "goal": "<= 1.5"},
-        "engine_c8_over_vllm_c8_tok_s": {"value": ratio(engine8, rows.get(("vllm", 8)), "output_tok_s", "output_tok_s"),
-                                         "goal": ">= 1"},
+        "engine_c8_over_baseline_c8_tok_s": {"value": ratio(engine8, rows.get(("baseline", 8)), "output_tok_s"),
+                                             "goal": ">= 5"},
+        "engine_c8_over_engine_c1_tok_s": {"value": ratio(engine8, engine1, "output_tok_s"), "goal": ">= 4"},
+        "engine_itl_p50_c1_over_in_process": {"value": ratio(engine1, rows.get(("pytorch", 1)), "itl_p50_ms"),
+                                              "goal": "<= 1.5"},
+        "engine_c8_over_vllm_c8_tok_s": {"value": ratio(engine8, rows.get(("vllm", 8)), "output_tok_s"), "goal": ">= 1"},
         "engine_itl_p50_c1_over_decoder_in_process": {"value": ratio(engine1, rows.get(("onnxruntime", 1)),
-                                                                     "itl_p50_ms", "itl_p50_ms"), "goal": None},
+                                                                     "itl_p50_ms"), "goal": None},
     }
 
 
@@ -507,9 +511,9 @@ def print_memory(preset: str, figures: dict[str, Any]) -> None:
 
 
 def machine() -> dict[str, Any]:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "?")
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
     isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
     return {"cpu": model, "cores": os.cpu_count(), "isa": isa, "load_average_1min": os.getloadavg()[0]}
 
@@ -535,9 +539,6 @@ def main() -> None:
     serve = settings["serve"]
     vocab = settings["tokenize"]["vocab_size"]
     presets = {w.preset: settings["train"]["presets"][w.preset] for w in (WORKLOADS[n] for n in args.workloads)}
-    folder = Path(tempfile.mkdtemp(prefix="bench-serve-llm-"))
-    logs = folder / "logs"
-    logs.mkdir()
     ports = settings["stack"]["ports"]
     loop_port, vllm_port = ports["openai_api"] + PORT_OFFSET + 10, ports["openai_api"] + PORT_OFFSET + 20
     load_before = os.getloadavg()[0]  # other work on these 2 cores slows every figure: said in the header
@@ -546,8 +547,9 @@ def main() -> None:
     vllm_status: dict[str, str] = {}
     memory_rows: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
-    try:
-        env, name = start_benchmark_stack(folder, settings, "bench-serve-llm")
+    with benchmark_stack(settings, "bench-serve-llm") as (folder, env, name), stopped_at_exit(processes):
+        logs = folder / "logs"
+        logs.mkdir()
         tokenizer_uri, eval_text = make_tokenizer_and_eval_text(folder, vocab)
         client = triton.TritonClient(env["TRITON_URL"])
         repository = Path(env["TRITON_REPOSITORY"])
@@ -622,12 +624,6 @@ def main() -> None:
                     stop_process(proc)
                 else:
                     print(f"  vllm: {why}", file=sys.stderr, flush=True)
-    finally:
-        for proc in processes:
-            stop_process(proc)
-        subprocess.run([sys.executable, "-m", "stack", "down"], cwd=REPO_ROOT,
-                       env={**os.environ, "STACK_DIR": str(folder / "stack")}, capture_output=True)
-        shutil.rmtree(folder, ignore_errors=True)
 
     host = machine()
     print(f"\nLLM serving, {host['cores']} cores ({host['cpu']}, {host['isa']}), random-weight GPTs, greedy; "
