@@ -15,7 +15,7 @@ from airflow.providers.standard.operators.python import ShortCircuitOperator
 from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param
 from alerts import on_run_failure, on_task_failure
 
-from launcher import distributed_step, mapped_step, run_output_uri, shard_arguments, step
+from launcher import ERROR_XCOM_KEY, distributed_step, mapped_step, run_output_uri, shard_arguments, step
 from pipeline_params import pipeline_params, raw_data_asset
 
 params = pipeline_params()
@@ -272,6 +272,8 @@ with DAG(
             "--run-id", "{{ run_id }}",
             "--states", "{{ ti.get_task_states(dag_id=dag.dag_id, run_ids=[run_id]) | tojson }}",
             *[arg for task_id in REPORTED for arg in ("--result", f"{task_id}={{{{ ti.xcom_pull(task_ids='{task_id}') | tojson }}}}")],
+            # a failed step pushes no result, only its one-line error (launcher.ERROR_XCOM_KEY)
+            *[arg for task_id in REPORTED for arg in ("--error", f"{task_id}={{{{ ti.xcom_pull(task_ids='{task_id}', key='{ERROR_XCOM_KEY}') | tojson }}}}")],
             "--deploy-output", run_output_uri("deploy"),
             "--output", run_output_uri("report"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,

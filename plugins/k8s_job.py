@@ -34,7 +34,7 @@ from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperato
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from kubernetes.client import models as k8s
 
-from launcher import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, torchrun_args
+from launcher import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, record_error, torchrun_args
 
 JOB_LABEL = "llm-pipeline/job"
 ATTEMPT_OF_LABEL = "llm-pipeline/attempt-of"  # the task instance a Job is an attempt of (hashed)
@@ -51,12 +51,25 @@ def attempt_of(context: Any) -> str | None:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def container_exit_code(remote_pod: k8s.V1Pod | None, container: str) -> int | None:
-    """The exit code of ``container`` in the pod as last read from the API, if it terminated."""
+def terminated_state(remote_pod: k8s.V1Pod | None, container: str) -> k8s.V1ContainerStateTerminated | None:
+    """How ``container`` ended, in the pod as last read from the API (None while it runs)."""
     statuses = (remote_pod.status.container_statuses if remote_pod and remote_pod.status else None) or []
     status = next((s for s in statuses if s.name == container), None)
-    terminated = status.state.terminated if status and status.state else None
+    return status.state.terminated if status and status.state else None
+
+
+def container_exit_code(remote_pod: k8s.V1Pod | None, container: str) -> int | None:
+    """The exit code of ``container`` in the pod as last read from the API, if it terminated."""
+    terminated = terminated_state(remote_pod, container)
     return int(terminated.exit_code) if terminated is not None else None
+
+
+def termination_error_line(remote_pod: k8s.V1Pod | None, container: str) -> str | None:
+    """The step's ERROR line from its termination message: with ``FallbackToLogsOnError`` the
+    kubelet keeps the tail of a failed container's log there (else the last line of it)."""
+    terminated = terminated_state(remote_pod, container)
+    lines = [line.strip() for line in ((terminated.message if terminated else None) or "").splitlines() if line.strip()]
+    return next((line for line in reversed(lines) if line.startswith("ERROR ")), lines[-1] if lines else None)
 
 
 class StepPodOperator(KubernetesPodOperator):
@@ -71,8 +84,14 @@ class StepPodOperator(KubernetesPodOperator):
         except (AirflowSkipException, AirflowFailException):
             raise
         except AirflowException as exc:
+            # the step's own line first: the alert and the run report quote it
+            error_line = termination_error_line(remote_pod, self.base_container_name)
+            record_error(context, error_line)
             if container_exit_code(remote_pod, self.base_container_name) == BAD_INPUT_EXIT_CODE:
-                raise AirflowFailException(f"bad input (exit {BAD_INPUT_EXIT_CODE}), not retried: {exc}") from None
+                raise AirflowFailException(f"{error_line or 'bad input'} (exit {BAD_INPUT_EXIT_CODE}, not retried): "
+                                           f"{exc}") from None
+            if error_line:
+                raise AirflowException(f"{error_line}: {exc}") from exc
             raise
 
 

@@ -45,6 +45,9 @@ GATE_REJECTED_EXIT_CODE = 99
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
+# XCom key of a failed step's one-line error (a failed task returns no result): the run report quotes it
+ERROR_XCOM_KEY = "error"
+
 # Run-scoped storage key of the DAG run: run ids hold ':' and '+', which S3 clients mangle.
 RUN_KEY = "{{ run_id | replace(':', '-') | replace('+', '_') }}"
 
@@ -110,6 +113,8 @@ class LocalStepOperator(BaseOperator):
                 self.log.info("running %s", " ".join(command))
             returncode, error_line = self._run(commands, env)
             result = json.loads(result_path.read_text()) if result_path.exists() else None
+            if returncode not in (0, GATE_REJECTED_EXIT_CODE):
+                record_error(context, error_line)
             if returncode == GATE_REJECTED_EXIT_CODE:
                 # a gate said no: keep its verdict for people and later tasks, skip what follows
                 if result is not None and context and "ti" in context:
@@ -168,6 +173,13 @@ class LocalStepOperator(BaseOperator):
         for proc in self._procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+
+
+def record_error(context: Any, error_line: str | None) -> None:
+    """Keep a failed step's one-line error as its ``error`` XCom, for the run report (the task's
+    last try keeps it: a retry starts with its XComs cleared)."""
+    if error_line and context and "ti" in context:
+        context["ti"].xcom_push(key=ERROR_XCOM_KEY, value=error_line.splitlines()[0][:500])
 
 
 def _die_with_parent() -> None:
@@ -289,6 +301,8 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
         "skip_on_exit_code": GATE_REJECTED_EXIT_CODE,
         "get_logs": True,
         "log_events_on_failure": True,
+        # a failed container's termination message is its log's tail: the step's ERROR line
+        "termination_message_policy": "FallbackToLogsOnError",
     }
 
 

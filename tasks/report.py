@@ -29,17 +29,17 @@ from tasks.lib.tracking import find_dag_run
 STEPS = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy")
 
 
-def parse_results(items: list[str]) -> dict[str, Any]:
+def parse_results(items: list[str], option: str = "--result") -> dict[str, Any]:
     """``STEP=JSON`` pairs (an upstream task's XCom, ``null`` when it produced none)."""
     results: dict[str, Any] = {}
     for item in items:
         name, sep, raw = item.partition("=")
         if not sep or name not in STEPS:
-            raise StepError(f"--result {item[:60]!r}: expected STEP=JSON with STEP one of {', '.join(STEPS)}")
+            raise StepError(f"{option} {item[:60]!r}: expected STEP=JSON with STEP one of {', '.join(STEPS)}")
         try:
             results[name] = json.loads(raw) if raw.strip() else None
         except json.JSONDecodeError as exc:
-            raise StepError(f"--result {name}: not JSON ({exc})") from None
+            raise StepError(f"{option} {name}: not JSON ({exc})") from None
     return results
 
 
@@ -53,15 +53,28 @@ def run_states(raw: str) -> dict[str, str]:
     return {task: str(state) for task, state in states.items() if task != "report"}
 
 
-def outcome(states: dict[str, str], results: dict[str, Any]) -> tuple[str, str]:
-    """(verdict, one line): success, rejected by the gate, rolled back, or failed at a step."""
+def parse_errors(items: list[str]) -> dict[str, str]:
+    """``STEP=JSON`` pairs of a failed step's one-line error (its ``error`` XCom; ``null`` if none)."""
+    errors: dict[str, str] = {}
+    for name, value in parse_results(items, "--error").items():
+        if value is not None and not isinstance(value, str):
+            raise StepError(f"--error {name}: expected a JSON string or null, got {type(value).__name__}")
+        if value:
+            errors[name] = value.splitlines()[0]
+    return errors
+
+
+def outcome(states: dict[str, str], results: dict[str, Any], errors: dict[str, str] | None = None) -> tuple[str, str]:
+    """(verdict, one line): success, rejected by the gate, rolled back, or failed at a step (with
+    the step's own error line when the launcher recorded it)."""
     failed = [t for t in STEPS if states.get(t) == "failed"] + [
         t for t, s in states.items() if t not in STEPS and s == "failed"]
     deploy = results.get("deploy") or {}
     if states.get("deploy") == "failed" and deploy.get("verdict") == "rolled back":
         return "rolled back", f"the canary was rolled back at {deploy.get('failed_at', 0):g}%: {deploy.get('reason')}"
     if failed:
-        return "failed", f"failed at {failed[0]} (its task log has the ERROR line)"
+        error = (errors or {}).get(failed[0])
+        return "failed", f"failed at {failed[0]}: {error}" if error else f"failed at {failed[0]} (its task log has the ERROR line)"
     evaluation = results.get("evaluate") or {}
     if states.get("evaluate") == "skipped" and evaluation.get("passed") is False:
         return "rejected", "the gate rejected the challenger: " + "; ".join(evaluation.get("reasons", []))
@@ -86,8 +99,9 @@ def query_command(url: str, model: str) -> str:
     return f"curl -sN {url}/v1/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
 
 
-def build_report(args: argparse.Namespace, states: dict[str, str], results: dict[str, Any]) -> dict[str, Any]:
-    verdict, line = outcome(states, results)
+def build_report(args: argparse.Namespace, states: dict[str, str], results: dict[str, Any],
+                 errors: dict[str, str] | None = None) -> dict[str, Any]:
+    verdict, line = outcome(states, results, errors)
     snap, val, merged = results.get("snapshot") or {}, results.get("validate") or {}, results.get("tokenize_merge") or {}
     tokenizer = results.get("tokenizer") or {}
     train, evaluation = results.get("train") or {}, results.get("evaluate") or {}
@@ -101,6 +115,7 @@ def build_report(args: argparse.Namespace, states: dict[str, str], results: dict
         "outcome": line,
         "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "states": states,
+        "errors": errors or {},
         "data": {**(snap.get("data_version") or {}), "duplicates_removed": snap.get("duplicates_removed")},
         "validation": {k: val.get(k) for k in ("success", "evaluated", "records", "report_uri")},
         "tokens": {**(merged.get("tokens") or {}), "tokens_per_s": merged.get("tokens_per_s"),
@@ -235,12 +250,12 @@ def optional_file(uri: str | None, scratch: Path, name: str) -> Path | None:
 
 
 def write(args: argparse.Namespace) -> dict[str, Any]:
-    states, results = run_states(args.states), parse_results(args.result)
+    states, results, errors = run_states(args.states), parse_results(args.result), parse_errors(args.error)
     # a rolled-back canary fails its task (no XCom): its report is in the step's output
     deploy_report = storage.join(args.deploy_output, "report.json")
     if results.get("deploy") is None and storage.exists(deploy_report):
         results["deploy"] = {**storage.read_json(deploy_report), "report_uri": deploy_report}
-    report = build_report(args, states, results)
+    report = build_report(args, states, results, errors)
     lines = summary_lines(report)
     mlflow_on = bool(args.mlflow_run_tag and os.environ.get("MLFLOW_TRACKING_URI"))
     run_id = find_dag_run(load_params()["train"]["experiment"], args.mlflow_run_tag) if mlflow_on else None
@@ -266,7 +281,7 @@ def write(args: argparse.Namespace) -> dict[str, Any]:
     for line in lines:
         log.info("%s", line)
     log.info("run report: %s", storage.join(args.output, "report.html"))
-    return {"verdict": report["verdict"], "report_uri": storage.join(args.output, "report.html"),
+    return {"verdict": report["verdict"], "outcome": report["outcome"], "report_uri": storage.join(args.output, "report.html"),
             "summary_uri": storage.join(args.output, "summary.txt"), "mlflow_run": mlflow_url}
 
 
@@ -355,6 +370,8 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--run-id", required=True)
     w.add_argument("--states", required=True, help="JSON of ti.get_task_states for this run")
     w.add_argument("--result", action="append", default=[], metavar="STEP=JSON", help="a step's XCom result")
+    w.add_argument("--error", action="append", default=[], metavar="STEP=JSON",
+                   help="a failed step's one-line error (its 'error' XCom, pushed by the launcher)")
     w.add_argument("--deploy-output", required=True, help="the deploy step's output URI (its report.json)")
     w.add_argument("--output", required=True, help="run-scoped URI for report.json, summary.txt, report.html")
     w.add_argument("--mlflow-run-tag", default="", help="dag_run tag of the MLflow run to log the report into")

@@ -271,3 +271,6 @@ def test_bad_data_stops_the_run_before_tokenization(dag: Any, airflow_db: None, 
     assert {states[t] for t in ORDER[1:-1] if t in states} <= {"upstream_failed", None}
     # the report still runs (a teardown) and says where the run stopped; the run stays failed
     assert states["report"] == "success" and xcom(run, "report")["verdict"] == "failed"
+    # ... and why, in the step's own words
+    outcome = xcom(run, "report")["outcome"]
+    assert outcome.startswith("failed at snapshot: ERROR python -m tasks.snapshot: ") and "s3://raw/no-such-source" in outcome

@@ -347,16 +347,28 @@ def test_a_step_pod_that_exits_2_is_not_retried(cluster_dag: Any, dummy_kubeconf
     task.process_pod_deletion = lambda pod, reraise=True: None  # nothing to delete: no cluster
     task.patch_already_checked = lambda pod, reraise=True: None
     task.is_istio_enabled = lambda pod: False  # (it asks the API, with retries)
-    terminated = k8s.V1ContainerStateTerminated(exit_code=exit_code, reason="Error")
+    # FallbackToLogsOnError: the kubelet keeps the failed container's log tail as its message
+    message = "2026-11-25 INFO tasks: reading s3://raw/x\nERROR python -m tasks.validate: s3://raw/x: no records\n"
+    terminated = k8s.V1ContainerStateTerminated(exit_code=exit_code, reason="Error", message=message)
     remote = k8s.V1Pod(
         metadata=k8s.V1ObjectMeta(name="validate-x", namespace="llm-pipeline"),
         status=k8s.V1PodStatus(phase="Failed", container_statuses=[k8s.V1ContainerStatus(
             name="base", image="i", image_id="", ready=False, restart_count=0,
             state=k8s.V1ContainerState(terminated=terminated))]),
     )
+    pushed: dict[str, Any] = {}
+
+    class TaskInstance:  # what cleanup uses of the runtime task instance: its XCom push
+        def xcom_push(self, key: str, value: Any) -> None:
+            pushed[key] = value
+
+    assert task.termination_message_policy == "FallbackToLogsOnError"
     with pytest.raises(AirflowException) as raised:
-        task.cleanup(remote, remote)
+        task.cleanup(remote, remote, context={"ti": TaskInstance()})
     assert isinstance(raised.value, AirflowFailException) is not retried, raised.value
+    # the step's line leads the task's error (the alert's text) and is kept for the run report
+    assert str(raised.value).startswith("ERROR python -m tasks.validate: s3://raw/x: no records"), raised.value
+    assert pushed == {launcher.ERROR_XCOM_KEY: "ERROR python -m tasks.validate: s3://raw/x: no records"}
 
 
 def test_a_training_job_failed_by_bad_input_is_not_retried(cluster_dag: Any, dummy_kubeconfig: str,

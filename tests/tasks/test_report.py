@@ -28,9 +28,9 @@ RESULTS: dict[str, Any] = {
 }
 
 
-def build(states: dict[str, str], results: dict[str, Any]) -> dict[str, Any]:
+def build(states: dict[str, str], results: dict[str, Any], errors: dict[str, str] | None = None) -> dict[str, Any]:
     args = argparse.Namespace(dag_id="llm_retrain", run_id="manual__2026-11-22")
-    return report.build_report(args, states, results)
+    return report.build_report(args, states, results, errors)
 
 
 def test_a_promoted_run_says_what_serves_and_how_to_query_it() -> None:
@@ -74,10 +74,25 @@ def test_html_page_escapes_what_the_model_wrote(tmp_path: Any) -> None:
     assert '<a href="http://mlflow/#/x">' in page and "<td>eval_perplexity</td><td>350</td><td>380</td>" in page
 
 
+def test_a_failed_run_quotes_its_steps_error_line(tmp_path: Any) -> None:
+    states = {**DONE, "validate": "failed", **{t: "upstream_failed" for t in report.STEPS[2:]}}
+    line = "ERROR python -m tasks.validate: 3 of 20 expectations failed (text_not_empty: 41 records)"
+    errors = report.parse_errors([f"snapshot={json.dumps(None)}", f"validate={json.dumps(line)}"])
+    built = build(states, RESULTS, errors)
+    assert built["outcome"] == f"failed at validate: {line}" and built["errors"] == {"validate": line}
+    assert report.summary_lines(built)[0].endswith(f"FAILED: failed at validate: {line}")
+    page = report.render_html(built, report.summary_lines(built), None, None, None, None)
+    assert "failed at validate: ERROR python -m tasks.validate: 3 of 20 expectations failed" in page
+    # no line recorded (an older launcher, a pod killed before it logged): where to look instead
+    assert build(states, RESULTS)["outcome"] == "failed at validate (its task log has the ERROR line)"
+
+
 def test_bad_arguments_are_one_clear_error() -> None:
     with pytest.raises(StepError, match="expected STEP=JSON"):
         report.parse_results(["nope={}"])
     with pytest.raises(StepError, match="--result train: not JSON"):
         report.parse_results(["train={oops"])
     assert report.parse_results(["deploy=null"]) == {"deploy": None}
+    with pytest.raises(StepError, match="--error train: expected a JSON string or null, got dict"):
+        report.parse_errors(["train={}"])
     assert report.run_states(json.dumps({"run": {"snapshot": "success", "report": "running"}})) == {"snapshot": "success"}
