@@ -265,7 +265,7 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
     cluster = pipeline_params()["launcher"]["kubernetes"]
     kind_settings = cluster["kinds"][kind]
     # kubernetes needs the same tmp space a read-only root filesystem takes away
-    scratch = k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource())
+    scratch = k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=cluster["scratch_size"]))
     return {
         "name": task_id.replace("_", "-"),
         "namespace": cluster["namespace"],

@@ -11,7 +11,10 @@
   Beside Triton, the pod runs the OpenAI-compatible API (``tasks/openai_api.py``, the runtime
   image) on its ``openai`` port, translating ``/v1/*`` to the local Triton's generate endpoints.
   Both tracks start at 0 replicas: the first deploy gives them a version.
-- A Service per track (HTTP, gRPC, metrics, openai).
+  Its pods run in the ``llm-serving`` PriorityClass, above training's (a training Job admitted
+  on full GPU nodes never preempts serving), spread across nodes and zones.
+- A Service per track (HTTP, gRPC, metrics, openai); a PodDisruptionBudget for stable (a drain
+  evicts one stable pod at a time).
 - A Gateway API ``HTTPRoute`` on the gateway's public listener: an allowlist (Triton's inference,
   generate and stream paths, health and metadata, exact; the OpenAI front's ``/v1/`` on the
   openai port), each split between the tracks by ``weight`` (per mille); each backend stamps
@@ -122,8 +125,12 @@ def track_deployment(params: dict[str, Any], track: str) -> dict[str, Any]:
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "initContainers": [stage],
         "containers": [server, openai],
-        "volumes": [{"name": "models", "emptyDir": {}}, {"name": "scratch", "emptyDir": {}},
+        "volumes": [{"name": "models", "emptyDir": {"sizeLimit": settings["model_repository_size"]}},
+                    {"name": "scratch", "emptyDir": {"sizeLimit": cluster["scratch_size"]}},
                     {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings["shm_size"]}}],
+        # above training's class: the scheduler never preempts a Triton pod for a training Job
+        "priorityClassName": settings["priority_class"],
+        "topologySpreadConstraints": spread(labels),
     }
     if kind["node_selector"]:
         pod_spec["nodeSelector"] = kind["node_selector"]
@@ -144,6 +151,37 @@ def track_deployment(params: dict[str, Any], track: str) -> dict[str, Any]:
             },
         },
     }
+
+
+def spread(labels: dict[str, str]) -> list[dict[str, Any]]:
+    """A track's pods across nodes, then zones: one node or zone lost takes at most its share.
+    ``ScheduleAnyway``: on a cluster with one free GPU node a pod still starts (a rollout's surge
+    pod included); ``pod-template-hash``: a rolling update spreads the new pods among themselves."""
+    return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": labels}, "matchLabelKeys": ["pod-template-hash"]}
+            for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")]
+
+
+def priority_class(params: dict[str, Any]) -> dict[str, Any]:
+    """Serving's PriorityClass: above the training Jobs' (``launcher.kubernetes.training``)."""
+    settings = params["serve"]["kubernetes"]
+    return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+            "metadata": {"name": settings["priority_class"], "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
+            "value": int(settings["priority"]), "globalDefault": False,
+            "description": "LLM pipeline serving (Triton): above training, so training never preempts it"}
+
+
+def disruption_budget(params: dict[str, Any]) -> dict[str, Any]:
+    """The stable track's PodDisruptionBudget: a drain or an autoscaler's scale-down evicts one
+    stable pod at a time (the canary track, 0 or 1 pod for minutes, has none: it would block
+    drains). A pod that is not ready may go: it serves nothing."""
+    settings = params["serve"]["kubernetes"]
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": f"{settings['name']}-stable", "namespace": params["launcher"]["kubernetes"]["namespace"],
+                         "labels": _labels(settings, "stable")},
+            "spec": {"maxUnavailable": int(settings["max_unavailable"]),
+                     "selector": {"matchLabels": _labels(settings, "stable")},
+                     "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
 
 
 def track_service(params: dict[str, Any], track: str) -> dict[str, Any]:
@@ -256,7 +294,8 @@ def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
 def serving_manifests(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     params = params or pipeline_params()
     tracks = [obj for track in TRACKS for obj in (track_deployment(params, track), track_service(params, track))]
-    return [*tracks, http_route(params), internal_route(params), *deployer_rbac(params)]
+    return [priority_class(params), *tracks, disruption_budget(params), http_route(params), internal_route(params),
+            *deployer_rbac(params)]
 
 
 if __name__ == "__main__":

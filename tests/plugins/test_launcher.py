@@ -112,6 +112,9 @@ def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Pat
         assert container["command"][:2] == ["python", "-m"] and container["command"][2].startswith("tasks.")
         assert {s["secretRef"]["name"] for s in container["envFrom"]} == {"llm-pipeline-storage", "llm-pipeline-mlflow"}
         assert container["resources"]["limits"]["memory"] == "4Gi"
+        # /tmp is bounded: a step filling it is evicted, not the node's other pods
+        assert {"name": "scratch", "emptyDir": {"sizeLimit": "50Gi"}} in spec["volumes"]
+        assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"  # the report's error line
     # the step's result comes back through the xcom sidecar
     assert any(c["name"] == "airflow-xcom-sidecar" for c in pods[0]["spec"]["containers"])
 

@@ -20,8 +20,9 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def test_serving_objects_are_valid_kubernetes_and_gateway_api(tmp_path: Path) -> None:
     objects = serving.serving_manifests()
-    assert sorted(o["kind"] for o in objects) == ["Deployment", "Deployment", "HTTPRoute", "HTTPRoute", "Role",
-                                                  "RoleBinding", "Service", "Service"]
+    assert sorted(o["kind"] for o in objects) == ["Deployment", "Deployment", "HTTPRoute", "HTTPRoute",
+                                                  "PodDisruptionBudget", "PriorityClass", "Role", "RoleBinding",
+                                                  "Service", "Service"]
     proc = validate_objects(objects, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving" in proc.stdout
@@ -44,6 +45,35 @@ def test_each_track_stages_its_version_and_is_ready_only_when_triton_is() -> Non
         assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"  # serve.kubernetes.kind: gpu
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert {"name": "shm", "mountPath": "/dev/shm"} in server["volumeMounts"]
+
+
+def test_training_never_preempts_serving_and_a_drain_keeps_stable_serving() -> None:
+    import cluster
+
+    objects = serving.serving_manifests()
+    serving_class = by_kind(objects, "PriorityClass")[0]
+    training_class = next(o for o in cluster.base_objects() if o["kind"] == "PriorityClass")
+    assert serving_class["value"] > training_class["value"] and not serving_class["globalDefault"]
+    for deployment in by_kind(objects, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert pod["priorityClassName"] == serving_class["metadata"]["name"]
+        # spread over nodes and zones, each track over its own pods
+        assert [(c["topologyKey"], c["labelSelector"]["matchLabels"]) for c in pod["topologySpreadConstraints"]] == [
+            ("kubernetes.io/hostname", labels), ("topology.kubernetes.io/zone", labels)]
+        assert all("sizeLimit" in v["emptyDir"] for v in pod["volumes"])  # no emptyDir can fill its node
+    # the budget holds the stable track's pods only (a canary's lone pod must not block a drain)
+    budget = by_kind(objects, "PodDisruptionBudget")[0]
+    stable = next(d for d in by_kind(objects, "Deployment") if d["metadata"]["name"].endswith("-stable"))
+    canary = next(d for d in by_kind(objects, "Deployment") if d["metadata"]["name"].endswith("-canary"))
+    selector = budget["spec"]["selector"]["matchLabels"]
+    assert selector == stable["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() - canary["spec"]["template"]["metadata"]["labels"].items()
+    assert budget["spec"]["maxUnavailable"] == 1 < serving_params()["serve"]["kubernetes"]["replicas"]
+
+
+def serving_params() -> dict[str, Any]:
+    return yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
 
 
 def matching_rule(route: dict[str, Any], path: str, headers: dict[str, str]) -> int | None:
@@ -114,4 +144,4 @@ def test_cli_prints_the_manifests() -> None:
     proc = subprocess.run([sys.executable, "plugins/serving.py"], cwd=REPO_ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(REPO_ROOT / "plugins")})
     assert proc.returncode == 0, proc.stderr
-    assert [o["kind"] for o in yaml.safe_load_all(proc.stdout)][:2] == ["Deployment", "Service"]
+    assert [o["kind"] for o in yaml.safe_load_all(proc.stdout)][:3] == ["PriorityClass", "Deployment", "Service"]
