@@ -15,7 +15,8 @@ ORCH := .venvs/orchestrator
 RT_PY := $(RUNTIME)/bin/python
 ORCH_PY := $(ORCH)/bin/python
 DEEPSPEED := deepspeed==0.19.8
-# logical date of the first run `make pipeline` executes (the seed data covers the 14 days before it)
+# the newest data window `make pipeline` reaches (the seed data covers the 14 days before it;
+# the first run's window ends 6 days earlier, each next run's a day later)
 PIPELINE_DATE ?= 2026-11-22
 
 comma := ,
@@ -116,15 +117,17 @@ down:
 status:
 	$(RT_PY) -m stack status
 
-# Each `make pipeline` takes another data window (PIPELINE_DATE - runs so far, over 7 days: the
-# demo data ends the day before PIPELINE_DATE, and validation refuses an empty day), so a second
-# run trains on other data and canaries its model against the first run's champion. The window
+# Each `make pipeline` takes the next data window, forward in time: PIPELINE_DATE - 6 days, then a
+# day later per run so far, up to PIPELINE_DATE (the demo data ends the day before it, and
+# validation refuses an empty day), so a second run trains on newer data and canaries its model
+# against the first run's champion (a model of an older window than the champion's is not
+# deployed: tasks/deploy.py). The window
 # is the end_date Param of a run logged now (a logical date in the past would have Airflow
 # record the run as started at that date's midnight, and chart hours for a minutes-long run).
 pipeline: env .airflow/airflow.db
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) -m tasks.seed
-	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=n % 7))') && \
+	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=6 - min(n, 6)))') && \
 	  echo "pipeline run for $$date" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_retrain -c "{\"end_date\": \"$$date\"}"; status=$$?; } && \
 	  echo $$date >> .stack/pipeline-runs && echo && $(MAKE) --no-print-directory report && exit $$status
 

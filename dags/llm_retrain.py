@@ -126,6 +126,11 @@ with DAG(
             False, type="boolean", title="Skip deploy",
             description="Register and export the model, but do not canary or promote it.",
         ),
+        "deploy_older_data": Param(
+            params["canary"]["deploy_older_data"], type="boolean", title="Deploy over a newer champion",
+            description="Deploy even when the model's data window ends before the champion's (a backfill's "
+                        "usually does: it is registered and exported, not deployed).",
+        ),
         "tokenizer_uri": Param(
             None, type=["null", "string"], title="Tokenizer",
             description="Use this tokenizer.json; empty: the production model's, or train one on first run.",
@@ -248,6 +253,7 @@ with DAG(
         "tasks.deploy",
         [
             "--set", "steps={{ params.canary_steps | tojson }}",  # the parser's, before the sub-command
+            "--set", "deploy_older_data={{ params.deploy_older_data | tojson }}",
             "canary",
             "--model-version", result("register", "version"),
             "--export", result("export", "export_uri"),

@@ -14,7 +14,9 @@ and N becomes ``champion`` in the registry. Any check fails: the canary weight g
 the router is reloaded FIRST, only then N is unloaded; the champion alias does not move; the
 report is saved and the step exits 2 with one line naming the failed check (no retry).
 
-The first model ever has no stable to compare with: it is checked on its own at 100%.
+The first model ever has no stable to compare with: it is checked on its own at 100%. A version
+trained on an older data window than the champion's (a backfill, a late retry) is not deployed
+unless ``canary.deploy_older_data`` says so: one line, exit 99 (a gate: the task is skipped).
 Idempotent: a retried or restarted deploy finds a leftover canary and rolls it back before
 starting again from weight 0, or finds N already serving and only makes sure it is promoted.
 Two deploys never run at once (a lock beside the router's configuration, or on the HTTPRoute).
@@ -42,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from tasks.lib import canary, storage, triton
-from tasks.lib.errors import StepError, absent, registry_error
-from tasks.lib.model_store import PREVIOUS, alias_version, promote_version
+from tasks.lib.errors import GateRejected, StepError, absent, registry_error
+from tasks.lib.model_store import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
 from tasks.lib.params import load_params, step_params
 from tasks.lib.serving import Serving, serving_platform, stage_version
 from tasks.lib.step import log, run_step, step_parser
@@ -242,6 +244,18 @@ def check_steps(steps: Any) -> None:
         raise StepError(f"canary.steps {steps!r}: expected rising traffic shares in (0, 100] ending at 100")
 
 
+def older_than_champion(name: str, version: str) -> str | None:
+    """Why ``version`` must not replace the champion: it was trained on an older data window (a
+    backfill, a late retry of an old run). None when it is not older, or a window is unknown."""
+    champion = alias_version(name, CHAMPION)
+    if champion is None or champion == version:
+        return None
+    ours, theirs = data_end(name, version), data_end(name, champion)
+    if ours and theirs and ours < theirs:
+        return f"version {version}'s data ends {ours}, before champion v{champion}'s ({theirs})"
+    return None
+
+
 def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     params = step_params("canary", args.overrides)
     settings = load_params()
@@ -249,10 +263,17 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number")
     check_steps(params["steps"])
+    if not isinstance(params["deploy_older_data"], bool):
+        raise StepError(f"canary.deploy_older_data {params['deploy_older_data']!r}: expected true or false")
     if not str(params["latency_analyses"]).isdigit() or int(params["latency_analyses"]) < 1:
         raise StepError(f"canary.latency_analyses {params['latency_analyses']!r}: expected a whole number >= 1")
     serving = serving_platform(settings)
     with serving.lock(), storage.scratch() as scratch:
+        # read under the lock: a deploy that held it may just have promoted a newer champion
+        why = None if params["deploy_older_data"] else older_than_champion(name, str(args.model_version))
+        if why:
+            raise GateRejected(f"{why}: not deployed (the run's deploy_older_data Param deploys it)",
+                               {"verdict": "not deployed", "canary": int(args.model_version), "reason": why})
         report = run_canary(args, params, serving, serve, scratch)
         if report["verdict"] == "promoted":
             report["aliases"] = promote_version(name, str(args.model_version)) if args.promote else {}

@@ -82,7 +82,8 @@ def outcome(states: dict[str, str], results: dict[str, Any], errors: dict[str, s
         return "success", f"version {deploy.get('canary')} serves as champion"
     registered = results.get("register") or {}
     if states.get("deploy") == "skipped" and registered.get("version"):
-        return "deploy skipped", f"version {registered['version']} registered and exported, not deployed (skip_deploy)"
+        why = f": {deploy['reason']}" if deploy.get("reason") else " (skip_deploy)"
+        return "deploy skipped", f"version {registered['version']} registered and exported, not deployed{why}"
     pending = [t for t in STEPS if states.get(t) not in ("success", "skipped")]
     return "incomplete", f"not finished: {', '.join(pending) or 'unknown'}"
 
@@ -170,7 +171,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"{'passed' if ev.get('passed') else 'rejected: ' + '; '.join(ev.get('reasons') or [])}")
     if reg.get("version"):
         lines.append(f"  registered  {reg['model_uri']} (alias challenger: v{reg.get('challenger')}, the newest data window)")
-    if canary.get("verdict"):
+    if canary.get("verdict") and canary["verdict"] != "not deployed":  # (the outcome line says why not)
         path = " -> ".join(f"{s['weight']:g}%{'' if s['passed'] else ' (failed)'}{analyses_note(s)}"
                            for s in canary.get("steps") or [])
         aliases = ", ".join(f"{k} v{v}" for k, v in (canary.get("aliases") or {}).items() if v)

@@ -107,6 +107,20 @@ def alias_version(name: str, alias: str) -> str | None:
         raise registry_error(f"reading models:/{name}@{alias}", exc) from None
 
 
+def data_end(name: str, version: str) -> str | None:
+    """The last day of the data window ``version`` was trained on (its ``data_end`` lineage tag,
+    ISO date), or None when it carries none (registered outside the pipeline)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return MlflowClient().get_model_version(name, version).tags.get("data_end") or None
+    except MlflowException as exc:
+        if absent(exc):
+            return None
+        raise registry_error(f"reading models:/{name}/{version}", exc) from None
+
+
 def promote_version(name: str, version: str) -> dict[str, str | None]:
     """Make ``version`` the champion: the champion it replaces becomes ``previous``.
 

@@ -213,6 +213,26 @@ def test_challenger_is_the_newest_data_not_the_last_registered(
     retried = step_result(register(good_model, report, backfill_tag, env, data_end="2026-11-15"))
     assert retried["new"] is False and retried["challenger"] == newest["version"]
 
+    # deploy: the backfill's version does not replace a champion trained on newer data (a gate:
+    # exit 99, one line, nothing staged); the trigger's deploy_older_data lets it through
+    MlflowClient().set_registered_model_alias(env["MODEL_NAME"], "champion", newest["version"])
+    missing_export = str(tmp_path / "no-export")
+
+    def deploy(version: str, older_data: str) -> Any:
+        return run_module("tasks.deploy", "--set", f"deploy_older_data={older_data}", "canary", "--model-version",
+                          version, "--export", missing_export, "--output", str(tmp_path / f"deploy-{older_data}"),
+                          "--no-promote", env={**stack_env, **env})
+
+    skipped = deploy(late_backfill["version"], "false")
+    assert skipped.returncode == 99, skipped.stderr[-2000:]
+    assert (f"version {late_backfill['version']}'s data ends 2026-11-15, before champion v{newest['version']}'s "
+            f"(2026-11-29): not deployed" in skipped.stderr), skipped.stderr[-2000:]
+    assert step_result(skipped)["verdict"] == "not deployed"
+    assert not (tmp_path / "deploy-false").exists()
+    assert deploy(late_backfill["version"], "maybe").returncode == 2  # not a boolean: bad input
+    forced = deploy(late_backfill["version"], "true")  # past the guard: on to the (missing) export
+    assert forced.returncode == 2 and "no-export" in error_lines(forced)[0], forced.stderr[-2000:]
+
 
 @pytest.mark.integration
 def test_worse_challenger_is_rejected_and_champion_untouched(

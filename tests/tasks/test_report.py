@@ -55,10 +55,14 @@ def test_a_promoted_run_says_what_serves_and_how_to_query_it() -> None:
          "rolled back", "rolled back at 10%: error rate 5% > 1%"),
         ({**DONE, "deploy_gate": "success", "deploy": "skipped"}, {**RESULTS, "deploy": None},
          "deploy skipped", "version 2 registered and exported, not deployed"),
+        ({**DONE, "deploy_gate": "success", "deploy": "skipped"},
+         {**RESULTS, "deploy": {"verdict": "not deployed", "canary": 2,
+                                "reason": "version 2's data ends 2026-11-15, before champion v3's (2026-11-22)"}},
+         "deploy skipped", "not deployed: version 2's data ends 2026-11-15, before champion v3's (2026-11-22)"),
         ({**DONE, "snapshot": "failed", **{t: "upstream_failed" for t in report.STEPS[1:]}}, {},
          "failed", "failed at snapshot"),
     ],
-    ids=["rejected", "rolled-back", "skip-deploy", "failed"],
+    ids=["rejected", "rolled-back", "skip-deploy", "older-data", "failed"],
 )
 def test_verdict_follows_the_steps(states: dict[str, str], results: dict[str, Any], verdict: str, words: str) -> None:
     built = build(states, results)
