@@ -19,6 +19,8 @@ from typing import Any
 
 log = logging.getLogger("airflow.alerts")
 WEBHOOK_ENV = "PIPELINE_ALERT_WEBHOOK_URL"
+# a pod's failure carries its log's tail and the pod's state: the webhook gets the start of it
+ERROR_FIELD_CHARS = 4000
 
 
 def post(payload: dict[str, Any], timeout_s: float = 10.0) -> bool:
@@ -49,7 +51,8 @@ def on_task_failure(context: Mapping[str, Any]) -> None:
     log.error("%s", line)
     ti = context["ti"]
     post({"text": line, "event": "task_failed", "dag_id": ti.dag_id, "run_id": context.get("run_id"),
-          "task_id": ti.task_id, "try_number": ti.try_number, "error": str(context.get("exception") or "")})
+          "task_id": ti.task_id, "try_number": ti.try_number,
+          "error": str(context.get("exception") or "")[:ERROR_FIELD_CHARS]})
 
 
 def on_run_failure(context: Mapping[str, Any]) -> None:

@@ -8,7 +8,7 @@
 - ``base``: the namespace; the step pods' service account (``launcher.kubernetes.service_account``:
   only deploy talks to the API server, with the Role of ``plugins/serving.py``); the Airflow
   workers' service account and a Role with exactly the verbs our operators call (the provider's
-  KubernetesPodOperator / KubernetesJobOperator and ``k8s_job.py``); the training PriorityClass;
+  KubernetesPodOperator / KubernetesJobOperator and ``k8s_job.py``); the training and serving PriorityClasses;
   the Kueue LocalQueue the training Jobs are labelled with.
 - ``secrets``: the Secrets the step pods read their endpoints and credentials from
   (``launcher.kubernetes.env_from_secrets``), filled from the environment of whoever runs it, so
@@ -107,6 +107,14 @@ def training_priority_class(params: dict[str, Any]) -> dict[str, Any]:
             "description": "LLM pipeline training Jobs: above batch work, below serving"}
 
 
+def serving_priority_class(params: dict[str, Any]) -> dict[str, Any]:
+    """Serving's PriorityClass (the Triton pods of ``plugins/serving.py``), above training's."""
+    settings = params["serve"]["kubernetes"]
+    return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": _metadata(settings["priority_class"]),
+            "value": int(settings["priority"]), "globalDefault": False,
+            "description": "LLM pipeline serving (Triton): above training, so a training Job never preempts it"}
+
+
 def training_local_queue(params: dict[str, Any]) -> dict[str, Any]:
     """The namespace's door to the cluster queue an administrator set up (its quotas, flavors)."""
     cluster = params["launcher"]["kubernetes"]
@@ -119,7 +127,7 @@ def training_local_queue(params: dict[str, Any]) -> dict[str, Any]:
 def base_objects(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     params = params or pipeline_params()
     return [namespace(params), *service_accounts(params), *launcher_rbac(params),
-            training_priority_class(params), training_local_queue(params)]
+            training_priority_class(params), serving_priority_class(params), training_local_queue(params)]
 
 
 def secrets(env: dict[str, str], params: dict[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperato
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from kubernetes.client import models as k8s
 
-from launcher import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, record_error, torchrun_args
+from launcher import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, ended_without_error_line, record_error, torchrun_args
 
 JOB_LABEL = "llm-pipeline/job"
 ATTEMPT_OF_LABEL = "llm-pipeline/attempt-of"  # the task instance a Job is an attempt of (hashed)
@@ -66,10 +66,14 @@ def container_exit_code(remote_pod: k8s.V1Pod | None, container: str) -> int | N
 
 def termination_error_line(remote_pod: k8s.V1Pod | None, container: str) -> str | None:
     """The step's ERROR line from its termination message: with ``FallbackToLogsOnError`` the
-    kubelet keeps the tail of a failed container's log there (else the last line of it)."""
+    kubelet keeps the tail of a failed container's log there. A step that wrote none (killed,
+    out of memory): how it ended and its last output line."""
     terminated = terminated_state(remote_pod, container)
-    lines = [line.strip() for line in ((terminated.message if terminated else None) or "").splitlines() if line.strip()]
-    return next((line for line in reversed(lines) if line.startswith("ERROR ")), lines[-1] if lines else None)
+    if terminated is None:
+        return None
+    lines = [line.strip() for line in (terminated.message or "").splitlines() if line.strip()]
+    error = next((line for line in reversed(lines) if line.startswith("ERROR ")), None)
+    return error or ended_without_error_line(terminated.exit_code, terminated.reason, lines[-1] if lines else "")
 
 
 class StepPodOperator(KubernetesPodOperator):

@@ -114,7 +114,8 @@ class LocalStepOperator(BaseOperator):
             returncode, error_line = self._run(commands, env)
             result = json.loads(result_path.read_text()) if result_path.exists() else None
             if returncode not in (0, GATE_REJECTED_EXIT_CODE):
-                record_error(context, error_line)
+                record_error(context, error_line if error_line.startswith("ERROR ")
+                             else ended_without_error_line(returncode, None, error_line))
             if returncode == GATE_REJECTED_EXIT_CODE:
                 # a gate said no: keep its verdict for people and later tasks, skip what follows
                 if result is not None and context and "ti" in context:
@@ -173,6 +174,13 @@ class LocalStepOperator(BaseOperator):
         for proc in self._procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+
+
+def ended_without_error_line(exit_code: int, reason: str | None, last_line: str) -> str:
+    """What the report says of a step that failed without its ERROR line (killed, out of memory,
+    a crash): its exit code, the kubelet's reason where there is one, its last output."""
+    how = f"exit {exit_code}" + (f" ({reason})" if reason else "")
+    return f"{how}; last output: {last_line[:300]}" if last_line else how
 
 
 def record_error(context: Any, error_line: str | None) -> None:

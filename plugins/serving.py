@@ -11,8 +11,9 @@
   Beside Triton, the pod runs the OpenAI-compatible API (``tasks/openai_api.py``, the runtime
   image) on its ``openai`` port, translating ``/v1/*`` to the local Triton's generate endpoints.
   Both tracks start at 0 replicas: the first deploy gives them a version.
-  Its pods run in the ``llm-serving`` PriorityClass, above training's (a training Job admitted
-  on full GPU nodes never preempts serving), spread across nodes and zones.
+  Its pods run in the ``llm-serving`` PriorityClass (``plugins/cluster.py``: cluster-scoped, with
+  the cluster's own objects), above training's (a training Job admitted on full GPU nodes never
+  preempts serving; a serving pod may preempt a training pod), spread across nodes and zones.
 - A Service per track (HTTP, gRPC, metrics, openai); a PodDisruptionBudget for stable (a drain
   evicts one stable pod at a time).
 - A Gateway API ``HTTPRoute`` on the gateway's public listener: an allowlist (Triton's inference,
@@ -162,20 +163,14 @@ def spread(labels: dict[str, str]) -> list[dict[str, Any]]:
             for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")]
 
 
-def priority_class(params: dict[str, Any]) -> dict[str, Any]:
-    """Serving's PriorityClass: above the training Jobs' (``launcher.kubernetes.training``)."""
-    settings = params["serve"]["kubernetes"]
-    return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
-            "metadata": {"name": settings["priority_class"], "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
-            "value": int(settings["priority"]), "globalDefault": False,
-            "description": "LLM pipeline serving (Triton): above training, so training never preempts it"}
-
-
 def disruption_budget(params: dict[str, Any]) -> dict[str, Any]:
     """The stable track's PodDisruptionBudget: a drain or an autoscaler's scale-down evicts one
-    stable pod at a time (the canary track, 0 or 1 pod for minutes, has none: it would block
-    drains). A pod that is not ready may go: it serves nothing."""
+    stable pod at a time, so some stay serving (hence fewer than ``replicas``; the canary track,
+    0 or 1 pod for minutes, has none). A pod that is not ready may go: it serves nothing."""
     settings = params["serve"]["kubernetes"]
+    if not 0 < int(settings["max_unavailable"]) < int(settings["replicas"]):
+        raise ValueError(f"serve.kubernetes.max_unavailable {settings['max_unavailable']!r}: expected at least 1 "
+                         f"and fewer than replicas ({settings['replicas']}), so a drain leaves stable pods serving")
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": {"name": f"{settings['name']}-stable", "namespace": params["launcher"]["kubernetes"]["namespace"],
                          "labels": _labels(settings, "stable")},
@@ -294,8 +289,7 @@ def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
 def serving_manifests(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     params = params or pipeline_params()
     tracks = [obj for track in TRACKS for obj in (track_deployment(params, track), track_service(params, track))]
-    return [priority_class(params), *tracks, disruption_budget(params), http_route(params), internal_route(params),
-            *deployer_rbac(params)]
+    return [*tracks, disruption_budget(params), http_route(params), internal_route(params), *deployer_rbac(params)]
 
 
 if __name__ == "__main__":

@@ -251,7 +251,11 @@ def older_than_champion(name: str, version: str) -> str | None:
     if champion is None or champion == version:
         return None
     ours, theirs = data_end(name, version), data_end(name, champion)
-    if ours and theirs and ours < theirs:
+    if not (ours and theirs):
+        log.warning("version %s or champion v%s has no data_end tag (registered outside the pipeline): "
+                    "their data windows are not compared", version, champion)
+        return None
+    if ours < theirs:  # ISO dates: the strings sort as the days
         return f"version {version}'s data ends {ours}, before champion v{champion}'s ({theirs})"
     return None
 

@@ -61,10 +61,23 @@ def test_bad_input_fails_the_task_without_retry_and_names_the_problem(tmp_path: 
     assert not (tmp_path / "out").exists()
 
 
+class RecordingTaskInstance:
+    """What the launcher uses of Airflow's runtime task instance: its XCom push."""
+
+    def __init__(self) -> None:
+        self.pushed: dict[str, Any] = {}
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        self.pushed[key] = value
+
+
 def test_a_crash_fails_the_task_with_its_last_line(tmp_path: Path) -> None:
     op = local_step(tmp_path, "--end-date", "not-a-date", "--output", str(tmp_path / "raw"))
+    ti = RecordingTaskInstance()
     with pytest.raises(AirflowException, match=r"tasks\.seed exited with 1: ValueError: Invalid isoformat"):
-        op.execute(context={})
+        op.execute(context={"ti": ti})
+    # no ERROR line: the report is told how it ended, not handed a log line as the error
+    assert ti.pushed[launcher.ERROR_XCOM_KEY].startswith("exit 1; last output: ValueError: Invalid isoformat")
 
 
 # -- cluster mode ---------------------------------------------------------------------------
@@ -359,19 +372,32 @@ def test_a_step_pod_that_exits_2_is_not_retried(cluster_dag: Any, dummy_kubeconf
             name="base", image="i", image_id="", ready=False, restart_count=0,
             state=k8s.V1ContainerState(terminated=terminated))]),
     )
-    pushed: dict[str, Any] = {}
-
-    class TaskInstance:  # what cleanup uses of the runtime task instance: its XCom push
-        def xcom_push(self, key: str, value: Any) -> None:
-            pushed[key] = value
-
+    ti = RecordingTaskInstance()
     assert task.termination_message_policy == "FallbackToLogsOnError"
     with pytest.raises(AirflowException) as raised:
-        task.cleanup(remote, remote, context={"ti": TaskInstance()})
+        task.cleanup(remote, remote, context={"ti": ti})
     assert isinstance(raised.value, AirflowFailException) is not retried, raised.value
     # the step's line leads the task's error (the alert's text) and is kept for the run report
     assert str(raised.value).startswith("ERROR python -m tasks.validate: s3://raw/x: no records"), raised.value
-    assert pushed == {launcher.ERROR_XCOM_KEY: "ERROR python -m tasks.validate: s3://raw/x: no records"}
+    assert ti.pushed == {launcher.ERROR_XCOM_KEY: "ERROR python -m tasks.validate: s3://raw/x: no records"}
+
+
+def test_a_pod_killed_before_its_error_line_is_reported_by_how_it_ended() -> None:
+    """Out of memory or killed, a step writes no ERROR line: the report gets the exit code, the
+    kubelet's reason and the last line, not a log line passed off as the error."""
+    from k8s_job import termination_error_line
+    from kubernetes.client import models as k8s
+
+    def pod(message: str | None) -> Any:
+        terminated = k8s.V1ContainerStateTerminated(exit_code=137, reason="OOMKilled", message=message)
+        return k8s.V1Pod(status=k8s.V1PodStatus(container_statuses=[k8s.V1ContainerStatus(
+            name="base", image="i", image_id="", ready=False, restart_count=0,
+            state=k8s.V1ContainerState(terminated=terminated))]))
+
+    assert termination_error_line(pod("INFO step 120/300, loss 5.1\n"), "base") == (
+        "exit 137 (OOMKilled); last output: INFO step 120/300, loss 5.1")
+    assert termination_error_line(pod(None), "base") == "exit 137 (OOMKilled)"
+    assert termination_error_line(pod(None), "other") is None  # (no such container: nothing to say)
 
 
 def test_a_training_job_failed_by_bad_input_is_not_retried(cluster_dag: Any, dummy_kubeconfig: str,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import serving
 import yaml
 from helpers import REPO_ROOT, validate_objects
@@ -21,8 +22,7 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 def test_serving_objects_are_valid_kubernetes_and_gateway_api(tmp_path: Path) -> None:
     objects = serving.serving_manifests()
     assert sorted(o["kind"] for o in objects) == ["Deployment", "Deployment", "HTTPRoute", "HTTPRoute",
-                                                  "PodDisruptionBudget", "PriorityClass", "Role", "RoleBinding",
-                                                  "Service", "Service"]
+                                                  "PodDisruptionBudget", "Role", "RoleBinding", "Service", "Service"]
     proc = validate_objects(objects, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving" in proc.stdout
@@ -51,8 +51,10 @@ def test_training_never_preempts_serving_and_a_drain_keeps_stable_serving() -> N
     import cluster
 
     objects = serving.serving_manifests()
-    serving_class = by_kind(objects, "PriorityClass")[0]
-    training_class = next(o for o in cluster.base_objects() if o["kind"] == "PriorityClass")
+    classes = {o["metadata"]["name"]: o for o in by_kind(cluster.base_objects(), "PriorityClass")}  # cluster-scoped
+    settings = serving_params()
+    serving_class = classes[settings["serve"]["kubernetes"]["priority_class"]]
+    training_class = classes[settings["launcher"]["kubernetes"]["training"]["priority_class"]]
     assert serving_class["value"] > training_class["value"] and not serving_class["globalDefault"]
     for deployment in by_kind(objects, "Deployment"):
         pod = deployment["spec"]["template"]["spec"]
@@ -69,7 +71,12 @@ def test_training_never_preempts_serving_and_a_drain_keeps_stable_serving() -> N
     selector = budget["spec"]["selector"]["matchLabels"]
     assert selector == stable["spec"]["template"]["metadata"]["labels"]
     assert selector.items() - canary["spec"]["template"]["metadata"]["labels"].items()
-    assert budget["spec"]["maxUnavailable"] == 1 < serving_params()["serve"]["kubernetes"]["replicas"]
+    assert budget["spec"]["maxUnavailable"] == 1 < settings["serve"]["kubernetes"]["replicas"]
+    # a budget that would let a drain evict every stable pod is refused when rendering
+    lone = copy.deepcopy(settings)
+    lone["serve"]["kubernetes"]["replicas"] = 1
+    with pytest.raises(ValueError, match="max_unavailable 1: expected at least 1 and fewer than replicas"):
+        serving.disruption_budget(lone)
 
 
 def serving_params() -> dict[str, Any]:
@@ -144,4 +151,4 @@ def test_cli_prints_the_manifests() -> None:
     proc = subprocess.run([sys.executable, "plugins/serving.py"], cwd=REPO_ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(REPO_ROOT / "plugins")})
     assert proc.returncode == 0, proc.stderr
-    assert [o["kind"] for o in yaml.safe_load_all(proc.stdout)][:3] == ["PriorityClass", "Deployment", "Service"]
+    assert [o["kind"] for o in yaml.safe_load_all(proc.stdout)][:2] == ["Deployment", "Service"]
