@@ -37,6 +37,14 @@ END_DATE = "{{ params.end_date or ((dag_run.data_interval_end or dag_run.run_aft
 LOGICAL_DATE = "{{ (dag_run.logical_date or dag_run.run_after) | ds }}"
 # the steps whose results the run report gathers (tasks/report.py STEPS)
 REPORTED = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy")
+
+
+def reported_xcoms(option: str, key: str) -> list[str]:
+    """``option STEP=<the step's XCom under key, as JSON>`` for each reported step (the report's arguments)."""
+    return [arg for task_id in REPORTED
+            for arg in (option, f"{task_id}={{{{ ti.xcom_pull(task_ids='{task_id}', key='{key}') | tojson }}}}")]
+
+
 # names this DAG run's MLflow run and registered version (retries find them by it)
 MLFLOW_RUN_TAG = "{{ dag.dag_id }}/{{ run_id }}"
 
@@ -277,9 +285,9 @@ with DAG(
             "--dag-id", "{{ dag.dag_id }}",
             "--run-id", "{{ run_id }}",
             "--states", "{{ ti.get_task_states(dag_id=dag.dag_id, run_ids=[run_id]) | tojson }}",
-            *[arg for task_id in REPORTED for arg in ("--result", f"{task_id}={{{{ ti.xcom_pull(task_ids='{task_id}') | tojson }}}}")],
+            *reported_xcoms("--result", "return_value"),
             # a failed step pushes no result, only its one-line error (launcher.ERROR_XCOM_KEY)
-            *[arg for task_id in REPORTED for arg in ("--error", f"{task_id}={{{{ ti.xcom_pull(task_ids='{task_id}', key='{ERROR_XCOM_KEY}') | tojson }}}}")],
+            *reported_xcoms("--error", ERROR_XCOM_KEY),
             "--deploy-output", run_output_uri("deploy"),
             "--output", run_output_uri("report"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,

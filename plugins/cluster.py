@@ -99,20 +99,22 @@ def launcher_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _priority_class(name: str, value: Any, description: str) -> dict[str, Any]:
+    return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": _metadata(name),
+            "value": int(value), "globalDefault": False, "description": description}
+
+
 def training_priority_class(params: dict[str, Any]) -> dict[str, Any]:
     training = params["launcher"]["kubernetes"]["training"]
-    return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
-            "metadata": _metadata(training["priority_class"]), "value": int(training["priority"]),
-            "globalDefault": False,
-            "description": "LLM pipeline training Jobs: above batch work, below serving"}
+    return _priority_class(training["priority_class"], training["priority"],
+                           "LLM pipeline training Jobs: above batch work, below serving")
 
 
 def serving_priority_class(params: dict[str, Any]) -> dict[str, Any]:
     """Serving's PriorityClass (the Triton pods of ``plugins/serving.py``), above training's."""
     settings = params["serve"]["kubernetes"]
-    return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": _metadata(settings["priority_class"]),
-            "value": int(settings["priority"]), "globalDefault": False,
-            "description": "LLM pipeline serving (Triton): above training, so a training Job never preempts it"}
+    return _priority_class(settings["priority_class"], settings["priority"],
+                           "LLM pipeline serving (Triton): above training, so a training Job never preempts it")
 
 
 def training_local_queue(params: dict[str, Any]) -> dict[str, Any]:

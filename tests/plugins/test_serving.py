@@ -14,6 +14,8 @@ import serving
 import yaml
 from helpers import REPO_ROOT, validate_objects
 
+from pipeline_params import pipeline_params
+
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] == kind]
@@ -52,7 +54,7 @@ def test_training_never_preempts_serving_and_a_drain_keeps_stable_serving() -> N
 
     objects = serving.serving_manifests()
     classes = {o["metadata"]["name"]: o for o in by_kind(cluster.base_objects(), "PriorityClass")}  # cluster-scoped
-    settings = serving_params()
+    settings = pipeline_params()
     serving_class = classes[settings["serve"]["kubernetes"]["priority_class"]]
     training_class = classes[settings["launcher"]["kubernetes"]["training"]["priority_class"]]
     assert serving_class["value"] > training_class["value"] and not serving_class["globalDefault"]
@@ -77,10 +79,6 @@ def test_training_never_preempts_serving_and_a_drain_keeps_stable_serving() -> N
     lone["serve"]["kubernetes"]["replicas"] = 1
     with pytest.raises(ValueError, match="max_unavailable 1: expected at least 1 and fewer than replicas"):
         serving.disruption_budget(lone)
-
-
-def serving_params() -> dict[str, Any]:
-    return yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
 
 
 def matching_rule(route: dict[str, Any], path: str, headers: dict[str, str]) -> int | None:
