@@ -125,6 +125,7 @@ def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, Any], v
     import torch
 
     from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig
+    from tasks.lib.model_store import log_model
 
     torch.manual_seed(seed)
     config = GPTConfig(vocab_size=vocab, **preset)
@@ -133,12 +134,11 @@ def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, Any], v
         for param_name, param in model.named_parameters():
             if param.dim() == 2 and not param_name.startswith("embed"):
                 param.mul_(weight_scale)
-    with mlflow.start_run(run_name=f"benchmark {name} seed {seed}"):
-        info = mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
-                                        code_paths=[str(REPO_ROOT / "tasks")], pip_requirements=["torch==2.13.0"])
     description = {"format_version": FORMAT_VERSION, "config": config.to_dict(), "tokenizer_uri": tokenizer_uri,
                    "tokenizer_hash": tokenizer_uri.rsplit("sha256-", 1)[1].split("/")[0]}
-    return str(mlflow.register_model(info.model_uri, name, tags={"model_description": json.dumps(description)}).version)
+    with mlflow.start_run(run_name=f"benchmark {name} seed {seed}"):
+        model_uri = log_model(model, description)
+    return str(mlflow.register_model(model_uri, name, tags={"model_description": json.dumps(description)}).version)
 
 
 # -- 1. dynamic batching ----------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Register the evaluated model in the MLflow model registry as ``challenger``.
 
-Logs the model with the pytorch flavor (signature, input example, explicit pip requirements,
-this project's ``tasks`` package as code) into the DAG run's MLflow run, registers a version
+Logs the model in the registry's form (safetensors weights + config.json under this project's
+MLflow flavor, with a signature and a ``python_function`` flavor; no pickle: see
+:mod:`tasks.lib.model_store`) into the DAG run's MLflow run, registers a version
 whose tags carry the lineage (data version and content hash, tokenizer hash, git commit, DAG id,
 run id, logical date, its evaluation metrics and the champion's it was compared with), and sets
 the ``challenger`` alias to the version trained on the newest data window (``data_end``; see
@@ -23,8 +24,8 @@ import numpy as np
 
 from tasks.lib import storage
 from tasks.lib.errors import StepError
-from tasks.lib.model_store import CHALLENGER, load_model_dir
-from tasks.lib.params import REPO_ROOT, load_params, step_params
+from tasks.lib.model_store import CHALLENGER, load_model_dir, log_model
+from tasks.lib.params import REPO_ROOT, load_params
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
@@ -129,7 +130,8 @@ def version_tags(
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    params = step_params("register", args.overrides)
+    if args.overrides:
+        raise StepError(f"--set {' '.join(args.overrides)}: the register step has no settings")
     settings = load_params()
     name = settings["pipeline"]["model_name"]
     lineage = parse_tags(args.lineage)
@@ -150,23 +152,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise StepError(f"{args.evaluation}: the evaluation gate did not pass; refusing to register")
     with storage.scratch() as scratch:
         loaded = load_model_dir(args.model, scratch)
-        seq = min(16, loaded.model.config.seq_len)
-        example = np.arange(seq, dtype=np.int64).reshape(1, seq) % loaded.model.config.vocab_size
-        signature = model_signature(loaded.model.config.vocab_size)
         run_id = training_run(args.mlflow_run_tag, settings["train"]["experiment"])
         with mlflow.start_run(run_id=run_id):
-            info = mlflow.pytorch.log_model(
-                pytorch_model=loaded.model,
-                name="registered-model",
-                signature=signature,
-                input_example=example,
-                pip_requirements=list(params["pip_requirements"]),
-                code_paths=[str(REPO_ROOT / "tasks")],
-                # the module itself (its class from code_paths), not a torch.export graph traced
-                # at the example's fixed shape: loading by alias gives back a GPT of any length
-                serialization_format="pickle",
-            )
-        version = mlflow.register_model(info.model_uri, name, tags=version_tags(lineage, args.mlflow_run_tag, loaded.description, report))
+            model_uri = log_model(loaded.model, loaded.description, model_signature(loaded.model.config.vocab_size))
+        version = mlflow.register_model(model_uri, name, tags=version_tags(lineage, args.mlflow_run_tag, loaded.description, report))
     challenger = move_challenger(client, name)
     log.info("registered models:/%s version %s (run %s); %s: version %s", name, version.version, run_id,
              CHALLENGER, challenger)

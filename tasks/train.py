@@ -7,7 +7,7 @@
 Every start (first run, torchrun restart after a worker died, Airflow retry) resumes from the
 newest complete checkpoint under ``--checkpoints`` (model, optimizer, step, data position).
 Rank 0 logs to the MLflow run of the DAG run (found by tag, so retries reuse it) and writes the
-consolidated model: ``model.pt`` (state dict) + ``config.json`` (architecture, tokenizer).
+consolidated model: ``model.safetensors`` (state dict) + ``config.json`` (architecture, tokenizer).
 
 A retrain continues from the production model (``train.init_from: champion``, ``--init-from``
 naming the version the tokenizer step pinned) when it has this run's architecture and
@@ -36,6 +36,7 @@ from tasks.lib.checkpoint import TRAINER_FIELDS, Checkpointer, list_complete
 from tasks.lib.data import BatchSampler, TokenSplit, open_split
 from tasks.lib.errors import StepError
 from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig
+from tasks.lib.model_store import WEIGHTS_FILE, save_model_files
 from tasks.lib.params import step_params
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.torchrun import malloc_in_use
@@ -392,12 +393,11 @@ def export_model(
     engine: parallel.Engine, config: GPTConfig, split: TokenSplit, args: argparse.Namespace,
     state: dict[str, Any], env: parallel.Dist, tracker: Tracker,
 ) -> dict[str, Any]:
-    """Gather the full weights on rank 0 and publish model.pt + config.json at ``--output``."""
+    """Gather the full weights on rank 0 and publish model.safetensors + config.json at ``--output``."""
     full = engine.full_state_dict()
     if not env.is_main:
         return {"model_uri": args.output}
     with storage.staged_output(args.output) as out:
-        torch.save(full, out / "model.pt")
         description = {
             "architecture": "gpt",
             "format_version": FORMAT_VERSION,
@@ -410,9 +410,9 @@ def export_model(
             "tokens_seen": state["samples_seen"] * config.seq_len,
             "initialized_from": state["initialized_from"],
         }
-        (out / "config.json").write_text(json.dumps(description, indent=1, sort_keys=True))
+        save_model_files(full, description, out)
         tracker.log_model_files(out)
-    return {"model_uri": args.output, "model_file": storage.join(args.output, "model.pt"), "mlflow_run_id": tracker.run_id}
+    return {"model_uri": args.output, "model_file": storage.join(args.output, WEIGHTS_FILE), "mlflow_run_id": tracker.run_id}
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -72,8 +72,8 @@ class Tracker:
             return
         import mlflow
 
-        mlflow.log_artifact(str(folder / "config.json"), artifact_path="model")
-        mlflow.log_artifact(str(folder / "model.pt"), artifact_path="model")
+        for name in ("config.json", "model.safetensors"):
+            mlflow.log_artifact(str(folder / name), artifact_path="model")
         with tempfile.TemporaryDirectory(prefix="loss-curve-") as tmp:
             mlflow.log_artifact(str(self._loss_plot(Path(tmp) / "loss_curve.png")))
 

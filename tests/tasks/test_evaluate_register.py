@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ from helpers import (
     step_result,
     write_eval_text,
 )
+
+from tasks.lib import storage
 
 
 def test_gate_rejects_non_finite_figures() -> None:
@@ -176,14 +179,22 @@ def test_first_model_passes_on_absolute_bounds_registers_once_and_loads_by_alias
     assert tags["tokenizer_hash"] == json.loads((good_model / "config.json").read_text())["tokenizer_hash"]
     assert float(tags["metric.eval_perplexity"]) == pytest.approx(report["challenger"]["eval_perplexity"], rel=1e-5)
 
-    loaded = mlflow.pytorch.load_model(f"models:/{name}@challenger", map_location="cpu")
-    assert type(loaded).__name__ == "GPT"  # the module itself, runnable at any sequence length
-    reference = torch.load(good_model / "model.pt", weights_only=True)
-    assert all(torch.equal(loaded.state_dict()[k], reference[k]) for k in reference)
+    from safetensors.torch import load_file
+
+    from tasks.lib.model_store import REGISTRY_FLAVOR, load_registered
+
+    loaded = load_registered(name, "challenger")
+    assert loaded is not None and loaded.description["registry_version"] == first["version"]
+    reference = load_file(good_model / "model.safetensors")
+    assert all(torch.equal(loaded.model.state_dict()[k], reference[k]) for k in reference)
     mv = client.get_model_version(name, first["version"])
     assert mv.source.startswith("models:/")  # a logged model, with signature and requirements
     info = mlflow.models.get_model_info(f"models:/{name}@challenger")
     assert info.signature.inputs.to_dict()[0]["tensor-spec"]["dtype"] == "int64"
+    assert set(info.flavors) == {REGISTRY_FLAVOR, "python_function"}  # weights and config: no pickle
+    artifacts = mlflow.artifacts.download_artifacts(f"models:/{name}@challenger", dst_path=str(tmp_path / "as-registered"))
+    files = {p.name for p in Path(artifacts).iterdir()} - {"registered_model_meta"}  # MLflow's, on download
+    assert files == {"MLmodel", "config.json", "model.safetensors"}
     # as a new user loads it: any batch and sequence length, not the (1, 16) example's
     import numpy as np
 
@@ -286,3 +297,65 @@ def test_promotion_keeps_the_previous_champion_for_rollback(registry_env: dict[s
     moved = promote_challenger(name)
     again = promote_challenger(name)  # repeating it moves nothing
     assert moved == again == {"champion": str(first), "previous": champion}
+
+
+class RunsCodeWhenUnpickled(torch.nn.Module):
+    """What a registry writer could register: a module whose pickle names a function to call on
+    loading (here, one that creates ``marker``), as an attacker's would name any other."""
+
+    def __init__(self, marker: Path) -> None:
+        super().__init__()
+        self.marker = marker
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.integration
+def test_a_pickled_registered_model_is_refused_without_running_it(
+    stack_env: dict[str, str], good_model: Path, dataset: Path, eval_set: Path, tmp_path: Path
+) -> None:
+    """A version registered as a pickle whose loading calls a function, as champion: evaluate,
+    and every reader of the registry, refuse it with one line, and the function never runs. A
+    GPT pickled the way older code registered it still loads (weights only)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from tasks.lib.errors import StepError
+    from tasks.lib.model_store import load_model_dir, load_registered, load_version
+
+    env = params_with_model_name("pickle-test", tmp_path)
+    name, marker = env["MODEL_NAME"], tmp_path / "the-pickle-ran"
+    description = json.loads((good_model / "config.json").read_text())
+
+    def register_pickled(module: torch.nn.Module) -> str:
+        with mlflow.start_run(run_name="a pickled registered model"):
+            info = mlflow.pytorch.log_model(module, name="model", serialization_format="pickle",
+                                            pip_requirements=["torch==2.13.0"])
+        tags = {"model_description": json.dumps(description)}
+        return str(mlflow.register_model(info.model_uri, name, tags=tags).version)
+
+    with storage.scratch() as folder:
+        trained = load_model_dir(str(good_model), folder).model
+    legacy = register_pickled(trained)
+    assert all(torch.equal(a, b) for a, b in zip(load_version(name, legacy).model.state_dict().values(),
+                                                  trained.state_dict().values(), strict=True))
+
+    version = register_pickled(RunsCodeWhenUnpickled(marker))
+    MlflowClient().set_registered_model_alias(name, "champion", version)
+    proc = evaluate(good_model, dataset, eval_set, tmp_path / "eval", env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    # (cloudpickle reaches Path.touch through getattr: the first thing named beyond a model's classes)
+    assert error_lines(proc) == [f"ERROR python -m tasks.evaluate: models:/{name}/{version}: its pickled module "
+                                 "(model.pth) is refused: it names getattr, which no pickled model of this "
+                                 "project does; nothing in it was run"]
+    assert not (tmp_path / "eval" / "report.json").exists()
+    for read in (lambda: load_version(name, version), lambda: load_registered(name, "champion")):
+        with pytest.raises(StepError, match="nothing in it was run"):
+            read()
+    assert not marker.exists()
+    # and it is a pickle that runs code: MLflow's own loader, which unpickles, runs it
+    with contextlib.suppress(Exception):  # what it returns is no module; what matters is what it ran
+        mlflow.pytorch.load_model(f"models:/{name}/{version}")
+    assert marker.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig, apply_rope, empty_ca
 TINY = GPTConfig(vocab_size=97, seq_len=16, d_model=32, n_layers=2, n_heads=4)
 LEGACY = GPTConfig(vocab_size=97, seq_len=16, d_model=32, n_layers=2, n_heads=4, ffn_dim=128, norm_eps=None,
                    layout="gpt-v1")
+LEGACY_SAVED = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "rope_theta")
 
 
 @pytest.mark.parametrize("config", [TINY, LEGACY], ids=["llama", "gpt-v1"])
@@ -84,6 +86,35 @@ def test_saved_format_1_loads_as_gpt_v1() -> None:
     assert GPTConfig.from_saved(TINY.to_dict(), FORMAT_VERSION) == TINY
     with pytest.raises(ValueError, match="model format 3"):
         GPTConfig.from_saved(TINY.to_dict(), 3)
+
+
+@pytest.mark.parametrize("config", [TINY, LEGACY], ids=["llama", "gpt-v1"])
+def test_saved_model_files_round_trip_and_refuse_what_does_not_fit(config: GPTConfig, tmp_path: Path) -> None:
+    """model.safetensors + config.json: the tied head stored once, the same logits back; weights
+    of another architecture or a corrupt file are one line, not a traceback."""
+    from safetensors import safe_open
+
+    from tasks.lib.model_store import load_model_files, save_model_files
+
+    model = GPT(config).eval()
+    description: dict[str, object] = {"format_version": FORMAT_VERSION, "config": config.to_dict()}
+    if config.layout == "gpt-v1":  # as older code described it: no format version, mlp_ratio
+        description = {"config": {**{k: v for k, v in config.to_dict().items() if k in LEGACY_SAVED}, "mlp_ratio": 4}}
+    save_model_files(model.state_dict(), description, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
+        names = set(stored.keys())
+    assert "embed.weight" in names and "head.weight" not in names
+    loaded = load_model_files(tmp_path / "config.json", tmp_path / "model.safetensors", "folder").model
+    ids = torch.randint(0, 97, (2, 16))
+    assert torch.equal(loaded(ids), model(ids))
+
+    wider = {**description, "config": {**description["config"], "d_model": 64}}  # type: ignore[dict-item]
+    (tmp_path / "config.json").write_text(json.dumps(wider))
+    with pytest.raises(StepError, match=r"^folder: its weights do not load into the architecture it describes"):
+        load_model_files(tmp_path / "config.json", tmp_path / "model.safetensors", "folder")
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(StepError, match=r"^folder: its weights do not load"):
+        load_model_files(tmp_path / "config.json", tmp_path / "model.safetensors", "folder")
 
 
 def test_attention_is_causal() -> None:

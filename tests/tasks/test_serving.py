@@ -260,23 +260,24 @@ def register_gpt(name: str, tokenizer_uri: str, seed: int, **overrides: int) -> 
     import torch
 
     from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig
+    from tasks.lib.model_store import log_model
 
     torch.manual_seed(seed)
     config = GPTConfig(**{**SMALL, **overrides})
     model = GPT(config).eval()
-    with mlflow.start_run(run_name=f"serving test {name} seed {seed}"):
-        info = mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
-                                        code_paths=[str(REPO_ROOT / "tasks")], pip_requirements=["torch==2.13.0"])
     token_hash = tokenizer_uri.rsplit("sha256-", 1)[1].split("/")[0]
     description = {"format_version": FORMAT_VERSION, "config": config.to_dict(), "tokenizer_uri": tokenizer_uri,
                    "tokenizer_hash": token_hash}
-    version = mlflow.register_model(info.model_uri, name, tags={"model_description": json.dumps(description)})
+    with mlflow.start_run(run_name=f"serving test {name} seed {seed}"):
+        model_uri = log_model(model, description)
+    version = mlflow.register_model(model_uri, name, tags={"model_description": json.dumps(description)})
     return str(version.version)
 
 
 def register_legacy_gpt(name: str, tokenizer_uri: str, seed: int) -> str:
-    """A model of the old layout (format 1: GELU MLP, interleaved rotary pairs), registered with
-    the description code before the Llama layout wrote (no format_version, mlp_ratio)."""
+    """A model of the old layout (format 1: GELU MLP, interleaved rotary pairs), registered the
+    way code before the Llama layout did: a pickled module (MLflow's pytorch flavor) with the
+    description of that code (no format_version, mlp_ratio) in its tag."""
     import mlflow
     import torch
 

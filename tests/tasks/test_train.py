@@ -18,6 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result, write_dataset
@@ -71,8 +72,7 @@ def train(tmp: Path, dataset: Path, nodes: int, steps: int, *extra: str, ckpt: P
 
 
 def weights(model_dir: str) -> dict[str, torch.Tensor]:
-    loaded: dict[str, torch.Tensor] = torch.load(Path(model_dir) / "model.pt", weights_only=True)
-    return loaded
+    return safetensors.torch.load_file(Path(model_dir) / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,9 @@ def test_two_node_fsdp2_trains_and_loss_falls(reference: tuple[Path, dict[str, A
     assert losses[-1] < uniform - 0.8 and losses[-1] < losses[0], losses
     config = json.loads((Path(result["model_uri"]) / "config.json").read_text())
     model = GPT(GPTConfig(**config["config"]))
-    model.load_state_dict(weights(result["model_uri"]))  # the consolidated model loads unsharded
+    # the consolidated model loads unsharded (the tied head is stored once, as the embedding)
+    assert set(weights(result["model_uri"])) == set(model.state_dict()) - {"head.weight"}
+    safetensors.torch.load_model(model, Path(result["model_uri"]) / "model.safetensors", strict=True)
 
 
 def test_same_seed_data_and_world_give_bit_identical_weights(
@@ -392,7 +394,7 @@ def test_mlflow_run_per_dag_run_with_metrics_curve_and_model(stack_env: dict[str
         assert metric in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"model", "loss_curve.png"} <= artifacts
-    assert {a.path for a in client.list_artifacts(run.info.run_id, "model")} == {"model/config.json", "model/model.pt"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "model")} == {"model/config.json", "model/model.safetensors"}
 
 
 @pytest.mark.integration
@@ -415,7 +417,7 @@ def test_deepspeed_zero_trains_checkpoints_to_s3_and_resumes(
     assert {".metadata", "trainer.json"} <= names
     assert sum("zero_pp_rank_" in n for n in names) >= 2
     config = GPTConfig(**json.loads((tmp_path / "model" / "config.json").read_text())["config"])
-    GPT(config).load_state_dict(weights(str(tmp_path / "model")))  # consolidated, unsharded
+    safetensors.torch.load_model(GPT(config), tmp_path / "model" / "model.safetensors")  # consolidated, unsharded
 
 
 def test_ddp_engine_matches_fsdp2(reference: tuple[Path, dict[str, Any]], dataset: Path, tmp_path: Path) -> None:
