@@ -37,6 +37,8 @@ from pipeline_params import pipeline_params
 SUPPORTED_KUBERNETES = ("1.32.0", "1.37.0")  # podFailurePolicy and Indexed Jobs are GA in both
 PART_OF = {"app.kubernetes.io/part-of": "llm-pipeline"}
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
+STEP_LABEL = "llm-pipeline/step"  # every step pod's, valued with its task id (plugins/launcher.py)
+JOB_LABEL = "llm-pipeline/job"  # a training Job's pods' (plugins/k8s_job.py)
 
 # What the Airflow workers' operators call, by resource (provider 10.25 + plugins/k8s_job.py):
 # a step pod is created, read, listed (a retry finds the earlier try's), labelled when done and
@@ -126,10 +128,22 @@ def training_local_queue(params: dict[str, Any]) -> dict[str, Any]:
             "spec": {"clusterQueue": training["cluster_queue"]}}
 
 
+def step_network_policy(params: dict[str, Any]) -> dict[str, Any]:
+    """No connection reaches a step pod but a training rank's from another rank (the c10d
+    rendezvous, gloo or NCCL: any port). Steps are clients; Airflow reads their logs, exit and
+    XCom through the API server, which no NetworkPolicy governs."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _metadata("llm-pipeline-steps", params["launcher"]["kubernetes"]["namespace"]),
+            "spec": {"podSelector": {"matchExpressions": [{"key": STEP_LABEL, "operator": "Exists"}]},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": {"matchExpressions": [{"key": JOB_LABEL, "operator": "Exists"}]}}]}]}}
+
+
 def base_objects(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     params = params or pipeline_params()
     return [namespace(params), *service_accounts(params), *launcher_rbac(params),
-            training_priority_class(params), serving_priority_class(params), training_local_queue(params)]
+            training_priority_class(params), serving_priority_class(params), training_local_queue(params),
+            step_network_policy(params)]
 
 
 def secrets(env: dict[str, str], params: dict[str, Any] | None = None) -> list[dict[str, Any]]:

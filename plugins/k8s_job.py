@@ -32,11 +32,11 @@ from typing import Any
 from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+from cluster import JOB_LABEL
 from kubernetes.client import models as k8s
 
 from launcher import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, ended_without_error_line, record_error, torchrun_args
 
-JOB_LABEL = "llm-pipeline/job"
 ATTEMPT_OF_LABEL = "llm-pipeline/attempt-of"  # the task instance a Job is an attempt of (hashed)
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"

@@ -36,6 +36,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+from cluster import STEP_LABEL
 
 from pipeline_params import REPO_ROOT, pipeline_params
 
@@ -302,7 +303,7 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
         ),
         "volumes": [scratch],
         "volume_mounts": [k8s.V1VolumeMount(name="scratch", mount_path="/tmp")],
-        "labels": {"app.kubernetes.io/part-of": "llm-pipeline", "llm-pipeline/step": task_id.replace("_", "-")},
+        "labels": {"app.kubernetes.io/part-of": "llm-pipeline", STEP_LABEL: task_id.replace("_", "-")},
         "on_finish_action": cluster["on_finish_action"],
         "startup_timeout_seconds": cluster["startup_timeout_s"],
         "do_xcom_push": True,

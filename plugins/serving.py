@@ -38,6 +38,7 @@ import sys
 from typing import Any
 
 import yaml
+from cluster import STEP_LABEL
 
 from pipeline_params import pipeline_params
 
@@ -286,10 +287,43 @@ def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def network_policy(params: dict[str, Any]) -> dict[str, Any]:
+    """Who may connect to a Triton pod, by port. Its HTTP port also serves Triton's repository
+    control (load, unload): the gateway's allowlist guards it from clients, this from the pods
+    of the cluster. The gateway's proxies reach inference and the OpenAI front, the deploy step's
+    pods every port (smoke test, baseline, metrics), Prometheus the metrics port; nothing else."""
+    settings = params["serve"]["kubernetes"]
+    network = settings["network"]
+
+    def namespace(name: str) -> dict[str, Any]:
+        return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": name}}}
+
+    def ports(*names: str) -> list[dict[str, Any]]:
+        return [{"protocol": "TCP", "port": name} for name in names]
+
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": settings["name"], "namespace": params["launcher"]["kubernetes"]["namespace"],
+                     "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
+        "spec": {
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": settings["name"],
+                                            "app.kubernetes.io/part-of": "llm-pipeline"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [namespace(network["gateway_proxy_namespace"])], "ports": ports("http", "openai")},
+                {"from": [{"podSelector": {"matchLabels": {STEP_LABEL: "deploy"}}}],
+                 "ports": ports(*settings["ports"])},
+                {"from": [namespace(network["metrics_namespace"])], "ports": ports("metrics")},
+            ],
+        },
+    }
+
+
 def serving_manifests(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     params = params or pipeline_params()
     tracks = [obj for track in TRACKS for obj in (track_deployment(params, track), track_service(params, track))]
-    return [*tracks, disruption_budget(params), http_route(params), internal_route(params), *deployer_rbac(params)]
+    return [*tracks, disruption_budget(params), http_route(params), internal_route(params), network_policy(params),
+            *deployer_rbac(params)]
 
 
 if __name__ == "__main__":

@@ -59,6 +59,27 @@ class Route:
         return sorted({v for v in (self.stable, self.canary) if v is not None})
 
 
+@dataclass(frozen=True)
+class ClientLimits:
+    """What one client address may ask of the public listener (params.yaml ``serve.router``)."""
+
+    rate_per_client: int  # requests a second (nginx takes whole numbers)
+    burst: int  # requests over the rate answered at once before the 429s start
+    connections_per_client: int
+    client_timeout_s: float  # to send a request's head, and its body (between two reads)
+
+    @classmethod
+    def from_params(cls) -> ClientLimits:
+        from tasks.lib.params import load_params
+
+        router = load_params()["serve"]["router"]
+        limits = cls(int(router["rate_per_client"]), int(router["burst"]), int(router["connections_per_client"]),
+                     float(router["client_timeout_s"]))
+        if min(limits.rate_per_client, limits.connections_per_client, limits.client_timeout_s) <= 0 or limits.burst < 0:
+            raise StepError(f"serve.router {router}: rates, connections and timeouts must be positive")
+        return limits
+
+
 def nginx_binary() -> str:
     found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if found is None:
@@ -67,7 +88,8 @@ def nginx_binary() -> str:
 
 
 def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: int, internal_port: int,
-               listen_host: str = "127.0.0.1", triton_host: str = "127.0.0.1", openai_host: str = "127.0.0.1") -> str:
+               listen_host: str = "127.0.0.1", triton_host: str = "127.0.0.1", openai_host: str = "127.0.0.1",
+               limits: ClientLimits | None = None) -> str:
     """The router's static configuration; the split itself lives in ``split.conf``. The hosts
     are loopback on the local stack; docker-compose.yaml's router listens on its network and
     reaches Triton and the OpenAI front by service name.
@@ -78,7 +100,12 @@ def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: in
     naming a version) is a 404 with a one-line reason, so no client can unload the champion or
     pick a version. The internal one (``internal_port``, deploy's) adds each version's own
     inference paths: the smoke test and stable's baseline through the same nginx hop as the
-    split's requests. Triton's control plane is on neither: deploy calls Triton itself."""
+    split's requests. Triton's control plane is on neither: deploy calls Triton itself.
+
+    The public listener bounds each client address (:class:`ClientLimits`): over its request rate
+    (past a burst) or its open connections a client gets a 429 with one line at once, and its
+    request head and body must arrive in time; the internal listener has no such limits."""
+    limits = limits or ClientLimits.from_params()
     models = "|".join(ROUTED_MODELS)
     temp = "\n".join(f"    {kind}_temp_path {prefix / 'tmp' / kind};" for kind in TEMP_KINDS)
     to_triton = """proxy_http_version 1.1;
@@ -126,8 +153,23 @@ http {{
     include {prefix / 'split.conf'};
     upstream triton {{ server {triton_host}:{triton_port}; keepalive 32; }}
     upstream openai {{ server {openai_host}:{openai_port}; keepalive 32; }}
+    # per client address: a flood or a pile of slow connections from one client is refused at
+    # once, before it queues in front of Triton; what other clients send is not touched
+    limit_req_zone $binary_remote_addr zone=per_client_rate:10m rate={limits.rate_per_client}r/s;
+    limit_conn_zone $binary_remote_addr zone=per_client_connections:10m;
+    limit_req_status 429;
+    limit_conn_status 429;
+    client_header_timeout {limits.client_timeout_s:g}s;
+    client_body_timeout {limits.client_timeout_s:g}s;
     server {{  # public: what clients call
         listen {listen_host}:{listen_port};
+        limit_req zone=per_client_rate burst={limits.burst} nodelay;
+        limit_conn per_client_connections {limits.connections_per_client};
+        error_page 429 @limited;
+        location @limited {{
+            default_type application/json;
+            return 429 '{{"error": "too many requests from this client: at most {limits.rate_per_client} a second (a burst of {limits.burst}) and {limits.connections_per_client} connections"}}';
+        }}
         {routed}
     }}
     server {{  # internal: deploy's smoke test and stable's baseline, a version by its path

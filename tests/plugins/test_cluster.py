@@ -55,8 +55,9 @@ def test_base_objects_and_secrets_are_valid_kubernetes(version: str, tmp_path: P
     core = [o for o in objects if o["apiVersion"] != cluster.KUEUE_API]
     proc = validate_objects(core, tmp_path, kubernetes_version=version)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(o["kind"] for o in objects) == ["LocalQueue", "Namespace", "PriorityClass", "PriorityClass", "Role", "RoleBinding",
-                                                  "Secret", "Secret", "Secret", "ServiceAccount", "ServiceAccount"]
+    assert sorted(o["kind"] for o in objects) == ["LocalQueue", "Namespace", "NetworkPolicy", "PriorityClass",
+                                                  "PriorityClass", "Role", "RoleBinding", "Secret", "Secret", "Secret",
+                                                  "ServiceAccount", "ServiceAccount"]
 
 
 def test_the_workers_role_holds_exactly_the_calls_our_operators_make() -> None:

@@ -105,6 +105,12 @@ def pod_of(task: Any) -> dict[str, Any]:
     return serialized
 
 
+def test_the_deploy_pod_carries_the_label_tritons_network_policy_admits(cluster_dag: Any) -> None:
+    import cluster
+
+    assert pod_of(cluster_dag.get_task("deploy"))["metadata"]["labels"][cluster.STEP_LABEL] == "deploy"
+
+
 def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:
     proc = validate_objects(objects, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

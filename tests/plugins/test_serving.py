@@ -23,7 +23,7 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def test_serving_objects_are_valid_kubernetes_and_gateway_api(tmp_path: Path) -> None:
     objects = serving.serving_manifests()
-    assert sorted(o["kind"] for o in objects) == ["Deployment", "Deployment", "HTTPRoute", "HTTPRoute",
+    assert sorted(o["kind"] for o in objects) == ["Deployment", "Deployment", "HTTPRoute", "HTTPRoute", "NetworkPolicy",
                                                   "PodDisruptionBudget", "Role", "RoleBinding", "Service", "Service"]
     proc = validate_objects(objects, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -150,3 +150,37 @@ def test_cli_prints_the_manifests() -> None:
                           env={"PYTHONPATH": str(REPO_ROOT / "plugins")})
     assert proc.returncode == 0, proc.stderr
     assert [o["kind"] for o in yaml.safe_load_all(proc.stdout)][:2] == ["Deployment", "Service"]
+
+
+def test_only_the_gateway_deploy_and_prometheus_reach_triton_pods_and_only_ranks_reach_steps() -> None:
+    """Triton's HTTP port also serves repository control: behind the gateway's allowlist, its pods
+    admit the gateway's proxies (inference, OpenAI front), the deploy step's pods (any port) and
+    Prometheus (metrics) and no one else. Step pods admit only training ranks (the rendezvous)."""
+    import cluster
+
+    objects = serving.serving_manifests()
+    (policy,) = by_kind(objects, "NetworkPolicy")
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    container_ports: set[str] = set()
+    for deployment in by_kind(objects, "Deployment"):  # both tracks' pods are selected
+        template = deployment["spec"]["template"]
+        assert selected.items() <= template["metadata"]["labels"].items()
+        container_ports |= {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+    reach: dict[str, set[str]] = {}
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule["from"]:
+            who = (f"namespace {peer['namespaceSelector']['matchLabels']['kubernetes.io/metadata.name']}"
+                   if "namespaceSelector" in peer else f"pods {peer['podSelector']['matchLabels']}")
+            assert "podSelector" not in peer or "namespaceSelector" not in peer  # no "and" peer
+            for port in rule["ports"]:
+                reach.setdefault(port["port"], set()).add(who)
+    assert set(reach) == container_ports == {"http", "grpc", "metrics", "openai"}
+    deploy = f"pods {{'{cluster.STEP_LABEL}': 'deploy'}}"
+    assert reach == {"http": {"namespace gateway-system", deploy}, "openai": {"namespace gateway-system", deploy},
+                     "grpc": {deploy}, "metrics": {"namespace monitoring", deploy}}
+    # (the deploy step's pod carries that label: tests/plugins/test_launcher.py)
+
+    (steps,) = by_kind(cluster.base_objects(), "NetworkPolicy")
+    assert steps["spec"]["podSelector"] == {"matchExpressions": [{"key": cluster.STEP_LABEL, "operator": "Exists"}]}
+    assert steps["spec"]["ingress"] == [{"from": [{"podSelector": {"matchExpressions": [
+        {"key": cluster.JOB_LABEL, "operator": "Exists"}]}}]}]

@@ -7,13 +7,17 @@ care how good a model is, only how it behaves); everything after that is the rea
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -120,6 +124,20 @@ def test_a_router_reload_outwaits_the_longest_stream() -> None:
     assert float(generate["request_timeout_s"]) < OLD_WORKERS_TIMEOUT_S
     assert NginxRouter(Path("."), "http://x", "http://y").timeout_s > OLD_WORKERS_TIMEOUT_S
     assert f"worker_shutdown_timeout {OLD_WORKERS_TIMEOUT_S}s;" in nginx_conf(Path("."), 1, 2, 3, 4)
+
+
+def test_the_canary_must_stay_within_one_clients_router_limits() -> None:
+    """The canary's traffic through the public listener is one client's: over its limits the
+    router would refuse part of it, and the canary would judge its own 429s."""
+    from tasks.deploy import check_within_client_limits
+    from tasks.lib.errors import StepError
+    from tasks.lib.router import ClientLimits
+
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["canary"]
+    check_within_client_limits(params, ClientLimits.from_params())  # what ships passes
+    with pytest.raises(StepError, match=r"canary.rate_rps \+ text_rps \(31\) .* under serve.router's per-client "
+                                        r"limits \(30 a second"):
+        check_within_client_limits(params, ClientLimits(30, 60, 128, 10))
 
 
 def test_mann_whitney_flags_a_slower_canary_only() -> None:
@@ -389,6 +407,70 @@ class StableWatcher:
             sum(n for key, n in self.answers.items() if key.startswith("None:"))
 
 
+class Flood:
+    """A client flooding the router's public listener from a loopback address of its own
+    (``source``: the router limits each client address), over ``connections`` kept-alive
+    connections until stopped, answers counted by status; and one slow client that opens a
+    connection and never finishes its request head. Bounded (``pause_s`` after each answer: up to
+    ~300 requests a second, three times a client's rate) so that on two cores it floods the
+    router, not the CPU the canary is measured on."""
+
+    def __init__(self, router_url: str, ids: list[int], connections: int = 3, pause_s: float = 0.01,
+                 source: str = "127.0.0.9") -> None:
+        target = urllib.parse.urlsplit(router_url)
+        self.address, self.source = (target.hostname or "127.0.0.1", target.port or 80), source
+        self.body = triton.infer_request(np.asarray([ids], dtype=np.int64))
+        self.statuses: Counter[int] = Counter()
+        self.limited_reason = ""
+        self.slow_client_closed_after_s: float | None = None
+        self.started = self.seconds = 0.0
+        self.lock, self.stop, self.pause_s = threading.Lock(), threading.Event(), pause_s
+        self.threads = [threading.Thread(target=self.flood, daemon=True) for _ in range(connections)]
+        self.threads.append(threading.Thread(target=self.slow_client, daemon=True))
+
+    def connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(*self.address, timeout=10, source_address=(self.source, 0))
+
+    def flood(self) -> None:
+        conn = self.connect()
+        while not self.stop.is_set():
+            try:
+                conn.request("POST", "/v2/models/llm/infer", self.body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                body, status = resp.read(), resp.status
+            except (OSError, http.client.HTTPException):  # nginx closes a kept-alive connection
+                conn.close()  # after keepalive_requests (1000): a client connects again
+                conn = self.connect()
+                continue
+            with self.lock:
+                self.statuses[status] += 1
+                if status == 429:
+                    self.limited_reason = body.decode(errors="replace")
+            self.stop.wait(self.pause_s)
+
+    def slow_client(self) -> None:
+        with socket.create_connection(self.address, source_address=(self.source, 0)) as sock:
+            sock.sendall(b"POST /v2/models/llm/infer HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+            started = time.monotonic()
+            sock.settimeout(60)
+            with contextlib.suppress(OSError):
+                while sock.recv(4096):
+                    pass
+            self.slow_client_closed_after_s = time.monotonic() - started
+
+    def __enter__(self) -> Flood:
+        self.started = time.monotonic()
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.seconds = time.monotonic() - self.started
+        for thread in self.threads:
+            thread.join(timeout=70)
+
+
 def aliases(name: str) -> dict[str, str | None]:
     from tasks.lib.model_store import alias_version
 
@@ -458,12 +540,16 @@ def test_rollout_promotion_rollbacks_and_restart(
 
     reference = json.loads((tmp_path / "export1" / "parity.json").read_text())["reference"]["inputs"][0]
     with StableWatcher(env["ROUTER_URL"], reference) as watch:
-        # a good canary walks 10 -> 50 -> 100 and is promoted; v1 becomes previous
+        # a good canary walks 10 -> 50 -> 100 and is promoted; v1 becomes previous. Meanwhile
+        # another client floods the router and one holds a connection without finishing its
+        # request: the canary's verdict and what stable answers our client do not change
         v2 = register_gpt(name, tokenizer_uri, seed=2)
         exported = export(v2, tmp_path / "export2", env, eval_text)
         check_hf_checkpoint(tmp_path / "export2", exported)
-        proc = deploy(v2, str(tmp_path / "export2"), tmp_path / "deploy2", env)
+        with Flood(env["ROUTER_URL"], reference[0]) as flood:
+            proc = deploy(v2, str(tmp_path / "export2"), tmp_path / "deploy2", env)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        check_flood_was_refused(flood)
         report = json.loads((tmp_path / "deploy2" / "report.json").read_text())
         assert [s["weight"] for s in report["steps"]] == [10.0, 50.0, 100.0] and all(s["passed"] for s in report["steps"])
         for step in report["steps"]:  # the text endpoint was judged at every step, on TTFT/ITL and outputs
@@ -579,6 +665,22 @@ def test_rollout_promotion_rollbacks_and_restart(
     assert text and answered_by == v2
     proc = run_module("stack", "status", env=env)
     assert proc.returncode == 0 and f"serving (route: versions [{v2}]): healthy" in proc.stdout, proc.stdout
+
+
+def check_flood_was_refused(flood: Flood) -> None:
+    """The flood got the router's 429s with one line, and no more answers than its client's rate
+    and burst allow over the time it flooded; the slow client was cut off."""
+    from tasks.lib.router import ClientLimits
+
+    limits = ClientLimits.from_params()
+    allowed = limits.rate_per_client * flood.seconds * 1.1 + limits.burst
+    assert set(flood.statuses) <= {200, 429}, flood.statuses  # the flood itself failed nothing else
+    assert flood.statuses[429] > 0.1 * sum(flood.statuses.values()), flood.statuses
+    assert 0 < flood.statuses[200] <= allowed, (flood.statuses, flood.seconds)
+    assert json.loads(flood.limited_reason)["error"].startswith("too many requests from this client: at most "
+                                                                f"{limits.rate_per_client} a second")
+    assert flood.slow_client_closed_after_s is not None
+    assert flood.slow_client_closed_after_s < limits.client_timeout_s + 5, flood.slow_client_closed_after_s
 
 
 def check_hf_checkpoint(export_dir: Path, exported: dict[str, Any]) -> None:
