@@ -5,8 +5,9 @@
     python plugins/cluster.py helm-values > values.yaml
     helm install airflow apache-airflow/airflow -n llm-pipeline -f values.yaml
 
-- ``base``: the namespace; the step pods' service account (``launcher.kubernetes.service_account``:
-  only deploy talks to the API server, with the Role of ``plugins/serving.py``); the Airflow
+- ``base``: the namespace; the step pods' service account (``launcher.kubernetes.service_account``,
+  no API token mounted) and the deploy pods' (``deploy_service_account``: only deploy talks to
+  the API server, with the Role of ``plugins/serving.py``); the Airflow
   workers' service account and a Role with exactly the verbs our operators call (the provider's
   KubernetesPodOperator / KubernetesJobOperator and ``k8s_job.py``); the training and serving PriorityClasses;
   the Kueue LocalQueue the training Jobs are labelled with.
@@ -38,6 +39,8 @@ SUPPORTED_KUBERNETES = ("1.32.0", "1.37.0")  # podFailurePolicy and Indexed Jobs
 PART_OF = {"app.kubernetes.io/part-of": "llm-pipeline"}
 KUEUE_API = "kueue.x-k8s.io/v1beta1"
 STEP_LABEL = "llm-pipeline/step"  # every step pod's, valued with its task id (plugins/launcher.py)
+DEPLOYER_LABEL = "llm-pipeline/deployer"  # "true" on the pods of tasks.deploy (deploy, rollback)
+DEPLOY_MODULE = "tasks.deploy"  # the one step module that calls the Kubernetes API and Triton's pods
 JOB_LABEL = "llm-pipeline/job"  # a training Job's pods' (plugins/k8s_job.py)
 
 # What the Airflow workers' operators call, by resource (provider 10.25 + plugins/k8s_job.py):
@@ -83,9 +86,13 @@ def namespace(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def service_accounts(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The step pods' (no API token: they never call the API), the deploy pods' (a token, and the
+    Role of plugins/serving.py), the Airflow workers'."""
     cluster = params["launcher"]["kubernetes"]
-    return [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, cluster["namespace"])}
-            for name in (cluster["service_account"], cluster["airflow_service_account"])]
+    accounts = {cluster["service_account"]: False, cluster["deploy_service_account"]: True,
+                cluster["airflow_service_account"]: True}
+    return [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, cluster["namespace"]),
+             "automountServiceAccountToken": token} for name, token in accounts.items()]
 
 
 def launcher_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:

@@ -36,7 +36,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
-from cluster import STEP_LABEL
+from cluster import DEPLOY_MODULE, DEPLOYER_LABEL, STEP_LABEL
 
 from pipeline_params import REPO_ROOT, pipeline_params
 
@@ -273,6 +273,7 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
 
     cluster = pipeline_params()["launcher"]["kubernetes"]
     kind_settings = cluster["kinds"][kind]
+    deployer = module == DEPLOY_MODULE
     # kubernetes needs the same tmp space a read-only root filesystem takes away
     scratch = k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=cluster["scratch_size"]))
     return {
@@ -281,7 +282,9 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
         "image": cluster["images"][kind],
         "image_pull_policy": cluster["image_pull_policy"],
         "cmds": ["python", "-m", module],
-        "service_account_name": cluster["service_account"],
+        # only deploy's pods carry an API token (and may reach Triton's pods: plugins/serving.py)
+        "service_account_name": cluster["deploy_service_account" if deployer else "service_account"],
+        "automount_service_account_token": deployer,
         "container_resources": k8s.V1ResourceRequirements(**kind_settings["resources"]),
         "node_selector": kind_settings["node_selector"] or None,
         "tolerations": [k8s.V1Toleration(**t) for t in kind_settings["tolerations"]] or None,
@@ -303,7 +306,8 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
         ),
         "volumes": [scratch],
         "volume_mounts": [k8s.V1VolumeMount(name="scratch", mount_path="/tmp")],
-        "labels": {"app.kubernetes.io/part-of": "llm-pipeline", STEP_LABEL: task_id.replace("_", "-")},
+        "labels": {"app.kubernetes.io/part-of": "llm-pipeline", STEP_LABEL: task_id.replace("_", "-"),
+                   **({DEPLOYER_LABEL: "true"} if deployer else {})},
         "on_finish_action": cluster["on_finish_action"],
         "startup_timeout_seconds": cluster["startup_timeout_s"],
         "do_xcom_push": True,

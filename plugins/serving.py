@@ -38,7 +38,7 @@ import sys
 from typing import Any
 
 import yaml
-from cluster import STEP_LABEL
+from cluster import DEPLOYER_LABEL
 
 from pipeline_params import pipeline_params
 
@@ -283,7 +283,7 @@ def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": {"name": name, "namespace": namespace},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": cluster["service_account"], "namespace": namespace}]},
+         "subjects": [{"kind": "ServiceAccount", "name": cluster["deploy_service_account"], "namespace": namespace}]},
     ]
 
 
@@ -311,7 +311,7 @@ def network_policy(params: dict[str, Any]) -> dict[str, Any]:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [namespace(network["gateway_proxy_namespace"])], "ports": ports("http", "openai")},
-                {"from": [{"podSelector": {"matchLabels": {STEP_LABEL: "deploy"}}}],
+                {"from": [{"podSelector": {"matchLabels": {DEPLOYER_LABEL: "true"}}}],
                  "ports": ports(*settings["ports"])},
                 {"from": [namespace(network["metrics_namespace"])], "ports": ports("metrics")},
             ],

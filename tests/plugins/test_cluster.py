@@ -57,7 +57,22 @@ def test_base_objects_and_secrets_are_valid_kubernetes(version: str, tmp_path: P
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(o["kind"] for o in objects) == ["LocalQueue", "Namespace", "NetworkPolicy", "PriorityClass",
                                                   "PriorityClass", "Role", "RoleBinding", "Secret", "Secret", "Secret",
-                                                  "ServiceAccount", "ServiceAccount"]
+                                                  "ServiceAccount", "ServiceAccount", "ServiceAccount"]
+
+
+def test_only_the_deploy_account_holds_a_token_and_the_serving_role() -> None:
+    """A step pod that is not deploy's has no API token to use; the deploy account's Role (get
+    and patch the Triton Deployments and the route) is bound to it alone."""
+    import serving
+
+    params = pipeline_params()["launcher"]["kubernetes"]
+    tokens = {o["metadata"]["name"]: o["automountServiceAccountToken"] for o in cluster.base_objects()
+              if o["kind"] == "ServiceAccount"}
+    assert tokens == {params["service_account"]: False, params["deploy_service_account"]: True,
+                      params["airflow_service_account"]: True}
+    (binding,) = [o for o in serving.serving_manifests() if o["kind"] == "RoleBinding"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": params["deploy_service_account"],
+                                    "namespace": params["namespace"]}]
 
 
 def test_the_workers_role_holds_exactly_the_calls_our_operators_make() -> None:

@@ -105,10 +105,23 @@ def pod_of(task: Any) -> dict[str, Any]:
     return serialized
 
 
-def test_the_deploy_pod_carries_the_label_tritons_network_policy_admits(cluster_dag: Any) -> None:
+def test_only_the_deploy_pod_carries_an_api_token_and_reaches_triton(cluster_dag: Any) -> None:
+    """Deploy's pod runs as the account serving's Role is bound to, with its token mounted, and
+    carries the label Triton's NetworkPolicy admits; every other step pod has no token."""
     import cluster
 
-    assert pod_of(cluster_dag.get_task("deploy"))["metadata"]["labels"][cluster.STEP_LABEL] == "deploy"
+    from pipeline_params import pipeline_params
+
+    params = pipeline_params()["launcher"]["kubernetes"]
+    deploy = pod_of(cluster_dag.get_task("deploy"))
+    assert deploy["metadata"]["labels"][cluster.DEPLOYER_LABEL] == "true"
+    assert deploy["spec"]["serviceAccountName"] == params["deploy_service_account"]
+    assert deploy["spec"]["automountServiceAccountToken"] is True
+    for task_id in ("snapshot", "validate", "tokenize_shard", "evaluate", "register", "export", "report"):
+        pod = pod_of(cluster_dag.get_task(task_id))
+        assert cluster.DEPLOYER_LABEL not in pod["metadata"]["labels"], task_id
+        assert pod["spec"]["serviceAccountName"] == params["service_account"], task_id
+        assert pod["spec"]["automountServiceAccountToken"] is False, task_id
 
 
 def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:
@@ -125,7 +138,8 @@ def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Pat
     for pod in pods:
         spec, container = pod["spec"], pod["spec"]["containers"][0]
         assert pod["metadata"]["namespace"] == "llm-pipeline"
-        assert spec["serviceAccountName"] == "llm-pipeline-runner"
+        deployer = container["command"][2] == "tasks.deploy"  # the API's one caller
+        assert spec["serviceAccountName"] == ("llm-pipeline-deployer" if deployer else "llm-pipeline-runner")
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["command"][:2] == ["python", "-m"] and container["command"][2].startswith("tasks.")

@@ -175,10 +175,10 @@ def test_only_the_gateway_deploy_and_prometheus_reach_triton_pods_and_only_ranks
             for port in rule["ports"]:
                 reach.setdefault(port["port"], set()).add(who)
     assert set(reach) == container_ports == {"http", "grpc", "metrics", "openai"}
-    deploy = f"pods {{'{cluster.STEP_LABEL}': 'deploy'}}"
+    deploy = f"pods {{'{cluster.DEPLOYER_LABEL}': 'true'}}"
     assert reach == {"http": {"namespace gateway-system", deploy}, "openai": {"namespace gateway-system", deploy},
                      "grpc": {deploy}, "metrics": {"namespace monitoring", deploy}}
-    # (the deploy step's pod carries that label: tests/plugins/test_launcher.py)
+    # (only the pods of tasks.deploy carry that label: tests/plugins/test_launcher.py)
 
     (steps,) = by_kind(cluster.base_objects(), "NetworkPolicy")
     assert steps["spec"]["podSelector"] == {"matchExpressions": [{"key": cluster.STEP_LABEL, "operator": "Exists"}]}
