@@ -47,7 +47,6 @@ from tasks.lib import canary, storage, triton
 from tasks.lib.errors import GateRejected, StepError, absent, registry_error
 from tasks.lib.model_store import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
 from tasks.lib.params import load_params, step_params
-from tasks.lib.router import ClientLimits
 from tasks.lib.serving import Serving, serving_platform, stage_version
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
@@ -261,17 +260,6 @@ def older_than_champion(name: str, version: str) -> str | None:
     return None
 
 
-def check_within_client_limits(params: dict[str, Any], limits: ClientLimits) -> None:
-    """The canary's traffic through the router's public listener is one client's: were it over
-    that client's limits, the router would refuse part of it and the canary would read its own
-    429s as the new version's errors."""
-    rate = float(params["rate_rps"]) + float(params["text_rps"])
-    if rate >= limits.rate_per_client or 2 * int(params["concurrency"]) > limits.connections_per_client:
-        raise StepError(f"canary.rate_rps + text_rps ({rate:g}) and 2 x concurrency ({2 * int(params['concurrency'])}) "
-                        f"must stay under serve.router's per-client limits ({limits.rate_per_client} a second, "
-                        f"{limits.connections_per_client} connections)")
-
-
 def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     params = step_params("canary", args.overrides)
     settings = load_params()
@@ -283,7 +271,6 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
         raise StepError(f"canary.deploy_older_data {params['deploy_older_data']!r}: expected true or false")
     if not str(params["latency_analyses"]).isdigit() or int(params["latency_analyses"]) < 1:
         raise StepError(f"canary.latency_analyses {params['latency_analyses']!r}: expected a whole number >= 1")
-    check_within_client_limits(params, ClientLimits.from_params())
     serving = serving_platform(settings)
     with serving.lock(), storage.scratch() as scratch:
         # read under the lock: a deploy that held it may just have promoted a newer champion

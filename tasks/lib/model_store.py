@@ -70,7 +70,12 @@ def load_model_files(description_path: Path, weights_path: Path, source: str) ->
     from safetensors import SafetensorError
     from safetensors.torch import load_model
 
-    description = json.loads(description_path.read_text())
+    try:
+        description = json.loads(description_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StepError(f"{source}: no readable {DESCRIPTION_FILE} ({type(exc).__name__}: {exc})") from None
+    if not isinstance(description, dict):
+        raise StepError(f"{source}: its {DESCRIPTION_FILE} is not a JSON object")
     model = build_model(description, source)
     try:
         if weights_path.name == WEIGHTS_FILE:
@@ -137,7 +142,7 @@ def load_version(name: str, version: str) -> LoadedModel:
             loaded = load_model_files(folder / DESCRIPTION_FILE, folder / WEIGHTS_FILE, uri)
         elif "pytorch" in flavors:
             pickled = folder / str(flavors["pytorch"].get("model_data", "data")) / "model.pth"
-            loaded = load_pickled_gpt(pickled, json.loads(found.tags.get("model_description", "{}")), uri)
+            loaded = load_pickled_gpt(pickled, tag_description(found.tags, uri), uri)
         else:
             raise StepError(f"{uri}: a model of flavors {sorted(flavors)}, not {REGISTRY_FLAVOR} (safetensors "
                             "weights + config.json): not a model this pipeline registered")
@@ -145,6 +150,17 @@ def load_version(name: str, version: str) -> LoadedModel:
         raise StepError(f"{uri}: its description names no tokenizer_uri")
     loaded.description["registry_version"] = str(found.version)
     return loaded
+
+
+def tag_description(tags: dict[str, str], uri: str) -> dict[str, Any]:
+    """The ``model_description`` tag older code registered a pickled version with."""
+    try:
+        description = json.loads(tags.get("model_description") or "{}")
+    except json.JSONDecodeError as exc:
+        raise StepError(f"{uri}: its model_description tag is not JSON ({exc})") from None
+    if not isinstance(description, dict):
+        raise StepError(f"{uri}: its model_description tag is not a JSON object")
+    return description
 
 
 def registered_flavors(folder: Path, uri: str) -> dict[str, dict[str, Any]]:
@@ -155,7 +171,9 @@ def registered_flavors(folder: Path, uri: str) -> dict[str, dict[str, Any]]:
         flavors: dict[str, dict[str, Any]] = Model.load(str(folder)).flavors
     except Exception as exc:  # a missing or unparsable MLmodel: whatever this is, it is not ours
         raise StepError(f"{uri}: no readable MLmodel ({type(exc).__name__}): not a model this pipeline registered") from None
-    found_format = int(flavors.get(REGISTRY_FLAVOR, {}).get("format", 0))
+    found_format = flavors.get(REGISTRY_FLAVOR, {}).get("format", 0)
+    if not isinstance(found_format, int):
+        raise StepError(f"{uri}: {REGISTRY_FLAVOR} format {found_format!r}: expected a whole number")
     if found_format > REGISTRY_FORMAT:
         raise StepError(f"{uri}: {REGISTRY_FLAVOR} format {found_format} is newer than this code reads "
                         f"({REGISTRY_FORMAT}): update the pipeline's code")
@@ -163,16 +181,16 @@ def registered_flavors(folder: Path, uri: str) -> dict[str, dict[str, Any]]:
 
 
 def pickled_model_classes() -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
-    """What a pickled GPT of older code's registry may name: this project's model classes (under
-    every name the module gives them: older pickles say ``MLP``) and the torch layers they hold."""
-    import inspect
+    """What a pickled GPT of older code's registry may name, by the names older code gave them
+    (gpt-v1's pickles say ``MLP``): this project's model classes and the torch layers they hold.
+    Listed one by one: a class added to tasks.lib.model later is not allowed by being there."""
+    from tasks.lib import model as m
 
-    from tasks.lib import model as model_module
-
-    ours = [(cls, f"{model_module.__name__}.{name}") for name, cls in vars(model_module).items()
-            if inspect.isclass(cls) and cls.__module__ == model_module.__name__]
+    ours = {"GPT": m.GPT, "GPTConfig": m.GPTConfig, "Block": m.Block, "Attention": m.Attention,
+            "SwiGLU": m.SwiGLU, "GeluMLP": m.GeluMLP, "MLP": m.GeluMLP}
     layers = [torch.nn.Linear, torch.nn.Embedding, torch.nn.RMSNorm, torch.nn.LayerNorm, torch.nn.ModuleList]
-    return [*ours, *[(cls, f"{cls.__module__}.{cls.__name__}") for cls in layers], (set, "builtins.set")]
+    return [*[(cls, f"{m.__name__}.{name}") for name, cls in ours.items()],
+            *[(cls, f"{cls.__module__}.{cls.__name__}") for cls in layers], (set, "builtins.set")]
 
 
 def load_pickled_gpt(path: Path, description: dict[str, Any], source: str) -> LoadedModel:
@@ -185,18 +203,18 @@ def load_pickled_gpt(path: Path, description: dict[str, Any], source: str) -> Lo
     try:
         with torch.serialization.safe_globals(pickled_model_classes()):
             module = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as exc:
+    except Exception as exc:  # whatever the pickle holds: the allowed classes built with odd state included
         named = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
         what = f"it names {named.group(1)}, which no pickled model of this project does" if named else \
-            str(exc).splitlines()[0][:200]
+            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
         raise StepError(f"{source}: its pickled module ({path.name}) is refused: {what}; nothing in it was run") from None
     if not isinstance(module, torch.nn.Module):
         raise StepError(f"{source}: its pickle holds a {type(module).__name__}, not this project's GPT")
     try:  # the parameters only, into a module of today's code built from the description
         model.load_state_dict({n: p.detach() for n, p in module.named_parameters(remove_duplicate=False)})
-    except RuntimeError as exc:
+    except Exception as exc:  # a module whose pickled state is not a module's
         raise StepError(f"{source}: its pickled weights do not fit the architecture it describes "
-                        f"({str(exc).splitlines()[0][:200]})") from None
+                        f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})") from None
     return LoadedModel(model.eval(), description)
 
 

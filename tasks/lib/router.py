@@ -66,15 +66,19 @@ class ClientLimits:
     rate_per_client: int  # requests a second (nginx takes whole numbers)
     burst: int  # requests over the rate answered at once before the 429s start
     connections_per_client: int
-    client_timeout_s: float  # to send a request's head, and its body (between two reads)
+    client_timeout_s: int  # to send a request's head, and its body (between two reads); nginx: whole seconds
 
     @classmethod
     def from_params(cls) -> ClientLimits:
         from tasks.lib.params import load_params
 
-        router = load_params()["serve"]["router"]
-        limits = cls(int(router["rate_per_client"]), int(router["burst"]), int(router["connections_per_client"]),
-                     float(router["client_timeout_s"]))
+        router = load_params()["serve"].get("router")
+        try:
+            limits = cls(*(int(router[key]) for key in ("rate_per_client", "burst", "connections_per_client",
+                                                         "client_timeout_s")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StepError(f"serve.router {router!r}: expected whole numbers rate_per_client, burst, "
+                            f"connections_per_client, client_timeout_s ({type(exc).__name__}: {exc})") from None
         if min(limits.rate_per_client, limits.connections_per_client, limits.client_timeout_s) <= 0 or limits.burst < 0:
             raise StepError(f"serve.router {router}: rates, connections and timeouts must be positive")
         return limits
@@ -104,7 +108,8 @@ def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: in
 
     The public listener bounds each client address (:class:`ClientLimits`): over its request rate
     (past a burst) or its open connections a client gets a 429 with one line at once, and its
-    request head and body must arrive in time; the internal listener has no such limits."""
+    request head and body must arrive in time; the internal listener (deploy's smoke test,
+    baseline and canary traffic) has no such limits."""
     limits = limits or ClientLimits.from_params()
     models = "|".join(ROUTED_MODELS)
     temp = "\n".join(f"    {kind}_temp_path {prefix / 'tmp' / kind};" for kind in TEMP_KINDS)
@@ -159,10 +164,10 @@ http {{
     limit_conn_zone $binary_remote_addr zone=per_client_connections:10m;
     limit_req_status 429;
     limit_conn_status 429;
-    client_header_timeout {limits.client_timeout_s:g}s;
-    client_body_timeout {limits.client_timeout_s:g}s;
     server {{  # public: what clients call
         listen {listen_host}:{listen_port};
+        client_header_timeout {limits.client_timeout_s}s;
+        client_body_timeout {limits.client_timeout_s}s;
         limit_req zone=per_client_rate burst={limits.burst} nodelay;
         limit_conn per_client_connections {limits.connections_per_client};
         error_page 429 @limited;

@@ -97,7 +97,7 @@ def serve_versions(client: triton.TritonClient, repository: Path, serve: dict[st
 class Serving(Protocol):
     """What deploy needs from a serving platform (see the module docstring)."""
 
-    url: str  # where clients send requests: the router / gateway
+    url: str  # where the canary sends its traffic to the split, as clients' requests go: the router / gateway
 
     def lock(self) -> contextlib.AbstractContextManager[None]:
         ...
@@ -155,7 +155,10 @@ class LocalServing:
         self.client = triton.TritonClient(os.environ["TRITON_URL"])
         self.repository = Path(os.environ["TRITON_REPOSITORY"])
         self.router = NginxRouter.from_env()
-        self.url = self.router.url
+        # the split, through the router's internal listener (the same routed paths): on the public
+        # one the canary would share one client's limits with every other client of the machine
+        # (all 127.0.0.1), and a busy neighbour would starve the analysis of samples
+        self.url = self.router.internal_url
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:

@@ -117,6 +117,47 @@ def test_saved_model_files_round_trip_and_refuse_what_does_not_fit(config: GPTCo
         load_model_files(tmp_path / "config.json", tmp_path / "model.safetensors", "folder")
 
 
+class RunsCodeWhenUnpickled:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickled_gpt_of_older_code_loads_and_no_other_pickle_runs(tmp_path: Path) -> None:
+    """What older code registered (a whole GPT pickled, its MLP class then named ``MLP``) loads
+    as weights; a pickle that names a function to call, or holds no module, is one line, and
+    nothing it names runs."""
+    import zipfile
+
+    from tasks.lib.model import GeluMLP
+    from tasks.lib.model_store import load_pickled_gpt
+
+    model = GPT(LEGACY).eval()
+    GeluMLP.__qualname__ = "MLP"  # gpt-v1's code's name for it
+    try:
+        torch.save(model, tmp_path / "model.pth")
+    finally:
+        GeluMLP.__qualname__ = "GeluMLP"
+    with zipfile.ZipFile(tmp_path / "model.pth") as saved:
+        pickled = saved.read(next(n for n in saved.namelist() if n.endswith("data.pkl")))
+    assert b"\nMLP\n" in pickled and b"GeluMLP" not in pickled
+    description = {"config": {**{k: v for k, v in LEGACY.to_dict().items() if k in LEGACY_SAVED}, "mlp_ratio": 4}}
+    loaded = load_pickled_gpt(tmp_path / "model.pth", description, "v1").model
+    ids = torch.randint(0, 97, (2, 16))
+    assert torch.equal(loaded(ids), model(ids))
+
+    marker = tmp_path / "it-ran"
+    torch.save(RunsCodeWhenUnpickled(marker), tmp_path / "evil.pth")
+    with pytest.raises(StepError, match=r"^v2: its pickled module \(evil.pth\) is refused: it names .*nothing in it was run$"):
+        load_pickled_gpt(tmp_path / "evil.pth", description, "v2")
+    assert not marker.exists()
+    torch.save({"embed.weight": torch.zeros(1)}, tmp_path / "dict.pth")
+    with pytest.raises(StepError, match=r"^v3: its pickle holds a dict, not this project's GPT$"):
+        load_pickled_gpt(tmp_path / "dict.pth", description, "v3")
+
+
 def test_attention_is_causal() -> None:
     torch.manual_seed(0)
     model = GPT(TINY).eval()
