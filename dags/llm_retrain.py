@@ -155,6 +155,7 @@ with DAG(
             "--end-date", END_DATE,
             "--lookback-days", "{{ params.lookback_days }}",
             "--output", run_output_uri("snapshot"),
+            "--run-id", "{{ run_id }}",  # claims the run's storage folder: two ids may share a key
         ],
     )
     validate = step(

@@ -29,6 +29,8 @@ from tasks.lib.errors import StepError
 from tasks.lib.params import REPO_ROOT, load_params, step_params
 from tasks.lib.step import Progress, log, run_step, step_parser
 
+RUN_ID_FILE = "_RUN_ID"  # in the DAG run's storage folder: the run id it belongs to
+
 
 def collect(source: str, days: list[dt.date], max_record_bytes: int,
             workdir: Path) -> tuple[records.DedupResult, dict[str, Any]]:
@@ -109,7 +111,25 @@ def registry() -> Registry:
     return Registry(path, params["registry_remote"], git_remote)
 
 
+def claim_run_folder(output: str, run_id: str) -> None:
+    """The DAG run's folder (the output's parent) is ``run_id``'s. Storage keys replace ':' and
+    '+' (S3 clients mangle them), so two run ids can share one folder (``manual__...T10:00:00+00:00``
+    and ``manual__...T10-00-00_00-00``), and the second run would read and overwrite the first's
+    outputs. The run's first step claims the folder with a marker; a run of another id is refused
+    before it writes anything, a retry of the same run passes."""
+    marker = storage.sibling(output, RUN_ID_FILE)
+    if not storage.exists(marker):
+        storage.write_bytes(marker, run_id.encode())
+        return
+    owner = storage.read_bytes(marker).decode(errors="replace")
+    if owner != run_id:
+        raise StepError(f"--run-id {run_id!r}: its storage folder {marker.rsplit('/', 1)[0]} belongs to run "
+                        f"{owner!r} (the two ids share one storage key): trigger this run with another run id")
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.run_id:
+        claim_run_folder(args.output, args.run_id)
     params = step_params("snapshot", args.overrides)
     end = dt.date.fromisoformat(args.end_date)
     logical = dt.date.fromisoformat(args.logical_date) if args.logical_date else end
@@ -149,6 +169,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--logical-date", help="date that names the data version (default: --end-date)")
     p.add_argument("--lookback-days", type=int, help="days before --end-date to read (default: params)")
     p.add_argument("--output", required=True, help="run-scoped output URI")
+    p.add_argument("--run-id", help="the DAG run's id: claims the run's storage folder (see claim_run_folder)")
     return p
 
 

@@ -73,6 +73,24 @@ def test_snapshot_versions_with_dvc_and_is_idempotent(seeded_raw: str) -> None:
     assert hashlib.sha256(read_back).hexdigest() == version["content_hash"]
 
 
+def test_two_run_ids_of_one_storage_key_never_share_a_folder(seeded_raw: str) -> None:
+    """``manual__...T10:00:00+00:00`` and ``manual__...T10-00-00_00-00`` map to one run key: the
+    second run's first step is refused before it writes, a retry of the first passes."""
+    output = out_uri("runs/llm_retrain/manual__2026-11-22T10-00-00_00-00/snapshot")
+    first = snapshot(seeded_raw, "2026-11-22", output, "--run-id", "manual__2026-11-22T10:00:00+00:00")
+    assert first.returncode == 0, first.stderr[-2000:]
+    manifest = storage.read_bytes(storage.join(output, "_SUCCESS"))
+    other = snapshot(seeded_raw, "2026-11-21", output, "--run-id", "manual__2026-11-22T10-00-00_00-00")
+    assert other.returncode == 2, other.stderr[-2000:]
+    assert error_lines(other) == [
+        "ERROR python -m tasks.snapshot: --run-id 'manual__2026-11-22T10-00-00_00-00': its storage folder "
+        f"{output.rsplit('/', 1)[0]} belongs to run 'manual__2026-11-22T10:00:00+00:00' (the two ids share one "
+        "storage key): trigger this run with another run id"]
+    assert storage.read_bytes(storage.join(output, "_SUCCESS")) == manifest  # the first run's output untouched
+    retry = snapshot(seeded_raw, "2026-11-22", output, "--run-id", "manual__2026-11-22T10:00:00+00:00")
+    assert retry.returncode == 0, retry.stderr[-2000:]
+
+
 def test_parallel_snapshots_queue_on_the_registry_lock(seeded_raw: str) -> None:
     procs = [
         subprocess.Popen(
