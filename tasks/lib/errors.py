@@ -18,6 +18,11 @@ class GateRejected(Exception):
         self.result = result
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's first line, bounded, for a one-line error (an empty message gives "")."""
+    return (str(exc).splitlines() or [""])[0][:limit]
+
+
 # -- the MLflow registry: absent is an answer, an outage is not --------------------------------
 
 

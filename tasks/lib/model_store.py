@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tasks.lib import storage
-from tasks.lib.errors import StepError, absent, registry_error
+from tasks.lib.errors import StepError, absent, first_line, registry_error
 from tasks.lib.model import GPT, GPTConfig
 
 CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous"
@@ -84,7 +84,7 @@ def load_model_files(description_path: Path, weights_path: Path, source: str) ->
             model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
     except (SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, EOFError) as exc:
         raise StepError(f"{source}: its weights do not load into the architecture it describes "
-                        f"({str(exc).splitlines()[0][:200]})") from None
+                        f"({first_line(exc)})") from None
     return LoadedModel(model.eval(), description)
 
 
@@ -206,7 +206,7 @@ def load_pickled_gpt(path: Path, description: dict[str, Any], source: str) -> Lo
     except Exception as exc:  # whatever the pickle holds: the allowed classes built with odd state included
         named = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
         what = f"it names {named.group(1)}, which no pickled model of this project does" if named else \
-            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            f"{type(exc).__name__}: {first_line(exc)}"
         raise StepError(f"{source}: its pickled module ({path.name}) is refused: {what}; nothing in it was run") from None
     if not isinstance(module, torch.nn.Module):
         raise StepError(f"{source}: its pickle holds a {type(module).__name__}, not this project's GPT")
@@ -214,7 +214,7 @@ def load_pickled_gpt(path: Path, description: dict[str, Any], source: str) -> Lo
         model.load_state_dict({n: p.detach() for n, p in module.named_parameters(remove_duplicate=False)})
     except Exception as exc:  # a module whose pickled state is not a module's
         raise StepError(f"{source}: its pickled weights do not fit the architecture it describes "
-                        f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})") from None
+                        f"({type(exc).__name__}: {first_line(exc)})") from None
     return LoadedModel(model.eval(), description)
 
 
