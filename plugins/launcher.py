@@ -285,6 +285,8 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
         # only deploy's pods carry an API token (and may reach Triton's pods: plugins/serving.py)
         "service_account_name": cluster["deploy_service_account" if deployer else "service_account"],
         "automount_service_account_token": deployer,
+        # deploy puts traffic back on stable on SIGTERM: give it the time (others: the default 30 s)
+        "termination_grace_period": int(cluster["deploy_grace_s"]) if deployer else None,
         "container_resources": k8s.V1ResourceRequirements(**kind_settings["resources"]),
         "node_selector": kind_settings["node_selector"] or None,
         "tolerations": [k8s.V1Toleration(**t) for t in kind_settings["tolerations"]] or None,

@@ -1,6 +1,17 @@
 """Serving in a cluster: the objects the deploy step drives (``tasks/lib/serving.py``).
 
-    python plugins/serving.py > serving.yaml && kubectl apply -f serving.yaml
+    python plugins/serving.py --install | kubectl create -f -    # once: the objects and deploy's initial state
+    python plugins/serving.py | kubectl apply -f -                # after any change (image, resources): safe
+
+What the deploy step owns is live state: the tracks' replicas and versions (pod template
+annotations), the public HTTPRoute (its weights, version headers and rollout state) and the deploy
+lock (a Lease deploy creates). ``--install`` renders them once in their initial state (both
+tracks at 0 replicas naming no version, the route sending everything to stable, which serves
+nothing yet), for ``kubectl create`` (not ``--save-config``, and never ``apply``: a later apply
+would then remove or reset them). The plain render leaves them out, so re-applying it after any
+change never scales stable to 0 nor forgets which version serves. The public route's hostnames
+and gateway are changed with ``kubectl patch``, never by re-applying it.
+
 
 - A Triton Deployment per track (``stable``, ``canary``) on NVIDIA's tritonserver image. Its init
   container (the runtime image: ``python -m tasks.deploy stage``) copies one exported version
@@ -10,7 +21,7 @@
   Ready = ``/v2/health/ready`` (the models loaded; a model that fails to load stops the pod).
   Beside Triton, the pod runs the OpenAI-compatible API (``tasks/openai_api.py``, the runtime
   image) on its ``openai`` port, translating ``/v1/*`` to the local Triton's generate endpoints.
-  Both tracks start at 0 replicas: the first deploy gives them a version.
+  Both tracks start at 0 replicas (``--install``): the first deploy gives them a version.
   Its pods run in the ``llm-serving`` PriorityClass (``plugins/cluster.py``: cluster-scoped, with
   the cluster's own objects), above training's (a training Job admitted on full GPU nodes never
   preempts serving; a serving pod may preempt a training pod), spread across nodes and zones.
@@ -20,12 +31,13 @@
   generate and stream paths, health and metadata, exact; the OpenAI front's ``/v1/`` on the
   openai port), each split between the tracks by ``weight`` (per mille); each backend stamps
   ``X-Model-Version`` on its responses. Deploy patches both rules together. Its annotations hold
-  the rollout state and the deploy lock. Triton's repository control and a version's own paths
-  match nothing: 404 at the gateway.
+  the rollout state. Triton's repository control and a version's own paths match nothing: 404 at
+  the gateway.
 - A second ``HTTPRoute`` (``<route>-internal``) on the gateway's internal listener (in-cluster
   only): ``X-Serving-Track: canary|stable`` reaches one track alone (the smoke test before any
   traffic moves; the canary analysis's baseline). A client outside cannot pick a track.
-- A Role + RoleBinding letting the pipeline's service account get and patch exactly these.
+- A Role + RoleBinding letting the deploy step's service account get and patch exactly these,
+  and take the deploy lock (a ``coordination.k8s.io`` Lease).
 
 Plain dicts, no Airflow import: tests render them and validate the core objects against the
 Kubernetes schema and the HTTPRoute against the Gateway API's.
@@ -47,6 +59,8 @@ ANNOTATION = "llm-pipeline/"
 TRACK_HEADER = "X-Serving-Track"
 VERSION_HEADER = "X-Model-Version"
 NO_VERSION = "none"  # a header value may not be empty
+# a track's pod template annotations deploy sets (its init container reads them)
+DEPLOY_ANNOTATIONS = (f"{ANNOTATION}model-version", f"{ANNOTATION}export-uri")
 
 
 def _labels(settings: dict[str, Any], track: str) -> dict[str, str]:
@@ -62,7 +76,8 @@ def _hardened() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def track_deployment(params: dict[str, Any], track: str) -> dict[str, Any]:
+def track_deployment(params: dict[str, Any], track: str, install: bool = False) -> dict[str, Any]:
+    """A track's Deployment; ``install``: with deploy's initial state (0 replicas, no version)."""
     cluster, serve = params["launcher"]["kubernetes"], params["serve"]
     settings = serve["kubernetes"]
     kind = cluster["kinds"][settings["kind"]]
@@ -138,21 +153,20 @@ def track_deployment(params: dict[str, Any], track: str) -> dict[str, Any]:
         pod_spec["nodeSelector"] = kind["node_selector"]
     if kind["tolerations"]:
         pod_spec["tolerations"] = kind["tolerations"]
-    return {
+    deployment: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": f"{settings['name']}-{track}", "namespace": cluster["namespace"], "labels": labels},
         "spec": {
-            "replicas": 0,
             "selector": {"matchLabels": labels},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {"labels": labels,
-                             "annotations": {f"{ANNOTATION}model-version": "", f"{ANNOTATION}export-uri": ""}},
-                "spec": pod_spec,
-            },
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }
+    if install:  # deploy's from then on (see the module docstring)
+        deployment["spec"]["replicas"] = 0
+        deployment["spec"]["template"]["metadata"]["annotations"] = {key: "" for key in DEPLOY_ANNOTATIONS}
+    return deployment
 
 
 def spread(labels: dict[str, str]) -> list[dict[str, Any]]:
@@ -206,7 +220,8 @@ def public_triton_paths(serve: dict[str, Any]) -> list[str]:
 def http_route(params: dict[str, Any]) -> dict[str, Any]:
     """The public route: an allowlist, split between the tracks by weight (rules 0: Triton's
     inference, health and metadata paths, exact; 1: the OpenAI front's ``/v1``). Nothing else of
-    Triton's (repository control, a version's own paths) matches: the gateway answers 404."""
+    Triton's (repository control, a version's own paths) matches: the gateway answers 404.
+    Deploy's once created (``--install`` only): its weights and state are the live split."""
     settings = params["serve"]["kubernetes"]
     names = {track: f"{settings['name']}-{track}" for track in TRACKS}
 
@@ -225,7 +240,7 @@ def http_route(params: dict[str, Any]) -> dict[str, Any]:
         "kind": "HTTPRoute",
         "metadata": {"name": settings["route"], "namespace": params["launcher"]["kubernetes"]["namespace"],
                      "labels": {"app.kubernetes.io/part-of": "llm-pipeline"},
-                     "annotations": {f"{ANNOTATION}route": json.dumps(state), f"{ANNOTATION}deploy-lock": ""}},
+                     "annotations": {f"{ANNOTATION}route": json.dumps(state)}},
         "spec": {
             "parentRefs": [_gateway_ref(settings, settings["gateway"]["listener"])],
             "hostnames": [settings["hostname"]],
@@ -268,7 +283,8 @@ def _gateway_ref(settings: dict[str, Any], listener: str) -> dict[str, Any]:
 
 
 def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
-    """What the deploy step's service account may do: get and patch these objects, nothing else."""
+    """What the deploy step's service account may do: get and patch these objects and hold the
+    deploy lock, nothing else."""
     cluster, settings = params["launcher"]["kubernetes"], params["serve"]["kubernetes"]
     name, namespace = "llm-pipeline-deployer", cluster["namespace"]
     return [
@@ -279,6 +295,10 @@ def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
               "resourceNames": [f"{settings['name']}-{track}" for track in TRACKS]},
              {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["httproutes"], "verbs": ["get", "patch"],
               "resourceNames": [settings["route"]]},
+             # the deploy lock: deploy creates its Lease when absent (create cannot be limited by name)
+             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "update"],
+              "resourceNames": [f"{settings['route']}-deploy"]},
+             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
          ]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": {"name": name, "namespace": namespace},
@@ -319,12 +339,16 @@ def network_policy(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def serving_manifests(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def serving_manifests(params: dict[str, Any] | None = None, install: bool = False) -> list[dict[str, Any]]:
+    """The serving objects; ``install``: with what deploy owns afterwards, in its initial state
+    (see the module docstring)."""
     params = params or pipeline_params()
-    tracks = [obj for track in TRACKS for obj in (track_deployment(params, track), track_service(params, track))]
-    return [*tracks, disruption_budget(params), http_route(params), internal_route(params), network_policy(params),
+    tracks = [obj for track in TRACKS
+              for obj in (track_deployment(params, track, install), track_service(params, track))]
+    public = [http_route(params)] if install else []
+    return [*tracks, disruption_budget(params), *public, internal_route(params), network_policy(params),
             *deployer_rbac(params)]
 
 
 if __name__ == "__main__":
-    yaml.safe_dump_all(serving_manifests(), sys.stdout, sort_keys=False)
+    yaml.safe_dump_all(serving_manifests(install="--install" in sys.argv[1:]), sys.stdout, sort_keys=False)

@@ -44,11 +44,11 @@ from typing import Any
 import numpy as np
 
 from tasks.lib import canary, storage, triton
-from tasks.lib.errors import GateRejected, StepError, absent, registry_error
+from tasks.lib.errors import GateRejected, StepError, Terminated, absent, first_line, registry_error
 from tasks.lib.model_store import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
 from tasks.lib.params import load_params, step_params
-from tasks.lib.serving import Serving, serving_platform, stage_version
-from tasks.lib.step import log, run_step, step_parser
+from tasks.lib.serving import PromotionFailed, Serving, serving_platform, stage_version
+from tasks.lib.step import log, raise_on_sigterm, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
 
@@ -192,11 +192,35 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Servin
     report: dict[str, Any] = {"stable": stable, "canary": version, "steps": [], "verdict": "promoted"}
     serving.prepare(stable, version)
     try:
+        failed = walk_steps(serving, serve, params, reference, stable, version, report)
+        if failed is None:
+            try:
+                serving.promote(version)
+            except PromotionFailed as exc:
+                if not exc.restored:
+                    raise
+                failed = (100.0, str(exc))
+        if failed is not None:
+            serving.roll_back(stable)
+    except PromotionFailed as exc:  # the canary track is the one serving a whole version: traffic stays there
+        raise StepError(f"{exc}: all traffic stays on the canary track (version {version}); the "
+                        f"llm_rollback DAG puts it back on version {stable}") from None
+    except BaseException as exc:  # SIGTERM (an evicted pod, a killed task) or an error mid-rollout
+        back_to_stable(serving, stable, version, exc)
+        raise
+    if failed is not None:
+        report.update(verdict="rolled back", failed_at=failed[0], reason=failed[1])
+    return report
+
+
+def walk_steps(serving: Serving, serve: dict[str, Any], params: dict[str, Any], reference: dict[str, Any],
+               stable: int | None, version: int, report: dict[str, Any]) -> tuple[float, str] | None:
+    """The smoke test, the warm-up and the traffic steps (their analyses in ``report``): None
+    when every step passed, else the weight it failed at and why."""
+    try:
         smoke_test(serving, version, reference)
-    except StepError as exc:  # before any traffic moved: remove it again
-        serving.roll_back(stable)
-        report.update(verdict="rolled back", failed_at=0.0, reason=f"smoke test: {exc}")
-        return report
+    except StepError as exc:  # before any traffic moved
+        return 0.0, f"smoke test: {exc}"
     report["warmup_streams"] = warm_up(serving, version, reference, params)
     steps = [float(w) for w in params["steps"]] if stable is not None else [100.0]
     analyses = int(params["latency_analyses"])
@@ -211,11 +235,25 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Servin
             log.info("canary %g%%: slower than stable on this traffic only (analysis %d of %d): measuring again "
                      "on fresh traffic", weight, analysis, analyses)
         if not result["passed"]:
-            serving.roll_back(stable)
-            report.update(verdict="rolled back", failed_at=weight, reason=result["failed"][0])
-            return report
-    serving.promote(version)
-    return report
+            return weight, result["failed"][0]
+    return None
+
+
+def back_to_stable(serving: Serving, stable: int | None, version: int, exc: BaseException) -> None:
+    """A rollout interrupted (SIGTERM, an error): traffic back to stable and the canary removed
+    before the step goes, rather than left at its weight unanalysed until a retry. A failure
+    here is logged; the retry (or the next deploy) finds the leftover canary and rolls it back."""
+    why = "terminated by SIGTERM" if isinstance(exc, Terminated) else f"failed ({first_line(exc)})"
+    log.error("canary of version %d %s: traffic back to stable version %s first", version, why, stable)
+    try:
+        serving.roll_back(stable)
+    except (Exception, Terminated) as undo:
+        log.error("rolling back to version %s failed too (%s): the next deploy rolls the canary back",
+                  stable, first_line(undo))
+        return
+    if isinstance(exc, Terminated):
+        exc.args = (f"terminated by SIGTERM during the canary of version {version}: traffic is back on "
+                    f"stable version {stable}",)
 
 
 def save_report(report: dict[str, Any], output: str, dag_run_tag: str) -> None:
@@ -366,6 +404,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     commands = {"canary": canary_main, "rollback": rollback_main, "stage": stage_main}
+    if args.command != "stage":
+        raise_on_sigterm()  # a killed deploy moves traffic back to stable before it goes
     return commands[args.command](args)
 
 

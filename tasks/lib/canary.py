@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tasks.lib import triton
+from tasks.lib import step, triton
 
 T = TypeVar("T")
 
@@ -92,15 +92,15 @@ def send_traffic(url: str, headers: dict[str, str], inputs: list[np.ndarray[Any,
 def at_rate(one: Callable[[int], T], rate_rps: float, duration_s: float, concurrency: int,
             stop: threading.Event | None = None) -> list[T]:
     """``one(i)`` for ``rate_rps * duration_s`` indices, each started at its time on the fixed
-    rate by ``concurrency`` threads; those not started before ``stop`` is set are left out."""
+    rate by ``concurrency`` threads; those not started before ``stop`` is set (or the step is
+    stopping: SIGTERM) are left out."""
     total = max(1, int(rate_rps * duration_s))
     start = time.monotonic()
+    stop = stop or step.stopping
 
     def fire(index: int) -> T | None:
         delay = start + index / rate_rps - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        if stop is not None and stop.is_set():
+        if (delay > 0 and stop.wait(delay)) or stop.is_set() or step.stopping.is_set():
             return None
         return one(index)
 

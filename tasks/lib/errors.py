@@ -18,6 +18,12 @@ class GateRejected(Exception):
         self.result = result
 
 
+class Terminated(BaseException):
+    """SIGTERM (an evicted pod, a killed task), raised in the main thread once the step asked
+    for it (:func:`tasks.lib.step.raise_on_sigterm`), so the step can put things back before it
+    goes. A BaseException: an ``except Exception`` around a request does not swallow it."""
+
+
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """An exception's first line, bounded, for a one-line error (an empty message gives "")."""
     return (str(exc).splitlines() or [""])[0][:limit]

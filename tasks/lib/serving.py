@@ -11,7 +11,9 @@ The deploy step (``tasks/deploy.py``) walks a canary through :class:`Serving` on
   template's annotations; a Gateway API HTTPRoute with weighted ``backendRefs`` splits the
   traffic. Deploy patches the canary Deployment (version, replicas), waits for its rollout,
   patches the HTTPRoute's weights and waits until the gateway accepted that generation. The
-  route's annotations hold the rollout state (versions, weight, generation) and the deploy lock.
+  route's annotations hold the rollout state (versions, weight, generation); the deploy lock is
+  a ``coordination.k8s.io`` Lease (:mod:`tasks.lib.kube`). A promotion whose stable track does
+  not roll out puts that track back on what it served before (:class:`PromotionFailed`).
 
 Both keep the same order of operations: a version is ready before traffic moves to it, and
 traffic has moved away (confirmed) before a version is removed.
@@ -25,19 +27,18 @@ import itertools
 import json
 import os
 import shutil
-import socket
-import ssl
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from tasks.lib import storage, triton
-from tasks.lib.errors import StepError
+from tasks.lib.errors import StepError, Terminated, first_line
+from tasks.lib.kube import KubeApi, KubeError, Lease, LeaseLost
 from tasks.lib.router import ROUTE_HEADER, NginxRouter, Route
-from tasks.lib.step import log
+from tasks.lib.step import log, stopping
 
 TRACKS = ("stable", "canary")
 WEIGHTED_RULES = (0, 1)  # of the public HTTPRoute (plugins/serving.py): Triton's allowlist, then /v1
@@ -45,7 +46,19 @@ WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% step
 ANNOTATION = "llm-pipeline/"
 TRACK_HEADER = "X-Serving-Track"  # rules of the internal HTTPRoute: this header picks one track
 NO_VERSION = "none"  # the version header of a backend serving none (a header may not be empty)
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+VERSION_KEY, EXPORT_KEY = f"{ANNOTATION}model-version", f"{ANNOTATION}export-uri"
+# on a Deployment's own metadata (not its pods'): what the stable track served before a promotion
+PREVIOUS_VERSION_KEY, PREVIOUS_EXPORT_KEY = f"{ANNOTATION}previous-model-version", f"{ANNOTATION}previous-export-uri"
+
+
+class PromotionFailed(StepError):
+    """The stable track could not be rolled to the promoted version. ``restored``: it serves
+    the version it served before (traffic can go back to it); else all traffic stays on the
+    canary track, the one track known to serve a whole version."""
+
+    def __init__(self, message: str, restored: bool) -> None:
+        super().__init__(message)
+        self.restored = restored
 
 
 def stage_version(export_uri: str, version: int, repository: Path, serve: dict[str, Any], scratch: Path,
@@ -220,46 +233,43 @@ class LocalServing:
 # -- cluster ----------------------------------------------------------------------------------
 
 
-class KubeApi:
-    """The Kubernetes API from inside a pod: the service account's token and CA, plain HTTPS."""
-
-    def __init__(self, server: str, token: str, ca_file: str | None, timeout_s: float = 30.0) -> None:
-        self.server, self.token, self.timeout_s = server.rstrip("/"), token, timeout_s
-        self.context = ssl.create_default_context(cafile=ca_file) if server.startswith("https") else None
-
-    @classmethod
-    def in_cluster(cls) -> KubeApi:
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host or not (SERVICE_ACCOUNT / "token").exists():
-            raise StepError("SERVING_PLATFORM=kubernetes but this is not a pod (no service account token)")
-        return cls(f"https://{host}:{port}", (SERVICE_ACCOUNT / "token").read_text().strip(),
-                   str(SERVICE_ACCOUNT / "ca.crt"))
-
-    def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        request = urllib.request.Request(
-            self.server + path, method=method, data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": content_type,
-                     "Accept": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s, context=self.context) as resp:
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            message = json.loads(exc.read() or b"{}").get("message", exc.reason)
-            raise KubeError(exc.code, f"{method} {path}: {exc.code} {message}") from None
-
-
-class KubeError(RuntimeError):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def deployment_patch(version: int | None, export_uri: str, replicas: int) -> dict[str, Any]:
+def deployment_patch(version: int | None, export_uri: str, replicas: int,
+                     previous: TrackState | None = None) -> dict[str, Any]:
     """JSON merge patch of a track's Deployment: the version its init container stages (read
     through the downward API from these annotations) and its replicas. A new version changes
-    the pod template, so the Deployment rolls (surge first: the track never has fewer ready pods)."""
-    annotations = {f"{ANNOTATION}model-version": str(version or ""), f"{ANNOTATION}export-uri": export_uri}
-    return {"spec": {"replicas": replicas, "template": {"metadata": {"annotations": annotations}}}}
+    the pod template, so the Deployment rolls (surge first: the track never has fewer ready pods).
+    ``previous``: what the track served before, kept on the Deployment's own metadata so a later
+    deploy can put it back (a promotion interrupted before the stable track rolled out)."""
+    annotations = {VERSION_KEY: str(version or ""), EXPORT_KEY: export_uri}
+    patch: dict[str, Any] = {"spec": {"replicas": replicas, "template": {"metadata": {"annotations": annotations}}}}
+    if previous is not None:
+        patch["metadata"] = {"annotations": {PREVIOUS_VERSION_KEY: str(previous.version or ""),
+                                             PREVIOUS_EXPORT_KEY: previous.export_uri}}
+    return patch
+
+
+@dataclass(frozen=True)
+class TrackState:
+    """What a track's Deployment names: the version its pods stage, from where, how many pods."""
+
+    version: int | None
+    export_uri: str
+    replicas: int
+
+    @classmethod
+    def of(cls, deployment: dict[str, Any]) -> TrackState:
+        annotations = deployment["spec"]["template"]["metadata"].get("annotations") or {}
+        version = str(annotations.get(VERSION_KEY, ""))
+        return cls(int(version) if version.isdigit() else None, str(annotations.get(EXPORT_KEY, "")),
+                   int(deployment["spec"].get("replicas", 1)))
+
+    @classmethod
+    def before_promotion(cls, deployment: dict[str, Any]) -> TrackState | None:
+        annotations = deployment["metadata"].get("annotations") or {}
+        version = str(annotations.get(PREVIOUS_VERSION_KEY, ""))
+        if not version.isdigit():
+            return None
+        return cls(int(version), str(annotations.get(PREVIOUS_EXPORT_KEY, "")), int(deployment["spec"].get("replicas", 1)))
 
 
 def route_patch(names: dict[str, str], route: Route) -> list[dict[str, Any]]:
@@ -318,6 +328,7 @@ class KubernetesServing:
         self.internal_url = os.environ["ROUTER_INTERNAL_URL"].rstrip("/")  # the track-header rules
         self.names = {track: f"{self.cluster['name']}-{track}" for track in TRACKS}
         self.exports: dict[int, str] = {}
+        self.lease = Lease(self.api, namespace, f"{self.cluster['route']}-deploy", int(self.cluster["lease_duration_s"]))
 
     def _path(self, kind: str, name: str) -> str:
         group = "/apis/apps/v1" if kind == "deployments" else "/apis/gateway.networking.k8s.io/v1"
@@ -329,31 +340,14 @@ class KubernetesServing:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """An annotation on the HTTPRoute taken with a JSON-patch ``test`` of what was read (the
-        API server applies test-and-set atomically); a holder older than ``lock_ttl_s`` is
-        presumed dead and replaced."""
-        key = f"/metadata/annotations/{ANNOTATION.rstrip('/')}~1deploy-lock"
-        holder = f"{socket.gethostname()} {time.time() + float(self.cluster['lock_ttl_s']):.0f}"
-        while True:
-            current = self._route_object()["metadata"].get("annotations", {}).get(f"{ANNOTATION}deploy-lock", "")
-            expired = not current or float(current.split()[-1]) < time.time()
-            if expired:
-                test = [{"op": "test", "path": key, "value": current}] if current else []
-                try:
-                    self.api.call("PATCH", self._path("httproutes", self.cluster["route"]),
-                                  [*test, {"op": "add", "path": key, "value": holder}], "application/json-patch+json")
-                    break
-                except KubeError as exc:
-                    if exc.status not in (409, 422):
-                        raise
-            log.info("waiting for the deploy lock (held by %s)", current)
-            time.sleep(5)
+        """A ``coordination.k8s.io`` Lease (``<route>-deploy``, see :mod:`tasks.lib.kube`), held
+        while this deploy changes serving; released however the deploy ends (a failed release
+        is logged, never raised over the deploy's own outcome)."""
+        self.lease.acquire()
         try:
             yield
         finally:
-            self.api.call("PATCH", self._path("httproutes", self.cluster["route"]),
-                          [{"op": "test", "path": key, "value": holder}, {"op": "add", "path": key, "value": ""}],
-                          "application/json-patch+json")
+            self.lease.release()
 
     def live(self) -> Route:
         state = self._route_object()["metadata"].get("annotations", {}).get(f"{ANNOTATION}route")
@@ -365,14 +359,21 @@ class KubernetesServing:
         reference: dict[str, Any] = storage.read_json(storage.join(export_uri, "parity.json"))["reference"]
         return reference
 
-    def _set_track(self, track: str, version: int | None, replicas: int) -> None:
-        export_uri = self.exports.get(version, "") if version is not None else ""
+    def _track(self, track: str) -> dict[str, Any]:
+        found: dict[str, Any] = self.api.call("GET", self._path("deployments", self.names[track]))
+        return found
+
+    def _set_track(self, track: str, version: int | None, replicas: int, export_uri: str | None = None,
+                   previous: TrackState | None = None, wait: bool = True) -> None:
+        self.lease.check()
+        if export_uri is None:
+            export_uri = self.exports.get(version, "") if version is not None else ""
         if version is not None and not export_uri:
             raise StepError(f"version {version} was not staged by this deploy")
         self.api.call("PATCH", self._path("deployments", self.names[track]),
-                      deployment_patch(version, export_uri, replicas), "application/merge-patch+json")
+                      deployment_patch(version, export_uri, replicas, previous), "application/merge-patch+json")
         deadline = time.monotonic() + float(self.cluster["rollout_timeout_s"])
-        while not deployment_rolled_out(self.api.call("GET", self._path("deployments", self.names[track]))):
+        while wait and not deployment_rolled_out(self._track(track)):
             if time.monotonic() > deadline:
                 raise StepError(f"deployment {self.names[track]} (version {version}) not ready after "
                                 f"{self.cluster['rollout_timeout_s']}s: see its pods' events")
@@ -382,6 +383,7 @@ class KubernetesServing:
         self._set_track("canary", canary, 1)
 
     def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
+        self.lease.check()
         route = Route(stable, canary, float(weight), self.live().generation + 1)
         self.api.call("PATCH", self._path("httproutes", self.cluster["route"]),
                       route_patch(self.names, route), "application/json-patch+json")
@@ -393,14 +395,49 @@ class KubernetesServing:
             time.sleep(1)
 
     def promote(self, version: int) -> None:
-        # the canary track carries all traffic while the stable track rolls to the new version
-        self._set_track("stable", version, int(self.cluster["replicas"]))
+        """The canary track carries all traffic while the stable track rolls to ``version``; then
+        the route moves to stable and the canary track empties. If the stable track does not
+        roll out (no room for its pods, a pod that never gets ready), it is put back on what it
+        served (surge-first rolling: those pods were never taken away) and
+        :class:`PromotionFailed` says whether that worked."""
+        before = TrackState.of(self._track("stable"))
+        try:
+            self._set_track("stable", version, int(self.cluster["replicas"]), previous=before)
+        except LeaseLost:
+            raise
+        except (StepError, KubeError, OSError, Terminated) as exc:
+            restored = self._put_back("stable", before)
+            if isinstance(exc, Terminated):
+                raise
+            where = f"back on version {before.version}" if restored else f"NOT back on version {before.version}"
+            raise PromotionFailed(f"promotion: {first_line(exc)}; the stable track is {where}", restored) from None
         self.route(version)
         self._set_track("canary", None, 0)
 
+    def _put_back(self, track: str, state: TrackState) -> bool:
+        """``track`` serving ``state`` again (waiting for it unless the step is stopping: SIGTERM)."""
+        try:
+            self._set_track(track, state.version, state.replicas, state.export_uri, wait=not stopping.is_set())
+            return True
+        except (StepError, KubeError, OSError) as exc:
+            log.error("putting the %s track back on version %s failed: %s", track, state.version, first_line(exc))
+            return False
+
     def roll_back(self, stable: int | None) -> None:
+        # a promotion interrupted while the stable track rolled to the canary's version (the pod
+        # killed) left it naming that version: put it back before traffic goes to it
+        deployment = self._track("stable")
+        current, before = TrackState.of(deployment), TrackState.before_promotion(deployment)
+        if stable is not None and current.version != stable:
+            if before is None or before.version != stable:
+                raise StepError(f"deployment {self.names['stable']} names version {current.version}, not stable "
+                                f"version {stable}, and does not record how to put it back: "
+                                f"run the llm_rollback DAG with target {stable}")
+            log.warning("the stable track names version %s (an interrupted promotion): putting it back on %d",
+                        current.version, stable)
+            self._set_track("stable", stable, before.replicas, before.export_uri, wait=not stopping.is_set())
         self.route(stable)
-        self._set_track("canary", None, 0)
+        self._set_track("canary", None, 0, wait=not stopping.is_set())
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
         path = triton.infer_path(self.serve["triton_model"], version)

@@ -14,12 +14,13 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tasks.lib.errors import GateRejected, StepError
+from tasks.lib.errors import GateRejected, StepError, Terminated, first_line
 
 log = logging.getLogger("tasks")
 
@@ -27,6 +28,7 @@ log = logging.getLogger("tasks")
 POD_RESULT_PATH = Path("/airflow/xcom/return.json")
 BAD_INPUT_EXIT_CODE = 2
 GATE_REJECTED_EXIT_CODE = 99  # KubernetesPodOperator skip_on_exit_code / LocalStepOperator: skip downstream
+TERMINATED_EXIT_CODE = 128 + signal.SIGTERM  # as a shell reports a process SIGTERM ended: retried
 # set by tasks.lib.torchrun for its workers: where a worker with bad input leaves its error line
 BAD_INPUT_FILE_ENV = "STEP_BAD_INPUT_FILE"
 
@@ -84,6 +86,23 @@ def stop_torchrun_agent(error_line: str) -> None:
         os.kill(os.getppid(), signal.SIGTERM)
 
 
+# set on SIGTERM (after raise_on_sigterm): loops and load generators stop starting new work
+stopping = threading.Event()
+
+
+def raise_on_sigterm() -> None:
+    """From now on SIGTERM raises :class:`Terminated` in the main thread and sets ``stopping``,
+    so a step can undo what it must before it goes (the deploy: traffic back to stable). Once:
+    a second SIGTERM while that clean-up runs is ignored (the pod's grace period bounds it)."""
+    def on_sigterm(signum: int, frame: object) -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        raise Terminated("terminated by SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def parse_step_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """``parser.parse_args()``; a usage error is bad input (argparse exits 2) under torchrun too."""
     try:
@@ -101,11 +120,14 @@ def run_step(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace
         result = main(args)
     except StepError as exc:
         # one line, so the orchestrator can show it as the reason the task failed
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        error_line = f"ERROR {parser.prog}: {first_line}"
+        line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        error_line = f"ERROR {parser.prog}: {line}"
         print(error_line, file=sys.stderr, flush=True)
         stop_torchrun_agent(error_line)
         sys.exit(BAD_INPUT_EXIT_CODE)
+    except Terminated as exc:
+        print(f"ERROR {parser.prog}: {first_line(exc) or 'terminated by SIGTERM'}", file=sys.stderr, flush=True)
+        sys.exit(TERMINATED_EXIT_CODE)
     except GateRejected as exc:
         write_result(exc.result)
         print(f"REJECTED {parser.prog}: {exc}", file=sys.stderr, flush=True)

@@ -233,6 +233,9 @@ def test_rollback_dag_takes_a_target_param() -> None:
     assert [t.task_id for t in rollback.tasks] == ["rollback"] and rollback.schedule is None
     assert rollback.params["target"] == "previous"
     assert rollback.get_task("rollback").arguments == ["rollback", "--target", "{{ params.target }}"]
+    # in the canary's pool: a rollback never moves traffic while a canary is being analysed
+    assert rollback.get_task("rollback").pool == "serving_rollout"
+    assert rollback.get_task("rollback").execution_timeout is not None
 
 
 @pytest.mark.integration

@@ -117,11 +117,14 @@ def test_only_the_deploy_pod_carries_an_api_token_and_reaches_triton(cluster_dag
     assert deploy["metadata"]["labels"][cluster.DEPLOYER_LABEL] == "true"
     assert deploy["spec"]["serviceAccountName"] == params["deploy_service_account"]
     assert deploy["spec"]["automountServiceAccountToken"] is True
+    # on SIGTERM it moves traffic back to stable before it goes: its grace period allows for it
+    assert deploy["spec"]["terminationGracePeriodSeconds"] == params["deploy_grace_s"] > 30
     for task_id in ("snapshot", "validate", "tokenize_shard", "evaluate", "register", "export", "report"):
         pod = pod_of(cluster_dag.get_task(task_id))
         assert cluster.DEPLOYER_LABEL not in pod["metadata"]["labels"], task_id
         assert pod["spec"]["serviceAccountName"] == params["service_account"], task_id
         assert pod["spec"]["automountServiceAccountToken"] is False, task_id
+        assert "terminationGracePeriodSeconds" not in pod["spec"], task_id
 
 
 def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:

@@ -22,19 +22,26 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def test_serving_objects_are_valid_kubernetes_and_gateway_api(tmp_path: Path) -> None:
-    objects = serving.serving_manifests()
+    """Both renders: ``--install`` (created once, with deploy's initial state) and the plain one
+    (re-applied after any change: nothing deploy owns, so the public route is not in it)."""
+    objects = serving.serving_manifests(install=True)
     assert sorted(o["kind"] for o in objects) == ["Deployment", "Deployment", "HTTPRoute", "HTTPRoute", "NetworkPolicy",
                                                   "PodDisruptionBudget", "Role", "RoleBinding", "Service", "Service"]
     proc = validate_objects(objects, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving" in proc.stdout
     assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving-internal" in proc.stdout
+    plain = serving.serving_manifests()
+    assert sorted(o["kind"] for o in objects if o not in plain) == ["Deployment", "Deployment", "HTTPRoute"]
+    proc = validate_objects(plain, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving\n" not in proc.stdout + "\n"
 
 
 def test_each_track_stages_its_version_and_is_ready_only_when_triton_is() -> None:
-    for deployment in by_kind(serving.serving_manifests(), "Deployment"):
+    for deployment in by_kind(serving.serving_manifests(install=True), "Deployment"):
         spec = deployment["spec"]
-        assert spec["replicas"] == 0  # deploy gives a track its version and replicas
+        assert spec["replicas"] == 0  # created empty: deploy gives a track its version and replicas
         assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
         pod = spec["template"]["spec"]
         stage, server = pod["initContainers"][0], pod["containers"][0]
@@ -101,7 +108,7 @@ def test_public_route_splits_an_allowlist_and_only_the_internal_one_reaches_a_tr
     """Clients reach inference, generate/stream, /v1, health and metadata, split by weight; not
     Triton's repository control, not a version's own path, and their X-Serving-Track picks nothing.
     Deploy's internal route reaches each track alone (the smoke test, the canary's baseline)."""
-    public, internal = by_kind(serving.serving_manifests(), "HTTPRoute")
+    public, internal = by_kind(serving.serving_manifests(install=True), "HTTPRoute")
     assert public["spec"]["parentRefs"][0]["sectionName"] == "public"
     assert internal["spec"]["parentRefs"][0]["sectionName"] == "internal"
     for rule, port in zip(public["spec"]["rules"], (8000, 8003), strict=True):
@@ -136,7 +143,7 @@ def test_cpu_kind_has_no_gpu_request(tmp_path: Path) -> None:
 
 def test_gateway_schema_check_is_real(tmp_path: Path) -> None:
     """A negative weight and an empty header value are both refused."""
-    route = by_kind(serving.serving_manifests(), "HTTPRoute")[0]
+    route = by_kind(serving.serving_manifests(install=True), "HTTPRoute")[0]
     negative, empty = copy.deepcopy(route), copy.deepcopy(route)
     negative["spec"]["rules"][-1]["backendRefs"][0]["weight"] = -1
     empty["spec"]["rules"][-1]["backendRefs"][0]["filters"][0]["responseHeaderModifier"]["set"][0]["value"] = ""
@@ -150,6 +157,11 @@ def test_cli_prints_the_manifests() -> None:
                           env={"PYTHONPATH": str(REPO_ROOT / "plugins")})
     assert proc.returncode == 0, proc.stderr
     assert [o["kind"] for o in yaml.safe_load_all(proc.stdout)][:2] == ["Deployment", "Service"]
+    install = subprocess.run([sys.executable, "plugins/serving.py", "--install"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, env={"PYTHONPATH": str(REPO_ROOT / "plugins")})
+    assert install.returncode == 0, install.stderr
+    routes = [o["metadata"]["name"] for o in yaml.safe_load_all(install.stdout) if o["kind"] == "HTTPRoute"]
+    assert routes == ["llm-serving", "llm-serving-internal"]
 
 
 def test_only_the_gateway_deploy_and_prometheus_reach_triton_pods_and_only_ranks_reach_steps() -> None:

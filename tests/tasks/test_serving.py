@@ -8,6 +8,7 @@ care how good a model is, only how it behaves); everything after that is the rea
 from __future__ import annotations
 
 import contextlib
+import copy
 import http.client
 import json
 import os
@@ -20,6 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,8 +39,10 @@ from helpers import (
     step_result,
     write_eval_text,
 )
+from kube_api import FakeKubeApi, apply_json_patch, kubectl_apply, merge_patch, role_allows
 
 from tasks.lib import serving, triton
+from tasks.lib.errors import StepError
 from tasks.lib.router import Route, split_conf
 
 # short canary steps: the analysis needs samples, not minutes
@@ -149,40 +153,9 @@ def test_only_a_latency_verdict_is_measured_again() -> None:
 # -- unit: the cluster path's patches on the objects plugins/serving.py renders ----------------
 
 
-def apply_json_patch(obj: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
-    """RFC 6902 ``test``/``replace``/``add`` on a copy, as the API server applies them."""
-    out = json.loads(json.dumps(obj))
-    for op in ops:
-        *parents, leaf = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
-        node: Any = out
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        key: Any = int(leaf) if isinstance(node, list) else leaf
-        if op["op"] == "test":
-            assert node[key] == op["value"], f"test failed at {op['path']}: {node[key]!r}"
-        elif op["op"] == "replace":
-            assert (key < len(node)) if isinstance(node, list) else (key in node), f"nothing to replace at {op['path']}"
-            node[key] = op["value"]
-        else:
-            node[key] = op["value"]
-    return out
-
-
-def merge_patch(obj: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(obj) if isinstance(obj, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
-
-
-def rendered_serving_objects() -> list[dict[str, Any]]:
-    proc = subprocess.run([str(RUNTIME_PY), "plugins/serving.py"], cwd=REPO_ROOT, capture_output=True, text=True,
+def rendered_serving_objects(install: bool = True) -> list[dict[str, Any]]:
+    """``python plugins/serving.py [--install]``: the objects as first created, or as re-applied."""
+    proc = subprocess.run([str(RUNTIME_PY), "plugins/serving.py", *(["--install"] if install else [])], cwd=REPO_ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "plugins")})
     assert proc.returncode == 0, proc.stderr
     return list(yaml.safe_load_all(proc.stdout))
@@ -217,6 +190,43 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
         apply_json_patch(swapped, serving.route_patch(names, Route(4, 5, 50.0, 1)))
 
 
+def test_reapplying_the_serving_objects_keeps_what_deploy_set() -> None:
+    """README's order: ``--install`` created once, deploy patches the tracks and the route, then
+    ``kubectl apply`` of the plain render after a change (a new image), twice: stable keeps its
+    pods and version, the canary its share, the route its split and state; the change lands."""
+    def key(obj: dict[str, Any]) -> tuple[str, str]:
+        return obj["kind"], obj["metadata"]["name"]
+
+    live = {key(o): o for o in rendered_serving_objects()}  # kubectl create: no last-applied annotation
+    stable, canary, route = ("Deployment", "triton-stable"), ("Deployment", "triton-canary"), ("HTTPRoute", "llm-serving")
+    live[stable] = merge_patch(live[stable], serving.deployment_patch(4, "s3://pipeline/runs/a/export", 2))
+    live[canary] = merge_patch(live[canary], serving.deployment_patch(5, "s3://pipeline/runs/b/export", 1))
+    live[route] = apply_json_patch(live[route], serving.route_patch({t: f"triton-{t}" for t in serving.TRACKS},
+                                                                    Route(4, 5, 10.0, 3)))
+    deployed = copy.deepcopy(live)
+    plain = {key(o): o for o in rendered_serving_objects(install=False)}
+    assert route not in plain  # the public route is deploy's once created
+    for deployment in (stable, canary):  # nor do the tracks carry deploy's fields
+        assert "replicas" not in plain[deployment]["spec"]
+        assert "annotations" not in plain[deployment]["spec"]["template"]["metadata"]
+    for deployment in (stable, canary):  # the change the apply is for
+        plain[deployment]["spec"]["template"]["spec"]["containers"][0]["image"] = "registry.example.com/serving:0.2.0"
+    last_applied: dict[tuple[str, str], Any] = {}
+    for _ in range(2):
+        for name, manifest in plain.items():
+            live[name] = kubectl_apply(live[name], last_applied.get(name), manifest)
+            last_applied[name] = manifest
+    for deployment in (stable, canary):
+        assert live[deployment]["spec"]["replicas"] == deployed[deployment]["spec"]["replicas"]
+        assert live[deployment]["spec"]["template"]["metadata"]["annotations"] == \
+            deployed[deployment]["spec"]["template"]["metadata"]["annotations"]
+        assert live[deployment]["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.2.0")
+    assert live[route] == deployed[route]
+    # what README's apply of the whole render did before: stable at 0 pods, no version
+    installed = {key(o): o for o in rendered_serving_objects()}[stable]
+    assert kubectl_apply(deployed[stable], None, installed)["spec"]["replicas"] == 0
+
+
 def test_rollout_and_route_readiness_read_the_status_fields() -> None:
     deployment = {"metadata": {"generation": 3}, "spec": {"replicas": 2},
                   "status": {"observedGeneration": 3, "replicas": 3, "updatedReplicas": 2, "availableReplicas": 2}}
@@ -231,6 +241,152 @@ def test_rollout_and_route_readiness_read_the_status_fields() -> None:
     route["metadata"]["generation"] = 7
     assert not serving.route_accepted(route)
     assert not serving.route_accepted({"metadata": {"generation": 1}, "status": {"parents": []}})
+
+
+# -- cluster: KubernetesServing against an in-process API server (tests/kube_api.py) ---------
+
+
+NAMESPACE = "llm-pipeline"
+
+
+@pytest.fixture
+def cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[FakeKubeApi, serving.KubernetesServing]]:
+    """The serving objects as ``--install`` creates them, behind a fake API server, and the deploy
+    step's view of them (short timeouts: a rollout that is not done in a second never will be)."""
+    from tasks.lib.kube import KubeApi
+
+    monkeypatch.setenv("ROUTER_URL", "http://gateway.example")
+    monkeypatch.setenv("ROUTER_INTERNAL_URL", "http://gateway-internal.example")
+    serve = serve_params()
+    serve["kubernetes"].update(rollout_timeout_s=1, route_timeout_s=5, lease_duration_s=30)
+    rendered = rendered_serving_objects()
+    objects = [o for o in rendered if o["kind"] in ("Deployment", "HTTPRoute")]
+    with FakeKubeApi(NAMESPACE, objects) as fake:
+        yield fake, serving.KubernetesServing(serve, NAMESPACE, KubeApi(fake.url, "token", None, timeout_s=5))
+    # every call made (deploy's, and the test's own as deploy would make them) is one the deploy
+    # account's Role grants: a call it lacks would fail with 403 in a cluster
+    role = next(o for o in rendered if o["kind"] == "Role")
+    refused = [(method, path) for method, path, _ in fake.requests if not role_allows(role, method, path)]
+    assert not refused and fake.requests, refused
+
+
+def stub_export(folder: Path, version: int) -> str:
+    """What deploy reads of an export in a cluster (the pods stage the rest): its parity reference."""
+    export = folder / f"export{version}"
+    export.mkdir()
+    (export / "parity.json").write_text(json.dumps({"reference": {"inputs": [], "next_tokens": []}}))
+    return str(export)
+
+
+def track(fake: FakeKubeApi, name: str) -> serving.TrackState:
+    return serving.TrackState.of(fake.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/triton-{name}"))
+
+
+def weights(fake: FakeKubeApi) -> list[tuple[int, str]]:
+    """The public route's (weight, version header) per backend, the same in both weighted rules."""
+    route = fake.get(f"/apis/gateway.networking.k8s.io/v1/namespaces/{NAMESPACE}/httproutes/llm-serving")
+    rules = [[(b["weight"], b["filters"][0]["responseHeaderModifier"]["set"][0]["value"]) for b in
+              route["spec"]["rules"][r]["backendRefs"]] for r in serving.WEIGHTED_RULES]
+    assert all(rule == rules[0] for rule in rules), rules
+    return rules[0]
+
+
+def first_version(kube: serving.KubernetesServing, export: str) -> None:
+    """Version 4 serving, as a first deploy leaves it."""
+    with kube.lock():
+        kube.stage(export, 4, Path())
+        kube.prepare(None, 4)
+        kube.route(None, 4, 100.0)
+        kube.promote(4)
+
+
+def test_a_promotion_the_stable_track_cannot_take_is_undone(
+        cluster: tuple[FakeKubeApi, serving.KubernetesServing], tmp_path: Path) -> None:
+    """The stable Deployment never rolls out to the promoted version (its pods never get ready):
+    it is put back on the version it served (whose pods surge-first rolling never removed), the
+    failure says so, and traffic can go back to it; route, tracks and registry then agree."""
+    fake, kube = cluster
+    exports = {v: stub_export(tmp_path, v) for v in (4, 5)}
+    first_version(kube, exports[4])
+    assert track(fake, "stable") == serving.TrackState(4, exports[4], 2) and weights(fake) == [(1000, "4"), (0, "none")]
+    fake.stuck = lambda d: d["metadata"]["name"] == "triton-stable" and serving.TrackState.of(d).version == 5
+    with kube.lock():
+        kube.stage(exports[5], 5, tmp_path)
+        kube.prepare(4, 5)
+        kube.route(4, 5, 100.0)
+        with pytest.raises(serving.PromotionFailed, match=r"triton-stable \(version 5\) not ready after 1s.*"
+                                                          r"the stable track is back on version 4") as failed:
+            kube.promote(5)
+        assert failed.value.restored
+        assert track(fake, "stable") == serving.TrackState(4, exports[4], 2)
+        kube.roll_back(4)
+    assert weights(fake) == [(1000, "4"), (0, "none")] and track(fake, "canary").replicas == 0
+    assert (kube.live().stable, kube.live().canary) == (4, None)
+
+
+def test_a_promotion_killed_midway_is_undone_by_the_next_deploy(
+        cluster: tuple[FakeKubeApi, serving.KubernetesServing], tmp_path: Path) -> None:
+    """A deploy killed while the stable track rolled to the new version (SIGKILL: nothing ran
+    after) left the route on the canary at 100% and the stable Deployment naming the new version:
+    the retry puts the stable track back on what it recorded before moving traffic to it."""
+    fake, kube = cluster
+    exports = {v: stub_export(tmp_path, v) for v in (4, 5)}
+    first_version(kube, exports[4])
+    with kube.lock():
+        kube.stage(exports[5], 5, tmp_path)
+        kube.prepare(4, 5)
+        kube.route(4, 5, 100.0)
+        kube.api.call("PATCH", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/triton-stable",  # promote's first write
+                      serving.deployment_patch(5, exports[5], 2, previous=track(fake, "stable")),
+                      "application/merge-patch+json")
+    retry = serving.KubernetesServing(kube.serve, NAMESPACE, kube.api)  # a new process: nothing in memory
+    live = retry.live()
+    assert (live.stable, live.canary, live.canary_weight) == (4, 5, 100.0)
+    with retry.lock():
+        retry.roll_back(live.stable)  # as a retried deploy does with a leftover canary
+    assert track(fake, "stable") == serving.TrackState(4, exports[4], 2)
+    assert weights(fake) == [(1000, "4"), (0, "none")] and track(fake, "canary").replicas == 0
+    # a stable track naming another version with no record of what it served: refused, one line
+    kube.api.call("PATCH", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/triton-stable",
+                  {"metadata": {"annotations": {serving.PREVIOUS_VERSION_KEY: ""}},
+                   **serving.deployment_patch(5, exports[5], 2)}, "application/merge-patch+json")
+    with retry.lock(), pytest.raises(StepError, match="names version 5, not stable version 4, and does not record"):
+        retry.roll_back(4)
+    assert weights(fake) == [(1000, "4"), (0, "none")]  # no traffic moved to it
+
+
+def test_a_deploy_terminated_mid_canary_moves_traffic_back_to_stable(
+        cluster: tuple[FakeKubeApi, serving.KubernetesServing], tmp_path: Path) -> None:
+    """SIGTERM (an evicted deploy pod) while a canary takes 10%: the handler raises in the main
+    thread, traffic goes back to stable and the canary track empties before the lock is released."""
+    from tasks import deploy
+    from tasks.lib import step
+    from tasks.lib.errors import Terminated
+
+    fake, kube = cluster
+    exports = {v: stub_export(tmp_path, v) for v in (4, 5)}
+    first_version(kube, exports[4])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        step.raise_on_sigterm()
+        with pytest.raises(Terminated, match="during the canary of version 5: traffic is back on stable version 4"), \
+                kube.lock():
+            kube.stage(exports[5], 5, tmp_path)
+            kube.prepare(4, 5)
+            kube.route(4, 5, 10.0)
+            assert weights(fake) == [(900, "4"), (100, "5")]
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)  # the analysis, interrupted
+            except BaseException as exc:
+                deploy.back_to_stable(kube, 4, 5, exc)
+                raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        step.stopping.clear()
+    assert weights(fake) == [(1000, "4"), (0, "none")] and track(fake, "canary").replicas == 0
+    assert not fake.get(f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/llm-serving-deploy")["spec"].get(
+        "holderIdentity")
 
 
 @pytest.fixture(scope="module")
@@ -485,8 +641,8 @@ def test_rollout_promotion_rollbacks_and_restart(
 ) -> None:
     """One scenario on one Triton, in the order a real registry lives through:
     first model -> good canary promoted -> NaN canary rolled back -> 5x slower canary rolled
-    back -> a deploy killed mid-canary, then retried, converges -> manual rollback -> Triton
-    killed and brought back up serving the champion."""
+    back -> a deploy terminated mid-canary puts stable back -> a deploy killed mid-canary, then
+    retried, converges -> manual rollback -> Triton killed and brought back up serving the champion."""
     env = {**stack_env, **serving_env}
     name = serving_env["MODEL_NAME"]
 
@@ -604,9 +760,35 @@ def test_rollout_promotion_rollbacks_and_restart(
         assert aliases(name)["champion"] == v2 and live_route(env)["stable"] == int(v2)
     assert watch.failures(v2) == 0, watch.answers
 
-    # a deploy killed mid-canary leaves a canary behind; the retry rolls it back and converges
+    # a deploy terminated mid-canary (SIGTERM: a task killed from the UI, an evicted pod) moves
+    # traffic back to stable and unloads its canary before it exits (143, one line)
     v5 = register_gpt(name, tokenizer_uri, seed=5)
     export(v5, tmp_path / "export5", env, eval_text)
+    terminated = subprocess.Popen([str(RUNTIME_PY), "-m", "tasks.deploy", *CANARY, "--set", "step_duration_s=30",
+                                   "canary", "--model-version", v5, "--export", str(tmp_path / "export5"),
+                                   "--output", str(tmp_path / "deploy5")],
+                                  cwd=REPO_ROOT, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while live_route(env)["canary"] != int(v5):
+        assert time.monotonic() < deadline and terminated.poll() is None
+        time.sleep(0.2)
+    terminated.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    _, stderr = terminated.communicate(timeout=60)
+    assert time.monotonic() - started < 30, "not back within Kubernetes' default grace period"
+    assert terminated.returncode == 143, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if line.startswith("ERROR")] == [
+        f"ERROR python -m tasks.deploy: terminated by SIGTERM during the canary of version {v5}: traffic is back "
+        f"on stable version {v2}"], stderr[-3000:]
+    assert live_route(env) | {"generation": 0} == {"stable": int(v2), "canary": None, "canary_weight": 0.0,
+                                                   "generation": 0}
+    with pytest.raises(urllib.error.HTTPError):  # the canary is unloaded, not left running
+        urllib.request.urlopen(f"{env['TRITON_URL']}/v2/models/llm/versions/{v5}/ready", timeout=5)
+    assert aliases(name)["champion"] == v2
+
+    # a deploy killed mid-canary (SIGKILL: nothing runs after) leaves a canary behind; the retry
+    # rolls it back and converges
     killed = subprocess.Popen([str(RUNTIME_PY), "-m", "tasks.deploy", *CANARY, "--set", "step_duration_s=30",
                                "canary", "--model-version", v5, "--export", str(tmp_path / "export5"),
                                "--output", str(tmp_path / "deploy5")],
