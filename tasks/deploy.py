@@ -206,8 +206,10 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Servin
         raise StepError(f"{exc}: all traffic stays on the canary track (version {version}); the "
                         f"llm_rollback DAG puts it back on version {stable}") from None
     except BaseException as exc:  # SIGTERM (an evicted pod, a killed task) or an error mid-rollout
-        back_to_stable(serving, stable, version, exc)
-        raise
+        outcome = back_to_stable(serving, stable, version, exc)
+        if outcome is exc:
+            raise
+        raise outcome from exc
     if failed is not None:
         report.update(verdict="rolled back", failed_at=failed[0], reason=failed[1])
     return report
@@ -239,21 +241,38 @@ def walk_steps(serving: Serving, serve: dict[str, Any], params: dict[str, Any], 
     return None
 
 
-def back_to_stable(serving: Serving, stable: int | None, version: int, exc: BaseException) -> None:
+def back_to_stable(serving: Serving, stable: int | None, version: int, exc: BaseException) -> BaseException:
     """A rollout interrupted (SIGTERM, an error): traffic back to stable and the canary removed
-    before the step goes, rather than left at its weight unanalysed until a retry. A failure
-    here is logged; the retry (or the next deploy) finds the leftover canary and rolls it back."""
+    before the step goes, rather than left at its weight unanalysed until a retry. Returns what
+    the step raises: ``exc``, or :class:`Terminated` when SIGTERM came while it put things back
+    (then once more, not waiting). Not when the promotion had already moved all traffic to the
+    new version (it stays promoted); a failure here is logged, and the retry (or the next
+    deploy) finds the leftover canary and rolls it back."""
     why = "terminated by SIGTERM" if isinstance(exc, Terminated) else f"failed ({first_line(exc)})"
-    log.error("canary of version %d %s: traffic back to stable version %s first", version, why, stable)
-    try:
-        serving.roll_back(stable)
-    except (Exception, Terminated) as undo:
-        log.error("rolling back to version %s failed too (%s): the next deploy rolls the canary back",
-                  stable, first_line(undo))
-        return
+    for attempt in range(2):
+        try:
+            live = serving.live()
+            if live.stable == version and live.canary is None:
+                log.error("deploy of version %d %s after its promotion moved all traffic to it: left promoted",
+                          version, why)
+                return exc
+            log.error("canary of version %d %s: traffic back to stable version %s first", version, why, stable)
+            serving.roll_back(stable)
+            break
+        except Terminated as again:  # SIGTERM while putting things back: once more (stopping: no waits)
+            if attempt == 1:
+                log.error("rolling back to version %s was interrupted twice: the next deploy rolls the canary back",
+                          stable)
+                return again
+            exc, why = again, "terminated by SIGTERM"
+        except Exception as undo:
+            log.error("rolling back to version %s failed too (%s): the next deploy rolls the canary back",
+                      stable, first_line(undo))
+            return exc
     if isinstance(exc, Terminated):
         exc.args = (f"terminated by SIGTERM during the canary of version {version}: traffic is back on "
                     f"stable version {stable}",)
+    return exc
 
 
 def save_report(report: dict[str, Any], output: str, dag_run_tag: str) -> None:

@@ -5,8 +5,9 @@ The lock is a Lease (the object Kubernetes' own leader election uses), taken and
 updates conditioned on ``resourceVersion``: of two deployers that read it free, the API server
 accepts one update and answers the other 409, so it is never held twice. Its holder renews it
 every third of ``leaseDurationSeconds`` from a thread; one whose pod died stops renewing and
-the Lease is free again that long after (not an hour). A holder that finds it taken by someone
-else (it was paused past the duration) stops before touching serving again.
+the Lease is free again that long after (not an hour). A holder whose last good write is that
+old (it was paused, the API server unreachable) or that finds it taken stops before touching
+serving again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tasks.lib.errors import StepError, first_line
+from tasks.lib.errors import StepError, Terminated, first_line
 from tasks.lib.step import log
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -51,17 +52,26 @@ class KubeApi:
         return cls(f"https://{host}:{port}", (SERVICE_ACCOUNT / "token").read_text().strip(),
                    str(SERVICE_ACCOUNT / "ca.crt"))
 
-    def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+    def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+             timeout_s: float | None = None) -> Any:
         request = urllib.request.Request(
             self.server + path, method=method, data=None if body is None else json.dumps(body).encode(),
             headers={"Authorization": f"Bearer {self.token}", "Content-Type": content_type,
                      "Accept": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s, context=self.context) as resp:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s, context=self.context) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
-            message = json.loads(exc.read() or b"{}").get("message", exc.reason)
-            raise KubeError(exc.code, f"{method} {path}: {exc.code} {message}") from None
+            raise KubeError(exc.code, f"{method} {path}: {exc.code} {error_message(exc)}") from None
+
+
+def error_message(exc: urllib.error.HTTPError) -> str:
+    """The API server's ``Status`` message, or the start of whatever a proxy in front answered."""
+    body = exc.read()
+    try:
+        return str(json.loads(body).get("message", exc.reason))
+    except (ValueError, AttributeError):
+        return body.decode(errors="replace")[:200] or str(exc.reason)
 
 
 def micro_time(at: float) -> str:
@@ -69,29 +79,37 @@ def micro_time(at: float) -> str:
     return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def read_micro_time(text: str) -> float:
-    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC).timestamp()
-
-
 class LeaseLost(StepError):
-    """Another deployer holds the Lease now: this one must not touch serving again."""
+    """The Lease may not be ours any more: this deployer must not touch serving again."""
 
 
 class Lease:
-    """One ``coordination.k8s.io/v1`` Lease held by at most one deployer (see the module docstring)."""
+    """One ``coordination.k8s.io/v1`` Lease held by at most one deployer (see the module docstring).
+
+    As client-go's leader election: whether a holder is alive is judged on this process's own
+    clock (how long its record has stayed unchanged since we first saw it), never by comparing
+    its ``renewTime`` with our wall clock, so skewed clocks between nodes do not matter; and a
+    holder counts the Lease as its own only until ``duration`` after the start of its last
+    successful write (less a margin), whatever its renewal thread is doing (paused, failing)."""
 
     def __init__(self, api: KubeApi, namespace: str, name: str, duration_s: int, poll_s: float = 5.0) -> None:
         self.api, self.name, self.duration_s, self.poll_s = api, name, int(duration_s), poll_s
         self.collection = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
         self.identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self.held: dict[str, Any] | None = None  # the Lease as our last write left it
+        self.valid_until = 0.0  # monotonic: ours for sure until then
         self.lost = ""  # why it is no longer ours ("" while it is)
+        self._seen: tuple[str, str, float] = ("", "", 0.0)  # another holder's record, when we first saw it
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        self._call_timeout_s = max(1.0, duration_s / 6)  # a hung call must not outlast a renewal period
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        return self.api.call(method, path, body, timeout_s=self._call_timeout_s)
 
     def _read(self) -> dict[str, Any] | None:
         try:
-            found: dict[str, Any] = self.api.call("GET", f"{self.collection}/{self.name}")
+            found: dict[str, Any] = self._call("GET", f"{self.collection}/{self.name}")
             return found
         except KubeError as exc:
             if exc.status == 404:
@@ -102,30 +120,40 @@ class Lease:
         return {"holderIdentity": self.identity, "leaseDurationSeconds": self.duration_s,
                 "acquireTime": acquired, "renewTime": micro_time(time.time()), "leaseTransitions": transitions}
 
-    @staticmethod
-    def free(lease: dict[str, Any], now: float) -> bool:
-        """Nobody holds it, or its holder stopped renewing more than its duration ago."""
+    def _wrote(self, lease: dict[str, Any], started: float) -> None:
+        """Our write that began at ``started`` (monotonic) succeeded: ours until then + duration."""
+        self.held = lease
+        self.valid_until = started + self.duration_s * 0.8  # a margin for the call's own time
+
+    def free(self, lease: dict[str, Any]) -> bool:
+        """Nobody holds it, or its holder's record has not changed for ``leaseDurationSeconds``
+        of our own clock since we first saw it (it stopped renewing)."""
         spec = lease.get("spec", {})
-        if not spec.get("holderIdentity") or not spec.get("renewTime"):
+        holder, renewed = str(spec.get("holderIdentity") or ""), str(spec.get("renewTime") or "")
+        if not holder:
             return True
-        return read_micro_time(spec["renewTime"]) + float(spec.get("leaseDurationSeconds", 0)) < now
+        now = time.monotonic()
+        if self._seen[:2] != (holder, renewed):
+            self._seen = (holder, renewed, now)
+        return now - self._seen[2] > float(spec.get("leaseDurationSeconds", self.duration_s))
 
     def try_acquire(self) -> str:
         """Take the Lease if it is free: "" when taken, else who holds it."""
+        started = time.monotonic()
         current = self._read()
         try:
             if current is None:
                 body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                         "metadata": {"name": self.name, "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
                         "spec": self._spec(0, micro_time(time.time()))}
-                self.held = self.api.call("POST", self.collection, body)
+                self._wrote(self._call("POST", self.collection, body), started)
                 return ""
-            if not self.free(current, time.time()):
+            if not self.free(current):
                 return str(current["spec"]["holderIdentity"])
             transitions = int(current.get("spec", {}).get("leaseTransitions", 0)) + 1
             # the resourceVersion we read: if another deployer wrote since, the API server says 409
-            self.held = self.api.call("PUT", f"{self.collection}/{self.name}",
-                                      {**current, "spec": self._spec(transitions, micro_time(time.time()))})
+            self._wrote(self._call("PUT", f"{self.collection}/{self.name}",
+                                   {**current, "spec": self._spec(transitions, micro_time(time.time()))}), started)
             return ""
         except KubeError as exc:
             if exc.status == 409:  # another deployer created or took it between our read and write
@@ -149,9 +177,10 @@ class Lease:
         """Write a new ``renewTime``, conditioned on our last write: a 409 means someone else
         wrote the Lease, so it is ours only if it still names us."""
         assert self.held is not None
+        started = time.monotonic()
         body = {**self.held, "spec": {**self.held["spec"], "renewTime": micro_time(time.time())}}
         try:
-            self.held = self.api.call("PUT", f"{self.collection}/{self.name}", body)
+            self._wrote(self._call("PUT", f"{self.collection}/{self.name}", body), started)
         except KubeError as exc:
             if exc.status not in (404, 409):
                 raise
@@ -167,33 +196,38 @@ class Lease:
         while not self._stop.wait(self.duration_s / 3):
             try:
                 self.renew()
-            except (OSError, KubeError) as exc:  # the API unreachable for a while: try again
+            except Exception as exc:  # the API unreachable or garbled a while: try again;
+                # check() stops the deploy once the last good write is a duration old
                 log.warning("renewing the deploy lock failed (%s): trying again", first_line(exc))
             if self.lost:
                 log.error("%s: this deploy stops before touching serving again", self.lost)
                 return
 
     def check(self) -> None:
-        """Before each change to serving: the Lease is still ours."""
+        """Before each change to serving: the Lease is still ours (renewed in time, not taken)."""
+        if not self.lost and time.monotonic() > self.valid_until:
+            self.lost = (f"the deploy lock (Lease {self.name}) was not renewed for {self.duration_s}s "
+                         "(this process paused, or the API server unreachable): another deployer may hold it")
         if self.lost:
             raise LeaseLost(f"{self.lost}: this deploy stopped before changing serving")
 
     def release(self) -> None:
         """Hand the Lease back (holder cleared). Never raises: a failed release must not hide
-        the step's own outcome; an unreleased Lease is free ``leaseDurationSeconds`` later."""
+        the step's own outcome; an unreleased Lease is free ``leaseDurationSeconds`` later. A
+        SIGTERM arriving meanwhile does not stop it: the step is ending anyway."""
         self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join(timeout=self.api.timeout_s)
-        if self.held is None or self.lost:
-            return
         try:
+            if self._renewer is not None:
+                self._renewer.join(timeout=self._call_timeout_s * 2)
+            if self.held is None or self.lost:
+                return
             current = self._read()
             if current is not None and current.get("spec", {}).get("holderIdentity") == self.identity:
                 spec = {k: v for k, v in current["spec"].items() if k not in ("holderIdentity", "renewTime")}
-                self.api.call("PUT", f"{self.collection}/{self.name}", {**current, "spec": spec})
+                self._call("PUT", f"{self.collection}/{self.name}", {**current, "spec": spec})
             log.info("deploy lock released (Lease %s)", self.name)
-        except (OSError, KubeError) as exc:
+        except (Exception, Terminated) as exc:  # see the docstring
             log.warning("releasing the deploy lock (Lease %s) failed (%s): it is free in %ds anyway",
-                        self.name, first_line(exc), self.duration_s)
+                        self.name, first_line(exc) or type(exc).__name__, self.duration_s)
         finally:
             self.held = None

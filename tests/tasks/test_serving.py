@@ -225,6 +225,10 @@ def test_reapplying_the_serving_objects_keeps_what_deploy_set() -> None:
     # what README's apply of the whole render did before: stable at 0 pods, no version
     installed = {key(o): o for o in rendered_serving_objects()}[stable]
     assert kubectl_apply(deployed[stable], None, installed)["spec"]["replicas"] == 0
+    # a cluster installed that way (`kubectl apply`: the whole render is its last-applied): the
+    # plain render would remove replicas and versions; README's migration drops the annotation first
+    assert "replicas" not in kubectl_apply(deployed[stable], installed, plain[stable])["spec"]
+    assert kubectl_apply(deployed[stable], None, plain[stable])["spec"]["replicas"] == 2
 
 
 def test_rollout_and_route_readiness_read_the_status_fields() -> None:
@@ -826,13 +830,47 @@ def test_rollout_promotion_rollbacks_and_restart(
     # Triton killed (its whole process group, as a crashed container), then `stack up`: it comes
     # back with the route's versions loaded from the model repository before the router is
     # checked, and the champion answers with no deploy; `stack status` says serving is whole
+    # Meanwhile Prometheus's alert rule sees the route name a version Triton does not serve
+    assert eventually(lambda: route_versions_not_served(env), []) == []
     os.killpg(int((Path(env["STACK_DIR"]) / "triton.pid").read_text()), signal.SIGKILL)
+    assert eventually(lambda: route_versions_not_served(env), [v2]) == [v2]
     proc = run_module("stack", "up", env=env)
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr[-3000:]
     text, answered_by = generate_text(env, "This module provides")
     assert text and answered_by == v2
+    assert eventually(lambda: route_versions_not_served(env), []) == []
+    # docker-compose.yaml's serving-reconcile: the same, from the container's environment (a
+    # Triton restarted by Compose comes back empty: here its models unloaded)
+    for model in ("llm_generate", "llm"):
+        urllib.request.urlopen(urllib.request.Request(f"{env['TRITON_URL']}/v2/repository/models/{model}/unload",
+                                                      data=b"{}", method="POST"), timeout=30).close()
+    compose_env = {k: env[k] for k in ("TRITON_URL", "TRITON_REPOSITORY", "ROUTER_DIR")}
+    proc = subprocess.run([str(RUNTIME_PY), "-m", "stack", "reconcile-serving"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, env={"PATH": os.environ["PATH"], "STACK_DIR": str(tmp_path / "no-stack-here"),
+                                          **compose_env}, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"serving: loaded versions [{int(v2)}] of the route", \
+        proc.stdout + proc.stderr[-3000:]
+    assert generate_text(env, "This module provides")[1] == v2
     proc = run_module("stack", "status", env=env)
     assert proc.returncode == 0 and f"serving (route: versions [{v2}]): healthy" in proc.stdout, proc.stdout
+
+
+def route_versions_not_served(env: dict[str, str]) -> list[str]:
+    """The versions for which the alert rule LLMServingRouteVersionNotServed holds now, asked of
+    the stack's Prometheus with the rule's own expression."""
+    rules = yaml.safe_load((REPO_ROOT / "observability" / "alerts.yml").read_text())["groups"]
+    expr = next(r["expr"] for g in rules for r in g["rules"] if r.get("alert") == "LLMServingRouteVersionNotServed")
+    query = urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(f"{env['PROMETHEUS_URL']}/api/v1/query?{query}", timeout=10) as resp:
+        return sorted(r["metric"]["version"] for r in json.loads(resp.read())["data"]["result"])
+
+
+def eventually(read: Any, wanted: Any, timeout_s: float = 60.0) -> Any:
+    """``read()`` until it returns ``wanted`` (Prometheus scrapes every 5 s) or time is up; the last value."""
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) != wanted and time.monotonic() < deadline:
+        time.sleep(1)
+    return value
 
 
 def check_flood_was_refused(flood: Flood) -> None:
