@@ -7,6 +7,8 @@
     python -m stack env      ``export`` lines for a shell: endpoints and generated keys
     python -m stack predict "PROMPT"   a completion from the serving model, through the router
     python -m stack compose-init   docker-compose.yaml's set-up (buckets, router config, pools), in its container
+    python -m stack reconcile-serving   load what the router's route serves into a Triton that restarted
+                                        empty (TRITON_URL, TRITON_REPOSITORY, ROUTER_DIR; compose's serving-reconcile)
 
 Runs in the runtime environment (it holds ``weed`` and ``mlflow``). State lives in
 ``.stack/`` (or ``$STACK_DIR``): data, logs, PIDs, the generated S3 keys and ``stack.env``.
@@ -16,9 +18,20 @@ Ports come from the ``stack`` section of params.yaml; ``STACK_PORT_<NAME>`` over
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from stack.servers import StackError, client_env, down, init_compose_stack, ports, status, up, write_env_file
+from stack.servers import (
+    StackError,
+    client_env,
+    down,
+    init_compose_stack,
+    ports,
+    reconcile_serving,
+    status,
+    up,
+    write_env_file,
+)
 
 
 def predict(prompt: str, max_tokens: int) -> int:
@@ -50,7 +63,8 @@ def predict(prompt: str, max_tokens: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "compose-init"])
+    parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "compose-init",
+                                            "reconcile-serving"])
     parser.add_argument("prompt", nargs="?", default="", help="with `predict`: the text to continue")
     parser.add_argument("--airflow", action="store_true", help="with `up`: also start Airflow (needs its venv)")
     parser.add_argument("--max-tokens", type=int, default=24, help="with `predict`: tokens to generate")
@@ -61,6 +75,14 @@ def main() -> int:
         return predict(args.prompt, args.max_tokens)
     if args.command == "compose-init":
         init_compose_stack()
+        return 0
+    if args.command == "reconcile-serving":
+        try:
+            loaded = reconcile_serving(os.environ if "TRITON_URL" in os.environ else None)
+        except StackError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"serving: loaded versions {loaded} of the route" if loaded else "serving: the route's versions are ready")
         return 0
     if args.command == "up":
         try:

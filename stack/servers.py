@@ -557,44 +557,49 @@ SERVERS = (
 ROUTE_READ_ERRORS = (OSError, ValueError, IndexError, KeyError)  # Triton not answering, a split.conf unreadable
 
 
-def route_versions_ready(client: Any, serve: dict[str, Any]) -> tuple[list[int], bool]:
-    """The versions the router's saved route sends traffic to (stable, any canary), and whether
-    Triton (``client``) has each of them READY in both models."""
+def route_versions_ready(client: Any, serve: dict[str, Any], routes: Path | None = None) -> tuple[list[int], bool]:
+    """The versions the router's saved route (in ``routes``, the local router's folder by default)
+    sends traffic to (stable, any canary), and whether Triton (``client``) has each of them READY
+    in both models."""
     from tasks.lib.router import saved_route
 
-    versions = saved_route(router_dir()).versions()
+    versions = saved_route(routes or router_dir()).versions()
     return versions, all(client.model_ready(model, version) for model in (serve["triton_model"], serve["generate_model"])
                          for version in versions)
 
 
-def serving_client() -> tuple[Any, dict[str, Any]]:
-    """A client of the stack's Triton and the ``serve`` settings."""
+def serving_client(triton_url: str | None = None) -> tuple[Any, dict[str, Any]]:
+    """A client of the stack's Triton (or the one at ``triton_url``) and the ``serve`` settings."""
     from tasks.lib import triton
     from tasks.lib.params import load_params
 
-    return triton.TritonClient(client_env()["TRITON_URL"]), load_params()["serve"]
+    return triton.TritonClient(triton_url or client_env()["TRITON_URL"]), load_params()["serve"]
 
 
-def reconcile_serving() -> list[int]:
+def reconcile_serving(env: Mapping[str, str] | None = None) -> list[int]:
     """Triton (explicit model control) starts with no model loaded: load what the router's saved
     route serves (stable and any canary) from the model repository, before the router starts
-    taking traffic, so a restarted Triton serves the champion with no deploy. Returns the versions
-    it had to load."""
+    taking traffic, so a restarted Triton serves the champion with no deploy. ``env``: where
+    Triton (``TRITON_URL``), its repository (``TRITON_REPOSITORY``) and the router's folder
+    (``ROUTER_DIR``) are: the local stack's by default, the container's in docker-compose.yaml
+    (its ``serving-reconcile`` service). Returns the versions it had to load."""
     from tasks.lib.errors import StepError
     from tasks.lib.serving import serve_versions
 
-    router_dir().mkdir(parents=True, exist_ok=True)
-    with (router_dir() / "deploy.lock").open("w") as lock:
+    env = env or client_env()
+    routes = Path(env["ROUTER_DIR"])
+    routes.mkdir(parents=True, exist_ok=True)
+    with (routes / "deploy.lock").open("w") as lock:
         try:  # a deploy running now owns what Triton serves (it may be loading a canary)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return []
         try:
-            client, serve = serving_client()
-            versions, ready = route_versions_ready(client, serve)
+            client, serve = serving_client(env["TRITON_URL"])
+            versions, ready = route_versions_ready(client, serve, routes)
             if ready:
                 return []
-            serve_versions(client, triton_repository(), serve, versions)
+            serve_versions(client, Path(env["TRITON_REPOSITORY"]), serve, versions)
         except (StepError, *ROUTE_READ_ERRORS) as exc:
             raise StackError(f"serving: the route's versions could not be loaded ({exc})") from None
     return versions

@@ -22,12 +22,17 @@ JOB = "llm_pipeline"
 
 
 def exposition(figures: Mapping[str, float | None], help_texts: Mapping[str, str]) -> str:
-    """Gauges in Prometheus' text format; None and non-finite figures are left out."""
-    lines = []
-    for name, value in figures.items():
+    """Gauges in Prometheus' text format; None and non-finite figures are left out. A figure's
+    key is a series: a name, or a name with labels (``name{label="value"}``; one HELP per name)."""
+    lines, described = [], set()
+    for series, value in figures.items():
         if value is None or not math.isfinite(float(value)):
             continue
-        lines += [f"# HELP {name} {help_texts.get(name, name)}", f"# TYPE {name} gauge", f"{name} {float(value)!r}"]
+        name = series.split("{", 1)[0]
+        if name not in described:
+            described.add(name)
+            lines += [f"# HELP {name} {help_texts.get(name, name)}", f"# TYPE {name} gauge"]
+        lines.append(f"{series} {float(value)!r}")
     return "\n".join(lines) + "\n"
 
 

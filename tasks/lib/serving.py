@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from tasks.lib import storage, triton
+from tasks.lib import metrics, storage, triton
 from tasks.lib.errors import StepError, Terminated, first_line
 from tasks.lib.kube import KubeApi, KubeError, Lease, LeaseLost
 from tasks.lib.router import ROUTE_HEADER, NginxRouter, Route
@@ -105,6 +105,20 @@ def serve_versions(client: triton.TritonClient, repository: Path, serve: dict[st
         config = json.loads((repository / model / "config.json").read_text())
         client.load(model, triton.with_versions(config, versions))
         client.wait_ready(model, versions, float(serve["load_timeout_s"]))
+
+
+ROUTE_METRIC = "llm_serving_route_version"  # observability/alerts.yml: LLMServingRouteVersionNotServed
+
+
+def publish_route(route: Route) -> None:
+    """The versions the route sends traffic to, as Pushgateway series (group ``serving/route``,
+    replaced at each change): Prometheus compares them with the versions Triton exports counters
+    for, and alerts when the route names one Triton does not serve (restarted empty, unloaded)."""
+    tracks = {"stable": route.stable, "canary": route.canary if route.canary_weight > 0 else None}
+    series = {f'{ROUTE_METRIC}{{track="{track}",version="{version}"}}': 1.0
+              for track, version in tracks.items() if version is not None}
+    metrics.push({"serving": "route"}, series,
+                 {ROUTE_METRIC: "1 for each version the router sends a track's traffic to"})
 
 
 class Serving(Protocol):
@@ -199,13 +213,14 @@ class LocalServing:
 
     def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
         self.router.apply(stable, canary, weight)
+        publish_route(Route(stable, canary, float(weight)))
 
     def promote(self, version: int) -> None:
-        self.router.apply(version)
+        self.route(version)
         self.serve_versions([version])
 
     def roll_back(self, stable: int | None) -> None:
-        self.router.apply(stable)
+        self.route(stable)
         self.serve_versions([stable] if stable is not None else [])
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
@@ -393,6 +408,7 @@ class KubernetesServing:
                 raise StepError(f"httproute {self.cluster['route']}: generation not accepted by its gateway "
                                 f"in {self.cluster['route_timeout_s']}s")
             time.sleep(1)
+        publish_route(route)
 
     def promote(self, version: int) -> None:
         """The canary track carries all traffic while the stable track rolls to ``version``; then

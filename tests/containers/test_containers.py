@@ -90,8 +90,8 @@ def load_compose() -> dict[str, Any]:
 
 COMPOSE_SERVICES = {"postgres", "seaweedfs", "mlflow", "airflow-init", "airflow-apiserver", "airflow-scheduler",
                     "airflow-dag-processor", "airflow-triggerer", "triton", "openai-api", "router", "pushgateway", "statsd-exporter",
-                    "prometheus", "grafana"}
-ONE_SHOT = {"airflow-init"}
+                    "prometheus", "grafana", "serving-reconcile"}
+ONE_SHOT = {"airflow-init", "serving-reconcile"}
 
 
 def test_compose_file_parses_under_the_compose_specification() -> None:

@@ -65,6 +65,21 @@ def test_exposition_and_group_path() -> None:
     assert base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode().endswith("+00:00/x")
 
 
+def test_the_route_alert_reads_the_series_deploy_pushes() -> None:
+    """The versions the route serves, one series per track, one HELP for the name; the alert
+    rule reads that name (a rename would leave it silently never firing)."""
+    from tasks.lib import serving
+
+    name = serving.ROUTE_METRIC
+    text = metrics.exposition({f'{name}{{track="stable",version="4"}}': 1.0, f'{name}{{track="canary",version="5"}}': 1.0},
+                              {name: "routed"})
+    assert text == (f'# HELP {name} routed\n# TYPE {name} gauge\n{name}{{track="stable",version="4"}} 1.0\n'
+                    f'{name}{{track="canary",version="5"}} 1.0\n')
+    rules = yaml.safe_load((OBSERVABILITY / "alerts.yml").read_text())["groups"]
+    expr = next(r["expr"] for g in rules for r in g["rules"] if r.get("alert") == "LLMServingRouteVersionNotServed")
+    assert expr.split()[0] == name
+
+
 def test_push_without_a_gateway_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PUSHGATEWAY_URL", raising=False)
     assert metrics.push({"dag_id": "d"}, {"x": 1.0}, {}) is False
