@@ -1,7 +1,11 @@
 """Raw text records: the partition layout, parsing with clear errors, and normalization.
 
 A record is one JSON object per line: ``id``, ``text``, ``source``, ``created_at``. Raw data
-sits under ``{source}/date=YYYY-MM-DD/*.jsonl`` and is never rewritten.
+sits under ``{source}/date=YYYY-MM-DD/*.jsonl`` and is never rewritten. A partition is complete
+once its ``_SUCCESS`` marker exists (written last, as Hadoop, Spark and our ingestion do; its
+content is not read): only complete partitions are read, and one of the window holding data
+files without the marker (still being written, or its ingestion failed) stops the snapshot, not
+to version half a day as if it were whole.
 """
 
 from __future__ import annotations
@@ -37,12 +41,17 @@ def interval_days(end_date: dt.date, lookback_days: int) -> list[dt.date]:
 
 
 def partition_files(source: str, days: list[dt.date]) -> list[tuple[dt.date, str]]:
-    """The ``*.jsonl`` files of the given date partitions, in date then name order."""
+    """The ``*.jsonl`` files of the given date partitions, in date then name order; a partition
+    with data files but no ``_SUCCESS`` marker is refused (see the module docstring)."""
     found: list[tuple[dt.date, str]] = []
     for day in days:
-        for uri in storage.list_files(partition_uri(source, day)):
-            if uri.endswith(".jsonl"):
-                found.append((day, uri))
+        listed = storage.list_files(partition_uri(source, day))
+        data = [uri for uri in listed if uri.endswith(".jsonl")]
+        if data and storage.join(partition_uri(source, day), storage.SUCCESS_MARKER) not in listed:
+            raise StepError(f"{partition_uri(source, day)}: {len(data)} data file(s) but no "
+                            f"{storage.SUCCESS_MARKER} marker: a partition still being written, or whose "
+                            "ingestion failed, is not read (land it again, or remove it)")
+        found.extend((day, uri) for uri in data)
     return found
 
 

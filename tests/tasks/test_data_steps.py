@@ -26,9 +26,12 @@ def out_uri(step: str) -> str:
     return f"s3://pipeline/tests/{uuid.uuid4().hex[:12]}/{step}"
 
 
-def write_partition(source: str, day: str, body: bytes) -> None:
+def write_partition(source: str, day: str, body: bytes, complete: bool = True) -> None:
+    """A raw partition as an ingestion job lands it: its data file, then (``complete``) its marker."""
     bucket, key = storage.split_s3(f"{source}/date={day}/part-00000.jsonl")
     storage.s3_client().put_object(Bucket=bucket, Key=key, Body=body)
+    if complete:
+        storage.s3_client().put_object(Bucket=bucket, Key=key.replace("part-00000.jsonl", "_SUCCESS"), Body=b"")
 
 
 def snapshot(source: str, end: str, output: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -126,6 +129,27 @@ def test_bad_raw_data_fails_snapshot_with_one_line(stack_env: dict[str, str], bo
     errors = error_lines(proc)
     assert len(errors) == 1 and message in errors[0] and "date=2026-11-10/part-00000.jsonl" in errors[0]
     assert storage.list_files(output) == []
+
+
+def test_a_half_ingested_partition_is_never_read(stack_env: dict[str, str]) -> None:
+    """A window partition with data but no _SUCCESS marker (its ingestion still writing, or died
+    midway) stops the snapshot with one line naming it, nothing written; once its marker lands
+    the same window reads it."""
+    source = f"s3://raw/half-{uuid.uuid4().hex[:8]}"
+    rows = "".join(json.dumps({"id": f"r{i}", "text": f"record number {i} of a day", **GOOD}) + "\n" for i in range(5))
+    write_partition(source, "2026-11-20", rows.encode())
+    write_partition(source, "2026-11-21", rows.replace('"r', '"s').encode(), complete=False)
+    output = out_uri("snapshot")
+    proc = snapshot(source, "2026-11-22", output, "--lookback-days", "2")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert error_lines(proc) == [f"ERROR python -m tasks.snapshot: {source}/date=2026-11-21: 1 data file(s) but no "
+                                 "_SUCCESS marker: a partition still being written, or whose ingestion failed, is not "
+                                 "read (land it again, or remove it)"]
+    assert storage.list_files(output) == []
+    write_partition(source, "2026-11-21", rows.replace('"r', '"s').encode())  # its ingestion finished
+    proc = snapshot(source, "2026-11-22", output, "--lookback-days", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert step_result(proc)["data_version"]["records"] == 10
 
 
 def test_empty_interval_fails(stack_env: dict[str, str]) -> None:
