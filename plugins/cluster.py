@@ -3,14 +3,20 @@
     python plugins/cluster.py base | kubectl apply -f -
     AWS_ACCESS_KEY_ID=... MLFLOW_TRACKING_URI=... ROUTER_URL=... ROUTER_INTERNAL_URL=... python plugins/cluster.py secrets | kubectl apply -f -
     python plugins/cluster.py helm-values > values.yaml
-    helm install airflow apache-airflow/airflow -n llm-pipeline -f values.yaml
+    helm install airflow apache-airflow/airflow -n llm-pipeline-airflow -f values.yaml
 
-- ``base``: the namespace; the step pods' service account (``launcher.kubernetes.service_account``,
-  no API token mounted) and the deploy pods' (``deploy_service_account``: only deploy talks to
-  the API server, with the Role of ``plugins/serving.py``); the Airflow
-  workers' service account and a Role with exactly the verbs our operators call (the provider's
-  KubernetesPodOperator / KubernetesJobOperator and ``k8s_job.py``); the training and serving PriorityClasses;
-  the Kueue LocalQueue the training Jobs are labelled with.
+- ``base``: two namespaces: the steps' (``launcher.kubernetes.namespace``: step pods, training
+  Jobs, serving) and Airflow's (``airflow_namespace``: the chart's components and its worker
+  pods). The workers may exec into the pods they launch (the provider reads XCom that way), and
+  RBAC cannot narrow exec below a namespace, so their Role is in the steps' namespace only: they
+  cannot exec into Airflow's own pods (its scheduler, API server, other workers, holding the
+  metadata database's and the API's secrets). Then the step pods' service account
+  (``launcher.kubernetes.service_account``, no API token mounted) and the deploy pods'
+  (``deploy_service_account``: only deploy talks to the API server, with the Role of
+  ``plugins/serving.py``); the Airflow workers' service account (in Airflow's namespace) and
+  their Role with exactly the verbs our operators call (the provider's KubernetesPodOperator /
+  KubernetesJobOperator and ``k8s_job.py``); the training and serving PriorityClasses; the Kueue
+  LocalQueue the training Jobs are labelled with.
 - ``secrets``: the Secrets the step pods read their endpoints and credentials from
   (``launcher.kubernetes.env_from_secrets``), filled from the environment of whoever runs it, so
   no value is ever written to a file in this repository; a missing variable is one error line.
@@ -76,27 +82,36 @@ def _metadata(name: str, namespace: str | None = None) -> dict[str, Any]:
     return {"name": name, **({"namespace": namespace} if namespace else {}), "labels": dict(PART_OF)}
 
 
-def namespace(params: dict[str, Any]) -> dict[str, Any]:
-    name = params["launcher"]["kubernetes"]["namespace"]
-    meta = _metadata(name)
-    # step pods run as uid 1000 without privileges: "baseline" holds; "restricted" only warns
-    meta["labels"].update({"pod-security.kubernetes.io/enforce": "baseline",
-                           "pod-security.kubernetes.io/warn": "restricted"})
-    return {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}
+def namespaces(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The steps' and Airflow's (see the module docstring). Step pods run as uid 1000 without
+    privileges and the chart's as Airflow's uid: "baseline" holds in both; "restricted" only warns."""
+    cluster = params["launcher"]["kubernetes"]
+    if cluster["airflow_namespace"] == cluster["namespace"]:
+        raise ValueError(f"launcher.kubernetes.airflow_namespace {cluster['airflow_namespace']!r}: must differ from "
+                         "namespace (the steps'), or the workers could exec into Airflow's own pods")
+    objects = []
+    for name in (cluster["namespace"], cluster["airflow_namespace"]):
+        meta = _metadata(name)
+        meta["labels"].update({"pod-security.kubernetes.io/enforce": "baseline",
+                               "pod-security.kubernetes.io/warn": "restricted"})
+        objects.append({"apiVersion": "v1", "kind": "Namespace", "metadata": meta})
+    return objects
 
 
 def service_accounts(params: dict[str, Any]) -> list[dict[str, Any]]:
     """The step pods' (no API token: they never call the API), the deploy pods' (a token, and the
-    Role of plugins/serving.py), the Airflow workers'."""
+    Role of plugins/serving.py), in the steps' namespace; the Airflow workers', in Airflow's."""
     cluster = params["launcher"]["kubernetes"]
-    accounts = {cluster["service_account"]: False, cluster["deploy_service_account"]: True,
-                cluster["airflow_service_account"]: True}
-    return [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, cluster["namespace"]),
-             "automountServiceAccountToken": token} for name, token in accounts.items()]
+    accounts = {(cluster["service_account"], cluster["namespace"]): False,
+                (cluster["deploy_service_account"], cluster["namespace"]): True,
+                (cluster["airflow_service_account"], cluster["airflow_namespace"]): True}
+    return [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, ns),
+             "automountServiceAccountToken": token} for (name, ns), token in accounts.items()]
 
 
 def launcher_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
-    """The Airflow workers' Role: start and follow step pods and training Jobs, nothing else."""
+    """The Airflow workers' Role, in the steps' namespace only: start and follow step pods and
+    training Jobs, nothing else, and nothing of Airflow's own namespace."""
     cluster = params["launcher"]["kubernetes"]
     name, ns = "llm-pipeline-launcher", cluster["namespace"]
     return [
@@ -104,7 +119,8 @@ def launcher_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
          "rules": LAUNCHER_RULES},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(name, ns),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": cluster["airflow_service_account"], "namespace": ns}]},
+         "subjects": [{"kind": "ServiceAccount", "name": cluster["airflow_service_account"],
+                       "namespace": cluster["airflow_namespace"]}]},
     ]
 
 
@@ -148,7 +164,7 @@ def step_network_policy(params: dict[str, Any]) -> dict[str, Any]:
 
 def base_objects(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     params = params or pipeline_params()
-    return [namespace(params), *service_accounts(params), *launcher_rbac(params),
+    return [*namespaces(params), *service_accounts(params), *launcher_rbac(params),
             training_priority_class(params), serving_priority_class(params), training_local_queue(params),
             step_network_policy(params)]
 
@@ -164,7 +180,8 @@ def secrets(env: dict[str, str], params: dict[str, Any] | None = None) -> list[d
             raise MissingVariable(f"Secret {name}: set {', '.join(missing)} in the environment")
         data = {key: env[key] for key in (*required, *optional) if env.get(key)}
         objects.append(_secret(name, cluster["namespace"], data))
-    objects.append(_secret(cluster["remote_logs"]["conn_secret"], cluster["namespace"],
+    # Airflow's components read it (the chart's `secret`): in Airflow's namespace
+    objects.append(_secret(cluster["remote_logs"]["conn_secret"], cluster["airflow_namespace"],
                            {"AIRFLOW_CONN": json.dumps(remote_logs_connection(env))}))
     return objects
 
@@ -206,7 +223,8 @@ def helm_values(params: dict[str, Any] | None = None) -> dict[str, Any]:
             "core": {"load_examples": "False"},
             "logging": {"remote_logging": "True", "remote_base_log_folder": logs["base_uri"],
                         "remote_log_conn_id": logs["conn_id"]},
-            "kubernetes_executor": {"namespace": cluster["namespace"], "delete_worker_pods": "True"},
+            # worker pods in Airflow's namespace (the chart is installed there), step pods in the steps'
+            "kubernetes_executor": {"namespace": cluster["airflow_namespace"], "delete_worker_pods": "True"},
         },
     }
 

@@ -30,6 +30,11 @@ several lengths and batch sizes), else the step fails with one line naming the w
 
 The figures go into the result, the model version's tags and the DAG run's MLflow run, with the
 ONNX files and the configs; the PyTorch generations become the canary's text reference.
+
+An export is written once: a complete one (its ``_SUCCESS`` manifest) is never deleted or
+replaced, since Triton pods stage from it while it serves. Exporting the same version to it
+again (a retried or cleared task) keeps it and returns its recorded result (``export.json``);
+another version, or an export of older code that recorded none, is refused with one line.
 """
 
 from __future__ import annotations
@@ -319,10 +324,30 @@ def write_hf_checkpoint(model: GPT, tokenizer_path: Path, folder: Path, inputs: 
     return checked
 
 
-def log_to_registry(name: str, version: str, dag_run_tag: str, output: str, out: Path,
+RESULT_FILE = "export.json"  # the step's result, kept in the output: a repeated export returns it
+
+
+def kept_export(output: str, name: str, version: str) -> dict[str, Any] | None:
+    """The recorded result of a complete export of ``name`` version ``version`` at ``output``
+    (kept: it may be serving); None when nothing complete is there. Anything else complete there
+    is refused: an export never replaces another."""
+    if not storage.exists(storage.join(output, storage.SUCCESS_MARKER)):
+        return None  # nothing, or an attempt that died before committing: nothing serves from it
+    recorded = storage.join(output, RESULT_FILE)
+    result: dict[str, Any] | None = storage.read_json(recorded) if storage.exists(recorded) else None
+    if result is None or (result.get("model_name"), str(result.get("version"))) != (name, version):
+        held = "an export that recorded no result" if result is None else \
+            f"the export of {result.get('model_name')} version {result.get('version')}"
+        raise StepError(f"--output {output}: already holds {held}, which an export never replaces "
+                        f"(it may be serving): export version {version} to another folder")
+    return result
+
+
+def log_to_registry(name: str, version: str, dag_run_tag: str, output: str, out: Path | None,
                     result: dict[str, Any]) -> None:
-    """The ONNX file and configs into the DAG run's MLflow run, the export's figures as tags of
-    the model version: the registry says what was deployed and from where."""
+    """The ONNX file and configs into the DAG run's MLflow run (``out``: the export's files; None
+    when they were logged by the export that wrote them), the export's figures as tags of the
+    model version: the registry says what was deployed and from where."""
     import mlflow
     from mlflow import MlflowClient
 
@@ -334,6 +359,8 @@ def log_to_registry(name: str, version: str, dag_run_tag: str, output: str, out:
             "export.hf_checkpoint": "skipped" if "skipped" in result["parity"]["hf_checkpoint"] else "LlamaForCausalLM"}
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
+    if out is None:
+        return
     run_id = find_dag_run(load_params()["train"]["experiment"], dag_run_tag) if dag_run_tag else None
     if run_id is None:
         log.warning("no MLflow run tagged dag_run=%s: export artifacts stay in %s", dag_run_tag, output)
@@ -355,6 +382,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     version = str(args.model_version)
     if not version.isdigit():
         raise StepError(f"--model-version {version!r}: expected a registry version number")
+    kept = kept_export(args.output, name, version)
+    if kept is not None:
+        log.info("%s: version %s is exported there already: kept as it is (it may be serving)", args.output, version)
+        if args.mlflow:
+            log_to_registry(name, version, args.mlflow_run_tag, args.output, None, kept)
+        return kept
     with storage.scratch() as scratch, storage.staged_output(args.output) as out:
         loaded = load_version(name, version)
         tokenizer_path = storage.download(loaded.tokenizer_uri, scratch / "tokenizer.json")
@@ -386,6 +419,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         result = {"model_name": name, "version": version, "export_uri": args.output, "opset": int(params["opset"]),
                   "onnx_sha256": storage.sha256_file(onnx_path), "onnx_bytes": onnx_path.stat().st_size,
                   "backend": serve["backend"], "tensorrt": tensorrt, "parity": parity}
+        (out / RESULT_FILE).write_text(json.dumps(result))
         if args.mlflow:
             log_to_registry(name, version, args.mlflow_run_tag, args.output, out, result)
     return result

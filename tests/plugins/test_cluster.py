@@ -55,7 +55,7 @@ def test_base_objects_and_secrets_are_valid_kubernetes(version: str, tmp_path: P
     core = [o for o in objects if o["apiVersion"] != cluster.KUEUE_API]
     proc = validate_objects(core, tmp_path, kubernetes_version=version)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(o["kind"] for o in objects) == ["LocalQueue", "Namespace", "NetworkPolicy", "PriorityClass",
+    assert sorted(o["kind"] for o in objects) == ["LocalQueue", "Namespace", "Namespace", "NetworkPolicy", "PriorityClass",
                                                   "PriorityClass", "Role", "RoleBinding", "Secret", "Secret", "Secret",
                                                   "ServiceAccount", "ServiceAccount", "ServiceAccount"]
 
@@ -98,6 +98,35 @@ def test_the_binding_names_the_workers_account_the_helm_values_use() -> None:
     assert binding["roleRef"]["name"] == next(o for o in objects if o["kind"] == "Role")["metadata"]["name"]
 
 
+def test_the_workers_cannot_exec_into_airflows_own_pods() -> None:
+    """The workers' exec right (the provider reads XCom over exec) holds in the steps' namespace
+    only; Airflow's components and its worker pods live in another, where no Role of ours grants
+    the workers anything; the two namespaces may not be one."""
+    import copy
+
+    settings = pipeline_params()
+    params = settings["launcher"]["kubernetes"]
+    objects = cluster.base_objects()
+    steps, airflow_ns = params["namespace"], params["airflow_namespace"]
+    assert steps != airflow_ns
+    assert {o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"} == {steps, airflow_ns}
+    exec_roles = [o for o in objects if o["kind"] == "Role" and ("", "pods/exec", "create") in granted(o["rules"])]
+    assert [r["metadata"]["namespace"] for r in exec_roles] == [steps]
+    worker = {"kind": "ServiceAccount", "name": params["airflow_service_account"], "namespace": airflow_ns}
+    bound = [o for o in objects if o["kind"] == "RoleBinding" and worker in o["subjects"]]
+    assert [b["metadata"]["namespace"] for b in bound] == [steps]
+    account = next(o for o in objects if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == worker["name"])
+    assert account["metadata"]["namespace"] == airflow_ns
+    values = cluster.helm_values()
+    assert values["config"]["kubernetes_executor"]["namespace"] == airflow_ns  # worker pods beside Airflow
+    logs_secret = next(o for o in cluster.secrets(ENV) if o["metadata"]["name"] == params["remote_logs"]["conn_secret"])
+    assert logs_secret["metadata"]["namespace"] == airflow_ns  # read by the chart's components
+    one = copy.deepcopy(settings)
+    one["launcher"]["kubernetes"]["airflow_namespace"] = steps
+    with pytest.raises(ValueError, match="must differ from namespace"):
+        cluster.base_objects(one)
+
+
 def test_training_jobs_find_their_queue_and_priority_class() -> None:
     training = pipeline_params()["launcher"]["kubernetes"]["training"]
     queue = next(o for o in cluster.base_objects() if o["kind"] == "LocalQueue")
@@ -138,7 +167,7 @@ def test_helm_values_run_this_image_with_our_policy_and_remote_logs() -> None:
     assert secret["envName"] == f"AIRFLOW_CONN_{logs['remote_log_conn_id'].upper()}"
     assert secret["secretName"] == cluster_params["remote_logs"]["conn_secret"]
     assert logs["remote_base_log_folder"].startswith("s3://")
-    assert values["config"]["kubernetes_executor"]["namespace"] == cluster_params["namespace"]
+    assert values["config"]["kubernetes_executor"]["namespace"] == cluster_params["airflow_namespace"]
     # the CLI prints the same values as YAML
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "plugins" / "cluster.py"), "helm-values"],
                           capture_output=True, text=True, check=True)

@@ -664,6 +664,16 @@ def test_rollout_promotion_rollbacks_and_restart(
     tags = MlflowClient().get_model_version(name, v1).tags
     assert tags["export.uri"] == str(tmp_path / "export1") and tags["export.opset"] == "18"
     assert tags["export.hf_checkpoint"] == "skipped"
+    # exported again (a retried or cleared task): kept as it is (Triton pods may be staging from
+    # it), its recorded result returned; another version is refused there with one line
+    committed = (tmp_path / "export1" / "_SUCCESS").stat().st_mtime_ns
+    assert export(v1, tmp_path / "export1", env, eval_text) == exported
+    assert (tmp_path / "export1" / "_SUCCESS").stat().st_mtime_ns == committed
+    other = run_module("tasks.export", "--model-version", "999", "--output", str(tmp_path / "export1"),
+                       "--eval-set", str(eval_text), env=env)
+    assert other.returncode == 2 and error_lines(other) == [
+        f"ERROR python -m tasks.export: --output {tmp_path / 'export1'}: already holds the export of {name} version "
+        f"{v1}, which an export never replaces (it may be serving): export version 999 to another folder"]
 
     # a cluster track's init container: one version and the chosen backend's config
     proc = run_module("tasks.deploy", "stage", "--model-version", v1, "--export", str(tmp_path / "export1"),
