@@ -7,6 +7,7 @@
     python -m stack env      ``export`` lines for a shell: endpoints and generated keys
     python -m stack predict "PROMPT"   a completion from the serving model, through the router
     python -m stack compose-init   docker-compose.yaml's set-up (buckets, router config, pools), in its container
+    python -m stack mlflow-users   the pipeline's MLflow login, created by the admin (compose's mlflow-users)
     python -m stack reconcile-serving   load what the router's route serves into a Triton that restarted
                                         empty (TRITON_URL, TRITON_REPOSITORY, ROUTER_DIR; compose's serving-reconcile)
 
@@ -25,6 +26,7 @@ from stack.servers import (
     StackError,
     client_env,
     down,
+    ensure_mlflow_pipeline_user,
     init_compose_stack,
     ports,
     reconcile_serving,
@@ -64,7 +66,7 @@ def predict(prompt: str, max_tokens: int) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "compose-init",
-                                            "reconcile-serving"])
+                                            "reconcile-serving", "mlflow-users"])
     parser.add_argument("prompt", nargs="?", default="", help="with `predict`: the text to continue")
     parser.add_argument("--airflow", action="store_true", help="with `up`: also start Airflow (needs its venv)")
     parser.add_argument("--max-tokens", type=int, default=24, help="with `predict`: tokens to generate")
@@ -75,6 +77,10 @@ def main() -> int:
         return predict(args.prompt, args.max_tokens)
     if args.command == "compose-init":
         init_compose_stack()
+        return 0
+    if args.command == "mlflow-users":  # docker-compose.yaml's: the container's environment
+        ensure_mlflow_pipeline_user(os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_ADMIN_PASSWORD"],
+                                    os.environ["MLFLOW_TRACKING_PASSWORD"])
         return 0
     if args.command == "reconcile-serving":
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import fcntl
 import json
@@ -78,6 +79,8 @@ def client_env() -> dict[str, str]:
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port['s3']}",
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port['mlflow']}",
+        "MLFLOW_TRACKING_USERNAME": MLFLOW_PIPELINE_USER,  # MLflow asks for a login (basic-auth app)
+        "MLFLOW_TRACKING_PASSWORD": _secret("mlflow_pipeline"),
         # serving: Triton's own endpoints, its model repository, and the router in front of it
         "TRITON_URL": f"http://127.0.0.1:{port['triton_http']}",
         "TRITON_METRICS_URL": f"http://127.0.0.1:{port['triton_metrics']}/metrics",
@@ -302,12 +305,76 @@ def create_buckets(env: Mapping[str, str] | None = None) -> None:
             client.create_bucket(Bucket=bucket)
 
 
+MLFLOW_ADMIN, MLFLOW_PIPELINE_USER = "admin", "pipeline"
+
+
+def write_mlflow_auth_config(folder: Path, database_uri: str, admin_password: str) -> Path:
+    """MLflow's basic-auth app's settings: an ``admin`` (people, the UI) created on first start;
+    an authenticated user may read everything and write what it created (``default_permission``
+    READ; the ``pipeline`` user, created by :func:`ensure_mlflow_pipeline_user`, creates the
+    pipeline's experiments and models, so it manages them). A checked password is cached for 5
+    minutes: MLflow hashes it with PBKDF2 per request otherwise (~0.3 s on these machines)."""
+    config = configparser.ConfigParser()
+    config["mlflow"] = {"default_permission": "READ", "database_uri": database_uri, "admin_username": MLFLOW_ADMIN,
+                        "admin_password": admin_password,
+                        "authorization_function": "mlflow.server.auth:authenticate_request_basic_auth",
+                        "auth_cache_ttl_seconds": "300"}
+    path = folder / "basic_auth.ini"
+    with path.open("w") as fh:
+        config.write(fh)
+    path.chmod(0o600)
+    return path
+
+
+def ensure_mlflow_pipeline_user(tracking_uri: str, admin_password: str, password: str) -> None:
+    """The pipeline's MLflow user (``MLFLOW_TRACKING_USERNAME``/``PASSWORD`` of the steps),
+    created once by the admin, with MANAGE on MLflow's Default experiment and on the pipeline's
+    experiment and registered model where they already exist (created before the server asked
+    for logins); what it creates later it manages anyway."""
+    from mlflow.exceptions import MlflowException, RestException
+    from mlflow.server.auth.client import AuthServiceClient
+
+    from tasks.lib.params import load_params
+
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
+    os.environ.update(MLFLOW_TRACKING_USERNAME=MLFLOW_ADMIN, MLFLOW_TRACKING_PASSWORD=admin_password)
+    try:
+        admin = AuthServiceClient(tracking_uri)
+        try:
+            admin.get_user(MLFLOW_PIPELINE_USER)
+        except MlflowException as exc:  # no such user yet (RESOURCE_DOES_NOT_EXIST), or no auth app: a 404 page
+            if not isinstance(exc, RestException):
+                raise StackError(f"MLflow at {tracking_uri} runs without its basic-auth app (started by older "
+                                 "code): `make down && make up` restarts it asking for logins") from None
+            admin.create_user(MLFLOW_PIPELINE_USER, password)
+        from mlflow import MlflowClient
+
+        params = load_params()
+        experiment = MlflowClient(tracking_uri).get_experiment_by_name(params["train"]["experiment"])
+        # and MLflow's Default experiment (0, created with the database): runs started without one
+        grants = [("experiment", "0"), *([("experiment", experiment.experiment_id)] if experiment else [])]
+        with contextlib.suppress(MlflowException):  # absent: the pipeline creates it, so it manages it
+            MlflowClient(tracking_uri).get_registered_model(params["pipeline"]["model_name"])
+            grants.append(("registered_model", params["pipeline"]["model_name"]))
+        for resource_type, resource in grants:
+            with contextlib.suppress(RestException):  # RESOURCE_ALREADY_EXISTS: granted at an earlier start
+                admin.grant_user_permission(MLFLOW_PIPELINE_USER, resource_type, resource, "MANAGE")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _mlflow_command() -> list[str]:
     root = state_dir() / "mlflow"
     root.mkdir(parents=True, exist_ok=True)
     return [
         _bin("mlflow"),
         "server",
+        "--app-name",
+        "basic-auth",  # logins required (write_mlflow_auth_config)
         "--backend-store-uri",
         f"sqlite:///{root / 'mlflow.db'}",
         "--artifacts-destination",
@@ -323,7 +390,11 @@ def _mlflow_command() -> list[str]:
 
 def _mlflow_env() -> dict[str, str]:
     env = client_env()
+    root = state_dir() / "mlflow"
     return {
+        "MLFLOW_AUTH_CONFIG_PATH": str(write_mlflow_auth_config(root, f"sqlite:///{root / 'basic_auth.db'}",
+                                                                _secret("mlflow_admin"))),
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": _secret("mlflow_flask"),  # the auth app's CSRF tokens
         "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
         "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
         "AWS_DEFAULT_REGION": env["AWS_DEFAULT_REGION"],
@@ -469,7 +540,8 @@ def create_airflow_pools(airflow: str | None = None, env: Mapping[str, str] | No
 def init_compose_stack() -> None:
     """docker-compose.yaml's one-shot set-up (its airflow-init service, after ``airflow db
     migrate``), from that container's environment: the buckets, the router's config (listening
-    on the compose network, Triton and the OpenAI front by service name), the model repository folder, the pools."""
+    on the compose network, Triton and the OpenAI front by service name), the model repository
+    folder, MLflow's auth settings (its admin's password from ``MLFLOW_ADMIN_PASSWORD``), the pools."""
     env = dict(os.environ)
     create_buckets(env)
     router, triton = urllib.parse.urlsplit(env["ROUTER_URL"]), urllib.parse.urlsplit(env["TRITON_URL"])
@@ -481,6 +553,9 @@ def init_compose_stack() -> None:
                         listen_host="0.0.0.0", triton_host=triton.hostname or "triton",
                         openai_host=openai.hostname or "openai-api")
     Path(env["TRITON_REPOSITORY"]).mkdir(parents=True, exist_ok=True)
+    mlflow_settings = Path(env["ROUTER_DIR"]).parent / "mlflow"  # on the stack volume, which MLflow mounts
+    mlflow_settings.mkdir(parents=True, exist_ok=True)
+    write_mlflow_auth_config(mlflow_settings, "sqlite:////mlflow/basic_auth.db", env["MLFLOW_ADMIN_PASSWORD"])
     create_airflow_pools(shutil.which("airflow") or "airflow", env)
 
 
@@ -615,6 +690,9 @@ def up(with_airflow: bool = False) -> dict[str, str]:
         server.start()
         if server.name == "seaweedfs":
             create_buckets()
+        if server.name == "mlflow":
+            ensure_mlflow_pipeline_user(client_env()["MLFLOW_TRACKING_URI"], _secret("mlflow_admin"),
+                                        _secret("mlflow_pipeline"))
     env = write_env_file()
     if with_airflow:
         create_airflow_pools()

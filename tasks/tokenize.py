@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from tasks.lib import storage, tokens
-from tasks.lib.errors import StepError, absent, registry_error
+from tasks.lib.errors import StepError
 from tasks.lib.params import load_params, step_params
 from tasks.lib.step import Progress, log, run_step, step_parser
 
@@ -46,15 +46,11 @@ def champion(model_name: str) -> tuple[str, str] | None:
     even if another run promotes a new champion meanwhile."""
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         return None
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
+    from tasks.lib.model_store import version_by_alias
 
-    try:
-        version = MlflowClient().get_model_version_by_alias(model_name, "champion")
-    except MlflowException as exc:
-        if absent(exc):
-            return None  # no registered model or no champion yet
-        raise registry_error(f"reading models:/{model_name}@champion", exc) from None
+    version = version_by_alias(model_name, "champion")
+    if version is None:
+        return None  # no registered model or no champion yet
     uri = version.tags.get("tokenizer_uri")
     if not uri:
         raise StepError(f"models:/{model_name}@champion (version {version.version}) has no tokenizer_uri tag")

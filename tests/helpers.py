@@ -69,6 +69,18 @@ def run_measuring_peak_rss(module: str, *args: str, peak: Path) -> subprocess.Co
     return proc
 
 
+def mlflow_rest(path: str) -> Any:
+    """GET an MLflow REST path as the pipeline's user (the server asks for a login), as JSON."""
+    import base64
+    import urllib.request
+
+    login = f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ['MLFLOW_TRACKING_PASSWORD']}"
+    request = urllib.request.Request(f"{os.environ['MLFLOW_TRACKING_URI']}{path}",
+                                     headers={"Authorization": "Basic " + base64.b64encode(login.encode()).decode()})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
 def step_result(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
     """The result JSON a step logged (``... result {json}``)."""
     for line in reversed(proc.stderr.splitlines()):

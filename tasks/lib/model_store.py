@@ -105,18 +105,33 @@ def build_model(description: dict[str, Any], source: str) -> GPT:
     return GPT(config)
 
 
-def load_registered(name: str, alias: str) -> LoadedModel | None:
-    """``models:/NAME@ALIAS`` with its description, or None when there is no such alias."""
+def version_by_alias(name: str, alias: str) -> Any | None:
+    """``models:/NAME@ALIAS`` as MLflow's ModelVersion, or None when the model or the alias does
+    not exist. MLflow's basic-auth app answers a non-admin's alias read of a model that does not
+    exist with 403 (it cannot resolve that model's permission) where reading the model itself
+    answers 404: that second read tells an absent model from a real refusal."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
+    client = MlflowClient()
     try:
-        version = MlflowClient().get_model_version_by_alias(name, alias)
+        return client.get_model_version_by_alias(name, alias)
     except MlflowException as exc:
         if absent(exc):
             return None
+        if getattr(exc, "error_code", "") == "PERMISSION_DENIED":
+            try:
+                client.get_registered_model(name)
+            except MlflowException as again:
+                if absent(again):
+                    return None
         raise registry_error(f"reading models:/{name}@{alias}", exc) from None
-    return load_version(name, str(version.version))
+
+
+def load_registered(name: str, alias: str) -> LoadedModel | None:
+    """``models:/NAME@ALIAS`` with its description, or None when there is no such alias."""
+    version = version_by_alias(name, alias)
+    return None if version is None else load_version(name, str(version.version))
 
 
 def load_version(name: str, version: str) -> LoadedModel:
@@ -266,15 +281,8 @@ def _load_pyfunc(path: str) -> _PyfuncModel:
 
 def alias_version(name: str, alias: str) -> str | None:
     """The version ``models:/NAME@ALIAS`` points at, or None when the alias is not set."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return str(MlflowClient().get_model_version_by_alias(name, alias).version)
-    except MlflowException as exc:
-        if absent(exc):
-            return None
-        raise registry_error(f"reading models:/{name}@{alias}", exc) from None
+    version = version_by_alias(name, alias)
+    return None if version is None else str(version.version)
 
 
 def data_end(name: str, version: str) -> str | None:

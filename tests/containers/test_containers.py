@@ -90,8 +90,8 @@ def load_compose() -> dict[str, Any]:
 
 COMPOSE_SERVICES = {"postgres", "seaweedfs", "mlflow", "airflow-init", "airflow-apiserver", "airflow-scheduler",
                     "airflow-dag-processor", "airflow-triggerer", "triton", "openai-api", "router", "pushgateway", "statsd-exporter",
-                    "prometheus", "grafana", "serving-reconcile"}
-ONE_SHOT = {"airflow-init", "serving-reconcile"}
+                    "prometheus", "grafana", "serving-reconcile", "mlflow-users"}
+ONE_SHOT = {"airflow-init", "serving-reconcile", "mlflow-users"}
 
 
 def test_compose_file_parses_under_the_compose_specification() -> None:
@@ -144,7 +144,7 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
     services = load_compose()["services"]
     published = {
         "seaweedfs": ["s3"], "mlflow": ["mlflow"], "airflow-apiserver": ["airflow"],
-        "triton": ["triton_http", "triton_grpc", "triton_metrics"], "router": ["router"],
+        "router": ["router"],  # not Triton: its HTTP port holds repository control
         "pushgateway": ["pushgateway"], "prometheus": ["prometheus"], "grafana": ["grafana"],
         "statsd-exporter": ["statsd_exporter"],
     }

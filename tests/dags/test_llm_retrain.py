@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI
+from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI, mlflow_rest
 
 HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", "tokenizers")
 ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train", "evaluate",
@@ -183,9 +183,7 @@ def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -
     registered = xcom(run, "register")
     assert registered["challenger"] == registered["version"] and registered["new"] is True
     # the registry as the MLflow REST API reports it (no mlflow client in this environment)
-    url = f"{os.environ['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/registered-models/alias?name=llm-retrain&alias=challenger"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        version = json.loads(resp.read())["model_version"]
+    version = mlflow_rest("/api/2.0/mlflow/registered-models/alias?name=llm-retrain&alias=challenger")["model_version"]
     tags = {t["key"]: t["value"] for t in version["tags"]}
     assert version["version"] == registered["version"]
     assert tags["dag_run"] == f"llm_retrain/{run.run_id}"

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import REPO_ROOT, SEED_URI, run_module
+from helpers import REPO_ROOT, SEED_URI, mlflow_rest, run_module
 
 pytestmark = pytest.mark.integration
 
@@ -217,9 +217,7 @@ def screenshot_run(api: AirflowApi, run_id: str) -> None:
 def registered_version(run_id: str) -> tuple[str, dict[str, str]]:
     """The model version the run registered and its tags, as MLflow's REST API reports them."""
     query = urllib.parse.urlencode({"filter": f"tags.dag_run = '{DAG_ID}/{run_id}'"})
-    url = f"{os.environ['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/model-versions/search?{query}"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        versions = json.loads(resp.read()).get("model_versions", [])
+    versions = mlflow_rest(f"/api/2.0/mlflow/model-versions/search?{query}").get("model_versions", [])
     assert len(versions) == 1, versions
     return versions[0]["version"], {t["key"]: t["value"] for t in versions[0]["tags"]}
 

@@ -87,6 +87,56 @@ def test_mlflow_logs_a_run_with_its_artifact_on_s3(stack_env: dict[str, str], tm
     assert Path(local).read_text() == "loss went down"
 
 
+def test_mlflow_asks_for_a_login_and_the_pipeline_writes_only_what_it_manages(
+        stack_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's basic-auth app: no login or a wrong password is a 401 (nothing registered, no
+    alias moved); the pipeline's user reads everything, writes what it created (its experiments
+    and models), and gets a 403 on a model someone else (the admin) created."""
+    import base64
+    import json
+    import urllib.error
+    import urllib.request
+
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from stack.servers import MLFLOW_ADMIN, _secret
+
+    uri = stack_env["MLFLOW_TRACKING_URI"]
+
+    def status(path: str, login: tuple[str, str] | None, body: dict[str, str] | None = None) -> int:
+        headers = {"Content-Type": "application/json"}
+        if login:
+            headers["Authorization"] = "Basic " + base64.b64encode(":".join(login).encode()).decode()
+        request = urllib.request.Request(uri + path, data=json.dumps(body).encode() if body else None, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    pipeline = (stack_env["MLFLOW_TRACKING_USERNAME"], stack_env["MLFLOW_TRACKING_PASSWORD"])
+    assert status("/api/2.0/mlflow/experiments/search?max_results=1", None) == 401
+    assert status("/api/2.0/mlflow/experiments/search?max_results=1", (pipeline[0], "wrong")) == 401
+    assert status("/api/2.0/mlflow/registered-models/create", None, {"name": "anonymous-model"}) == 401
+    assert status("/api/2.0/mlflow/experiments/search?max_results=1", pipeline) == 200
+    assert status("/health", None) == 200  # health checks need no login
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", MLFLOW_ADMIN)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", _secret("mlflow_admin"))
+    MlflowClient(uri).create_registered_model("admins-model")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", pipeline[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", pipeline[1])
+    client = MlflowClient(uri)
+    assert client.get_registered_model("admins-model").name == "admins-model"  # reads it
+    with pytest.raises(MlflowException, match="403"):
+        client.create_model_version("admins-model", "s3://mlflow/x")
+    client.create_registered_model("pipelines-model")  # its own: it manages it
+    version = client.create_model_version("pipelines-model", "s3://mlflow/x").version
+    client.set_registered_model_alias("pipelines-model", "champion", version)
+    assert client.get_model_version_by_alias("pipelines-model", "champion").version == version
+
+
 def test_secret_files_are_private_from_creation(stack_env: dict[str, str], tmp_path: Path) -> None:
     from stack import servers
 

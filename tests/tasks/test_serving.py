@@ -736,7 +736,7 @@ def test_rollout_promotion_rollbacks_and_restart(
         for fault, why, seed in ((EMPTY_TEXT, ("text_agreement",), 21), (SLOW_TOKENS, ("itl", "ttft"), 22),
                                  (FAILING_STREAMS, ("stream_error_rate",), 23)):
             broken = register_gpt(name, tokenizer_uri, seed=seed)
-            clone = clone_export(tmp_path / "export2", v2, tmp_path / f"export{broken}", broken, fault)
+            clone = clone_export(tmp_path / "export2", v2, tmp_path / f"clone{broken}", broken, fault)
             proc = deploy(broken, str(clone), tmp_path / f"deploy{broken}", env)
             assert proc.returncode == 2, proc.stderr[-3000:]
             assert error_lines(proc)[0].split("rolled back at ")[1].split(": ", 1)[1].startswith(why), error_lines(proc)
