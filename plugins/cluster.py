@@ -204,6 +204,7 @@ def helm_values(params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Values for the official Airflow chart (apache-airflow/airflow, chart 1.x)."""
     params = params or pipeline_params()
     cluster = params["launcher"]["kubernetes"]
+    namespaces(params)  # refuses Airflow's namespace being the steps'
     repository, _, tag = cluster["airflow_image"].rpartition(":")
     logs = cluster["remote_logs"]
     local_settings = Path(__file__).with_name("airflow_local_settings.py").read_text()

@@ -29,6 +29,7 @@ from stack.servers import (
     ensure_mlflow_pipeline_user,
     init_compose_stack,
     ports,
+    publish_saved_route,
     reconcile_serving,
     status,
     up,
@@ -83,11 +84,14 @@ def main() -> int:
                                     os.environ["MLFLOW_TRACKING_PASSWORD"])
         return 0
     if args.command == "reconcile-serving":
+        env = os.environ if "TRITON_URL" in os.environ else client_env()
         try:
-            loaded = reconcile_serving(os.environ if "TRITON_URL" in os.environ else None)
-        except StackError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+            loaded = reconcile_serving(env)
+        except StackError as exc:  # as `up` does: the rest of the stack still comes up, the alert pages
+            print(f"warning: {exc}; requests for them fail until a deploy", file=sys.stderr)
+            publish_saved_route(env)
+            return 0
+        publish_saved_route(env)
         print(f"serving: loaded versions {loaded} of the route" if loaded else "serving: the route's versions are ready")
         return 0
     if args.command == "up":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import configparser
 import contextlib
 import fcntl
+import io
 import json
 import os
 import secrets
@@ -308,22 +309,21 @@ def create_buckets(env: Mapping[str, str] | None = None) -> None:
 MLFLOW_ADMIN, MLFLOW_PIPELINE_USER = "admin", "pipeline"
 
 
-def write_mlflow_auth_config(folder: Path, database_uri: str, admin_password: str) -> Path:
-    """MLflow's basic-auth app's settings: an ``admin`` (people, the UI) created on first start;
-    an authenticated user may read everything and write what it created (``default_permission``
-    READ; the ``pipeline`` user, created by :func:`ensure_mlflow_pipeline_user`, creates the
-    pipeline's experiments and models, so it manages them). A checked password is cached for 5
-    minutes: MLflow hashes it with PBKDF2 per request otherwise (~0.3 s on these machines)."""
+def mlflow_auth_config(database_uri: str) -> str:
+    """MLflow's basic-auth app's settings (no secret in them: the admin's password comes from
+    ``MLFLOW_AUTH_ADMIN_PASSWORD`` in the server's environment, used when the admin is first
+    created). An authenticated user may read everything and write what it created
+    (``default_permission`` READ; the ``pipeline`` user, created by
+    :func:`ensure_mlflow_pipeline_user`, creates the pipeline's experiments and models, so it
+    manages them). A checked password is cached for 5 minutes: MLflow hashes it with PBKDF2 per
+    request otherwise (~0.3 s on these machines)."""
     config = configparser.ConfigParser()
     config["mlflow"] = {"default_permission": "READ", "database_uri": database_uri, "admin_username": MLFLOW_ADMIN,
-                        "admin_password": admin_password,
                         "authorization_function": "mlflow.server.auth:authenticate_request_basic_auth",
                         "auth_cache_ttl_seconds": "300"}
-    path = folder / "basic_auth.ini"
-    with path.open("w") as fh:
-        config.write(fh)
-    path.chmod(0o600)
-    return path
+    text = io.StringIO()
+    config.write(text)
+    return text.getvalue()
 
 
 def ensure_mlflow_pipeline_user(tracking_uri: str, admin_password: str, password: str) -> None:
@@ -342,11 +342,18 @@ def ensure_mlflow_pipeline_user(tracking_uri: str, admin_password: str, password
         admin = AuthServiceClient(tracking_uri)
         try:
             admin.get_user(MLFLOW_PIPELINE_USER)
-        except MlflowException as exc:  # no such user yet (RESOURCE_DOES_NOT_EXIST), or no auth app: a 404 page
-            if not isinstance(exc, RestException):
-                raise StackError(f"MLflow at {tracking_uri} runs without its basic-auth app (started by older "
-                                 "code): `make down && make up` restarts it asking for logins") from None
+            admin.update_user_password(MLFLOW_PIPELINE_USER, password)  # the steps' password as configured now
+        except RestException:  # RESOURCE_DOES_NOT_EXIST: the first start
             admin.create_user(MLFLOW_PIPELINE_USER, password)
+        except MlflowException as exc:
+            if " 404 " in f" {exc} ":  # a page, not MLflow's JSON: no auth app behind this address
+                raise StackError(f"MLflow at {tracking_uri} asks for no login (a server started by older code: "
+                                 "stop it and start the stack again)") from None
+            if " 401 " in f" {exc} ":
+                raise StackError(f"MLflow at {tracking_uri} refused the admin's login: its password is fixed "
+                                 "when MLflow's auth database is first created (keep MLFLOW_ADMIN_PASSWORD, or "
+                                 "the stack's secrets.json, as it was then)") from None
+            raise
         from mlflow import MlflowClient
 
         params = load_params()
@@ -391,9 +398,11 @@ def _mlflow_command() -> list[str]:
 def _mlflow_env() -> dict[str, str]:
     env = client_env()
     root = state_dir() / "mlflow"
+    config = root / "basic_auth.ini"
+    config.write_text(mlflow_auth_config(f"sqlite:///{root / 'basic_auth.db'}"))
     return {
-        "MLFLOW_AUTH_CONFIG_PATH": str(write_mlflow_auth_config(root, f"sqlite:///{root / 'basic_auth.db'}",
-                                                                _secret("mlflow_admin"))),
+        "MLFLOW_AUTH_CONFIG_PATH": str(config),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": _secret("mlflow_admin"),  # used when the admin is first created
         "MLFLOW_FLASK_SERVER_SECRET_KEY": _secret("mlflow_flask"),  # the auth app's CSRF tokens
         "AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"],
         "AWS_SECRET_ACCESS_KEY": env["AWS_SECRET_ACCESS_KEY"],
@@ -541,7 +550,7 @@ def init_compose_stack() -> None:
     """docker-compose.yaml's one-shot set-up (its airflow-init service, after ``airflow db
     migrate``), from that container's environment: the buckets, the router's config (listening
     on the compose network, Triton and the OpenAI front by service name), the model repository
-    folder, MLflow's auth settings (its admin's password from ``MLFLOW_ADMIN_PASSWORD``), the pools."""
+    folder, the pools."""
     env = dict(os.environ)
     create_buckets(env)
     router, triton = urllib.parse.urlsplit(env["ROUTER_URL"]), urllib.parse.urlsplit(env["TRITON_URL"])
@@ -553,9 +562,6 @@ def init_compose_stack() -> None:
                         listen_host="0.0.0.0", triton_host=triton.hostname or "triton",
                         openai_host=openai.hostname or "openai-api")
     Path(env["TRITON_REPOSITORY"]).mkdir(parents=True, exist_ok=True)
-    mlflow_settings = Path(env["ROUTER_DIR"]).parent / "mlflow"  # on the stack volume, which MLflow mounts
-    mlflow_settings.mkdir(parents=True, exist_ok=True)
-    write_mlflow_auth_config(mlflow_settings, "sqlite:////mlflow/basic_auth.db", env["MLFLOW_ADMIN_PASSWORD"])
     create_airflow_pools(shutil.which("airflow") or "airflow", env)
 
 
@@ -680,6 +686,16 @@ def reconcile_serving(env: Mapping[str, str] | None = None) -> list[int]:
     return versions
 
 
+def publish_saved_route(env: Mapping[str, str]) -> None:
+    """The router's saved route, pushed again (the Pushgateway keeps nothing across a restart:
+    without it the alert on versions Triton does not serve would see no route until a deploy)."""
+    from tasks.lib.router import saved_route
+    from tasks.lib.serving import publish_route
+
+    if env.get("PUSHGATEWAY_URL"):
+        publish_route(saved_route(Path(env["ROUTER_DIR"])), env["PUSHGATEWAY_URL"])
+
+
 def up(with_airflow: bool = False) -> dict[str, str]:
     for server in SERVERS:
         if server.name == "router":
@@ -694,6 +710,7 @@ def up(with_airflow: bool = False) -> dict[str, str]:
             ensure_mlflow_pipeline_user(client_env()["MLFLOW_TRACKING_URI"], _secret("mlflow_admin"),
                                         _secret("mlflow_pipeline"))
     env = write_env_file()
+    publish_saved_route(env)
     if with_airflow:
         create_airflow_pools()
         for server in AIRFLOW_SERVERS:

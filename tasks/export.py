@@ -388,7 +388,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if args.mlflow:
             log_to_registry(name, version, args.mlflow_run_tag, args.output, None, kept)
         return kept
-    with storage.scratch() as scratch, storage.staged_output(args.output) as out:
+    # write_once: should another attempt commit first (a zombie and its retry), its output stays
+    with storage.scratch() as scratch, storage.staged_output(args.output, write_once=True) as out:
         loaded = load_version(name, version)
         tokenizer_path = storage.download(loaded.tokenizer_uri, scratch / "tokenizer.json")
         tokenizer = tokens.load_tokenizer(str(tokenizer_path), scratch)  # a local path: not copied again

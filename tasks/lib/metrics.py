@@ -45,9 +45,11 @@ def group_path(grouping: Mapping[str, str]) -> str:
     return "".join(parts)
 
 
-def push(grouping: Mapping[str, str], figures: Mapping[str, float | None], help_texts: Mapping[str, str]) -> bool:
-    """Replace this group's metrics (HTTP PUT); False when not configured or not reachable."""
-    url = os.environ.get("PUSHGATEWAY_URL", "").rstrip("/")
+def push(grouping: Mapping[str, str], figures: Mapping[str, float | None], help_texts: Mapping[str, str],
+         gateway: str | None = None) -> bool:
+    """Replace this group's metrics (HTTP PUT) on ``gateway`` (default ``PUSHGATEWAY_URL``);
+    False when not configured or not reachable."""
+    url = (gateway or os.environ.get("PUSHGATEWAY_URL", "")).rstrip("/")
     if not url:
         return False
     request = urllib.request.Request(url + group_path(grouping), data=exposition(figures, help_texts).encode(),

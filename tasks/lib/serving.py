@@ -110,15 +110,19 @@ def serve_versions(client: triton.TritonClient, repository: Path, serve: dict[st
 ROUTE_METRIC = "llm_serving_route_version"  # observability/alerts.yml: LLMServingRouteVersionNotServed
 
 
-def publish_route(route: Route) -> None:
+def publish_route(route: Route, gateway: str | None = None) -> None:
     """The versions the route sends traffic to, as Pushgateway series (group ``serving/route``,
-    replaced at each change): Prometheus compares them with the versions Triton exports counters
+    replaced at each change, and again when the stack comes up: the Pushgateway keeps nothing
+    across its restarts): Prometheus compares them with the versions Triton exports counters
     for, and alerts when the route names one Triton does not serve (restarted empty, unloaded)."""
     tracks = {"stable": route.stable, "canary": route.canary if route.canary_weight > 0 else None}
     series = {f'{ROUTE_METRIC}{{track="{track}",version="{version}"}}': 1.0
               for track, version in tracks.items() if version is not None}
-    metrics.push({"serving": "route"}, series,
-                 {ROUTE_METRIC: "1 for each version the router sends a track's traffic to"})
+    pushed = metrics.push({"serving": "route"}, series,
+                          {ROUTE_METRIC: "1 for each version the router sends a track's traffic to"}, gateway)
+    if not pushed and (gateway or os.environ.get("PUSHGATEWAY_URL")):
+        log.error("the route's versions %s were not pushed: until the next push the alert on versions Triton "
+                  "does not serve compares with the previous route", route.versions())
 
 
 class Serving(Protocol):
@@ -402,13 +406,13 @@ class KubernetesServing:
         route = Route(stable, canary, float(weight), self.live().generation + 1)
         self.api.call("PATCH", self._path("httproutes", self.cluster["route"]),
                       route_patch(self.names, route), "application/json-patch+json")
+        publish_route(route)  # what the route now says, accepted yet or not
         deadline = time.monotonic() + float(self.cluster["route_timeout_s"])
         while not route_accepted(self._route_object()):
             if time.monotonic() > deadline:
                 raise StepError(f"httproute {self.cluster['route']}: generation not accepted by its gateway "
                                 f"in {self.cluster['route_timeout_s']}s")
             time.sleep(1)
-        publish_route(route)
 
     def promote(self, version: int) -> None:
         """The canary track carries all traffic while the stable track rolls to ``version``; then

@@ -175,6 +175,30 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
     assert all(rule["match"].startswith(env["AIRFLOW__METRICS__STATSD_PREFIX"] + ".") for rule in mapping["mappings"])
 
 
+def test_compose_mlflow_asks_for_logins_and_only_it_holds_the_admin_password() -> None:
+    """The mlflow service runs MLflow's basic-auth app on the settings the local stack renders (the
+    committed file, no secret in it); the admin's password reaches MLflow and the one-shot that
+    creates the pipeline's user, never the steps (the scheduler runs them)."""
+    import configparser
+
+    from stack.servers import mlflow_auth_config
+
+    services = load_compose()["services"]
+    mlflow = services["mlflow"]
+    assert mlflow["command"][:3] == ["server", "--app-name", "basic-auth"]
+    assert "./containers/mlflow-basic-auth.ini:/etc/mlflow/basic_auth.ini:ro" in mlflow["volumes"]
+    assert mlflow["environment"]["MLFLOW_AUTH_CONFIG_PATH"] == "/etc/mlflow/basic_auth.ini"
+    committed, rendered = configparser.ConfigParser(), configparser.ConfigParser()
+    committed.read(REPO_ROOT / "containers" / "mlflow-basic-auth.ini")
+    rendered.read_string(mlflow_auth_config("sqlite:////mlflow/basic_auth.db"))
+    assert dict(committed["mlflow"]) == dict(rendered["mlflow"]) and "admin_password" not in committed["mlflow"]
+    holders = {name for name, service in services.items()
+               if any("MLFLOW_ADMIN_PASSWORD" in str(value) for value in (service.get("environment") or {}).values())}
+    assert holders == {"mlflow", "mlflow-users"}, holders
+    steps = services["airflow-scheduler"]["environment"]
+    assert steps["MLFLOW_TRACKING_USERNAME"] == "pipeline" and "MLFLOW_PIPELINE_PASSWORD" in steps["MLFLOW_TRACKING_PASSWORD"]
+
+
 def test_compose_prometheus_is_the_local_config_by_service_name(tmp_path: Path) -> None:
     from stack.servers import prometheus_config
 

@@ -4,7 +4,6 @@ Airflow database: the one part of the compose stack that runs without a Docker e
 
 from __future__ import annotations
 
-import configparser
 import os
 import subprocess
 import sys
@@ -36,7 +35,6 @@ def test_compose_init_writes_the_router_config_and_imports_the_pools(
         "TRITON_URL": "http://localhost:8000",  # a service name in compose; one that resolves here
         "OPENAI_API_URL": "http://localhost:8003",
         "TRITON_REPOSITORY": str(tmp_path / "triton" / "models"),
-        "MLFLOW_ADMIN_PASSWORD": "an-admin-password",
         "PATH": f"{Path(airflow).parent}:{os.environ['PATH']}",
     }
     proc = run_module("stack", "compose-init", env=env)
@@ -48,15 +46,6 @@ def test_compose_init_writes_the_router_config_and_imports_the_pools(
                              capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
     assert (tmp_path / "triton" / "models").is_dir()
-    # MLflow's auth settings on the stack volume (the mlflow service reads them): readable by
-    # their owner only, the admin's password from the environment, logins cached
-    auth = configparser.ConfigParser()
-    ini = tmp_path / "mlflow" / "basic_auth.ini"
-    auth.read(ini)
-    assert ini.stat().st_mode & 0o777 == 0o600
-    assert dict(auth["mlflow"]) | {"authorization_function": ""} == {
-        "default_permission": "READ", "database_uri": "sqlite:////mlflow/basic_auth.db", "admin_username": "admin",
-        "admin_password": "an-admin-password", "authorization_function": "", "auth_cache_ttl_seconds": "300"}
     imported = {name: Pool.get_pool(name) for name in pools}
     assert {name: pool.slots if pool else None for name, pool in imported.items()} == {
         name: int(p["slots"]) for name, p in pools.items()}

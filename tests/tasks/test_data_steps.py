@@ -332,6 +332,8 @@ def write_corpus(root: Path, megabytes: int, days: list[str]) -> None:
             for _ in range(per_file):
                 fh.write(json.dumps({"id": str(index), "text": f"record {index}: {filler}", **GOOD}) + "\n")
                 index += 1
+    for day in days:  # each partition complete, as its ingestion leaves it
+        (root / f"date={day}" / "_SUCCESS").touch()
 
 
 @pytest.mark.integration
