@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,20 @@ SECRET_VARIABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 class MissingVariable(ValueError):
     pass
+
+
+# name[:tag]@sha256:<64 hex>; the name may hold a registry's port (registry:5000/team/image)
+PINNED_IMAGE = re.compile(r"^(?P<repository>[^@\s]+?)(?::(?P<tag>\w[\w.-]{0,127}))?@(?P<digest>sha256:[0-9a-f]{64})$")
+
+
+def pinned_image(setting: str, reference: str) -> str:
+    """``reference`` if it is pinned by digest: a tag can be moved to other bytes (a rebuild, a
+    push by mistake), and then nodes that pull at different times run different images, none of
+    them perhaps the one that was tested. Anything else is refused, naming the setting."""
+    if not PINNED_IMAGE.match(str(reference)):
+        raise ValueError(f"{setting} {reference!r}: pin the image by digest, name:tag@sha256:<64 hex> "
+                         "(`docker buildx imagetools inspect name:tag` prints it): a tag can be moved")
+    return str(reference)
 
 
 def _metadata(name: str, namespace: str | None = None) -> dict[str, Any]:
@@ -205,13 +220,17 @@ def helm_values(params: dict[str, Any] | None = None) -> dict[str, Any]:
     params = params or pipeline_params()
     cluster = params["launcher"]["kubernetes"]
     namespaces(params)  # refuses Airflow's namespace being the steps'
-    repository, _, tag = cluster["airflow_image"].rpartition(":")
+    image = PINNED_IMAGE.match(pinned_image("launcher.kubernetes.airflow_image", cluster["airflow_image"]))
+    assert image is not None
+    repository, tag, digest = image["repository"], image["tag"], image["digest"]
     logs = cluster["remote_logs"]
     local_settings = Path(__file__).with_name("airflow_local_settings.py").read_text()
     return {
         "executor": "KubernetesExecutor",
         "airflowVersion": airflow_version(),  # the chart renders Airflow 3's components from it
-        "images": {"airflow": {"repository": repository, "tag": tag, "pullPolicy": cluster["image_pull_policy"]}},
+        # the chart pulls by digest where one is given (it takes precedence over the tag)
+        "images": {"airflow": {"repository": repository, "tag": tag, "digest": digest,
+                               "pullPolicy": cluster["image_pull_policy"]}},
         # the image holds the DAGs, plugins and params.yaml (containers/Dockerfile.airflow)
         "dags": {"persistence": {"enabled": False}, "gitSync": {"enabled": False}},
         "airflowLocalSettings": local_settings,

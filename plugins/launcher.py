@@ -36,7 +36,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
-from cluster import DEPLOY_MODULE, DEPLOYER_LABEL, STEP_LABEL
+from cluster import DEPLOY_MODULE, DEPLOYER_LABEL, STEP_LABEL, pinned_image
 
 from pipeline_params import REPO_ROOT, pipeline_params
 
@@ -279,7 +279,7 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
     return {
         "name": task_id.replace("_", "-"),
         "namespace": cluster["namespace"],
-        "image": cluster["images"][kind],
+        "image": pinned_image(f"launcher.kubernetes.images.{kind}", cluster["images"][kind]),
         "image_pull_policy": cluster["image_pull_policy"],
         "cmds": ["python", "-m", module],
         # only deploy's pods carry an API token (and may reach Triton's pods: plugins/serving.py)

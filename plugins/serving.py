@@ -50,7 +50,7 @@ import sys
 from typing import Any
 
 import yaml
-from cluster import DEPLOYER_LABEL
+from cluster import DEPLOYER_LABEL, pinned_image
 
 from pipeline_params import pipeline_params
 
@@ -90,7 +90,7 @@ def track_deployment(params: dict[str, Any], track: str, install: bool = False) 
 
     stage = {
         "name": "stage",
-        "image": cluster["images"]["cpu"],
+        "image": pinned_image("launcher.kubernetes.images.cpu", cluster["images"]["cpu"]),
         "imagePullPolicy": cluster["image_pull_policy"],
         "command": ["python", "-m", "tasks.deploy", "stage", "--model-version", "$(MODEL_VERSION)",
                     "--export", "$(EXPORT_URI)", "--repository", "/models",
@@ -105,7 +105,7 @@ def track_deployment(params: dict[str, Any], track: str, install: bool = False) 
     load_failures = max(3, int(serve["load_timeout_s"]) // 5)
     server = {
         "name": "triton",
-        "image": settings["image"],
+        "image": pinned_image("serve.kubernetes.image", settings["image"]),
         "imagePullPolicy": cluster["image_pull_policy"],
         "command": ["tritonserver"],
         "args": ["--model-repository=/models", "--model-control-mode=explicit",
@@ -124,7 +124,7 @@ def track_deployment(params: dict[str, Any], track: str, install: bool = False) 
     # the OpenAI-compatible API beside the pod's Triton (tasks/openai_api.py): the route's /v1 rules
     openai = {
         "name": "openai",
-        "image": cluster["images"]["cpu"],
+        "image": pinned_image("launcher.kubernetes.images.cpu", cluster["images"]["cpu"]),
         "imagePullPolicy": cluster["image_pull_policy"],
         "command": ["python", "-m", "tasks.openai_api", "--host", "0.0.0.0", "--port", str(ports["openai"]),
                     "--triton-url", f"http://127.0.0.1:{ports['http']}"],

@@ -127,6 +127,33 @@ def test_the_workers_cannot_exec_into_airflows_own_pods() -> None:
         cluster.base_objects(one)
 
 
+def test_every_image_is_pinned_by_digest() -> None:
+    """A tag can be moved to other bytes: every image a rendered object names is pinned by digest,
+    and a setting holding a tag alone is refused with one line naming it."""
+    import copy
+
+    import serving
+
+    settings = pipeline_params()
+    digest = "@sha256:" + "ab" * 32
+    rendered = [*cluster.base_objects(), *serving.serving_manifests(install=True)]
+    images = [c["image"] for o in rendered if o["kind"] == "Deployment"
+              for c in (*o["spec"]["template"]["spec"]["containers"], *o["spec"]["template"]["spec"]["initContainers"])]
+    assert images and all(cluster.PINNED_IMAGE.match(image) for image in images), images
+    assert cluster.pinned_image("x", "registry:5000/team/image:1.2" + digest) == "registry:5000/team/image:1.2" + digest
+    assert cluster.PINNED_IMAGE.match("registry:5000/team/image" + digest)["repository"] == "registry:5000/team/image"
+    for setting, path in (("launcher.kubernetes.airflow_image", ("launcher", "kubernetes", "airflow_image")),
+                          ("serve.kubernetes.image", ("serve", "kubernetes", "image"))):
+        moved = copy.deepcopy(settings)
+        moved[path[0]][path[1]][path[2]] = "registry.example.com/x:latest"
+        render = cluster.helm_values if path[0] == "launcher" else serving.serving_manifests
+        with pytest.raises(ValueError, match=f"^{setting} 'registry.example.com/x:latest': pin the image by digest"):
+            render(moved)
+    for bad in ("x:1.0", "x@sha256:abc", "x:1.0@md5:" + "ab" * 16):
+        with pytest.raises(ValueError, match="pin the image by digest"):
+            cluster.pinned_image("s", bad)
+
+
 def test_training_jobs_find_their_queue_and_priority_class() -> None:
     training = pipeline_params()["launcher"]["kubernetes"]["training"]
     queue = next(o for o in cluster.base_objects() if o["kind"] == "LocalQueue")
@@ -156,7 +183,7 @@ def test_helm_values_run_this_image_with_our_policy_and_remote_logs() -> None:
     values = cluster.helm_values()
     cluster_params = pipeline_params()["launcher"]["kubernetes"]
     image = values["images"]["airflow"]
-    assert f"{image['repository']}:{image['tag']}" == cluster_params["airflow_image"]
+    assert f"{image['repository']}:{image['tag']}@{image['digest']}" == cluster_params["airflow_image"]
     assert values["executor"] == "KubernetesExecutor"
     import airflow
 
