@@ -83,14 +83,21 @@ class MissingVariable(ValueError):
 PINNED_IMAGE = re.compile(r"^(?P<repository>[^@\s]+?)(?::(?P<tag>\w[\w.-]{0,127}))?@(?P<digest>sha256:[0-9a-f]{64})$")
 
 
-def pinned_image(setting: str, reference: str) -> str:
-    """``reference`` if it is pinned by digest: a tag can be moved to other bytes (a rebuild, a
-    push by mistake), and then nodes that pull at different times run different images, none of
-    them perhaps the one that was tested. Anything else is refused, naming the setting."""
-    if not PINNED_IMAGE.match(str(reference)):
+def pinned_image_parts(setting: str, reference: str) -> re.Match[str]:
+    """``reference`` split into repository, tag and digest if it is pinned by digest: a tag can be
+    moved to other bytes (a rebuild, a push by mistake), and then nodes that pull at different
+    times run different images, none of them perhaps the one that was tested. Anything else is
+    refused, naming the setting."""
+    parts = PINNED_IMAGE.match(str(reference))
+    if parts is None:
         raise ValueError(f"{setting} {reference!r}: pin the image by digest, name:tag@sha256:<64 hex> "
                          "(`docker buildx imagetools inspect name:tag` prints it): a tag can be moved")
-    return str(reference)
+    return parts
+
+
+def pinned_image(setting: str, reference: str) -> str:
+    """``reference``, refused unless pinned by digest (:func:`pinned_image_parts`)."""
+    return pinned_image_parts(setting, reference).group(0)
 
 
 def _metadata(name: str, namespace: str | None = None) -> dict[str, Any]:
@@ -220,8 +227,7 @@ def helm_values(params: dict[str, Any] | None = None) -> dict[str, Any]:
     params = params or pipeline_params()
     cluster = params["launcher"]["kubernetes"]
     namespaces(params)  # refuses Airflow's namespace being the steps'
-    image = PINNED_IMAGE.match(pinned_image("launcher.kubernetes.airflow_image", cluster["airflow_image"]))
-    assert image is not None
+    image = pinned_image_parts("launcher.kubernetes.airflow_image", cluster["airflow_image"])
     repository, tag, digest = image["repository"], image["tag"], image["digest"]
     logs = cluster["remote_logs"]
     local_settings = Path(__file__).with_name("airflow_local_settings.py").read_text()

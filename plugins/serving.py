@@ -83,6 +83,7 @@ def track_deployment(params: dict[str, Any], track: str, install: bool = False) 
     kind = cluster["kinds"][settings["kind"]]
     labels = _labels(settings, track)
     ports = settings["ports"]
+    step_image = pinned_image("launcher.kubernetes.images.cpu", cluster["images"]["cpu"])  # stage, openai
 
     def from_annotation(name: str) -> dict[str, Any]:
         return {"name": name.upper().replace("-", "_"),
@@ -90,7 +91,7 @@ def track_deployment(params: dict[str, Any], track: str, install: bool = False) 
 
     stage = {
         "name": "stage",
-        "image": pinned_image("launcher.kubernetes.images.cpu", cluster["images"]["cpu"]),
+        "image": step_image,
         "imagePullPolicy": cluster["image_pull_policy"],
         "command": ["python", "-m", "tasks.deploy", "stage", "--model-version", "$(MODEL_VERSION)",
                     "--export", "$(EXPORT_URI)", "--repository", "/models",
@@ -124,7 +125,7 @@ def track_deployment(params: dict[str, Any], track: str, install: bool = False) 
     # the OpenAI-compatible API beside the pod's Triton (tasks/openai_api.py): the route's /v1 rules
     openai = {
         "name": "openai",
-        "image": pinned_image("launcher.kubernetes.images.cpu", cluster["images"]["cpu"]),
+        "image": step_image,
         "imagePullPolicy": cluster["image_pull_policy"],
         "command": ["python", "-m", "tasks.openai_api", "--host", "0.0.0.0", "--port", str(ports["openai"]),
                     "--triton-url", f"http://127.0.0.1:{ports['http']}"],

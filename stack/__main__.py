@@ -87,12 +87,11 @@ def main() -> int:
         env = os.environ if "TRITON_URL" in os.environ else client_env()
         try:
             loaded = reconcile_serving(env)
+            print(f"serving: loaded versions {loaded} of the route" if loaded else
+                  "serving: the route's versions are ready")
         except StackError as exc:  # as `up` does: the rest of the stack still comes up, the alert pages
             print(f"warning: {exc}; requests for them fail until a deploy", file=sys.stderr)
-            publish_saved_route(env)
-            return 0
         publish_saved_route(env)
-        print(f"serving: loaded versions {loaded} of the route" if loaded else "serving: the route's versions are ready")
         return 0
     if args.command == "up":
         try:

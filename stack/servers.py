@@ -381,7 +381,7 @@ def _mlflow_command() -> list[str]:
         _bin("mlflow"),
         "server",
         "--app-name",
-        "basic-auth",  # logins required (write_mlflow_auth_config)
+        "basic-auth",  # logins required (mlflow_auth_config)
         "--backend-store-uri",
         f"sqlite:///{root / 'mlflow.db'}",
         "--artifacts-destination",

@@ -47,7 +47,7 @@ def partition_files(source: str, days: list[dt.date]) -> list[tuple[dt.date, str
     for day in days:
         listed = storage.list_files(partition_uri(source, day))
         data = [uri for uri in listed if uri.endswith(".jsonl")]
-        if data and not storage.exists(storage.join(partition_uri(source, day), storage.SUCCESS_MARKER)):
+        if data and not any(uri.rsplit("/", 1)[-1] == storage.SUCCESS_MARKER for uri in listed):
             raise StepError(f"{partition_uri(source, day)}: {len(data)} data file(s) but no "
                             f"{storage.SUCCESS_MARKER} marker: a partition still being written, or whose "
                             "ingestion failed, is not read (land it again, or remove it)")

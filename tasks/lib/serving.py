@@ -277,18 +277,22 @@ class TrackState:
 
     @classmethod
     def of(cls, deployment: dict[str, Any]) -> TrackState:
-        annotations = deployment["spec"]["template"]["metadata"].get("annotations") or {}
-        version = str(annotations.get(VERSION_KEY, ""))
-        return cls(int(version) if version.isdigit() else None, str(annotations.get(EXPORT_KEY, "")),
-                   int(deployment["spec"].get("replicas", 1)))
+        """What its pod template names now."""
+        return cls._read(deployment, deployment["spec"]["template"]["metadata"], VERSION_KEY, EXPORT_KEY)
 
     @classmethod
     def before_promotion(cls, deployment: dict[str, Any]) -> TrackState | None:
-        annotations = deployment["metadata"].get("annotations") or {}
-        version = str(annotations.get(PREVIOUS_VERSION_KEY, ""))
-        if not version.isdigit():
-            return None
-        return cls(int(version), str(annotations.get(PREVIOUS_EXPORT_KEY, "")), int(deployment["spec"].get("replicas", 1)))
+        """What it served before its last promotion (recorded on its own metadata), if any."""
+        state = cls._read(deployment, deployment["metadata"], PREVIOUS_VERSION_KEY, PREVIOUS_EXPORT_KEY)
+        return state if state.version is not None else None
+
+    @classmethod
+    def _read(cls, deployment: dict[str, Any], metadata: dict[str, Any], version_key: str,
+              export_key: str) -> TrackState:
+        annotations = metadata.get("annotations") or {}
+        version = str(annotations.get(version_key, ""))
+        return cls(int(version) if version.isdigit() else None, str(annotations.get(export_key, "")),
+                   int(deployment["spec"].get("replicas", 1)))
 
 
 def route_patch(names: dict[str, str], route: Route) -> list[dict[str, Any]]:
@@ -426,7 +430,12 @@ class KubernetesServing:
         except LeaseLost:
             raise
         except (StepError, KubeError, OSError, Terminated) as exc:
-            restored = self._put_back("stable", before)
+            try:
+                self._put_back("stable", before)
+                restored = True
+            except (StepError, KubeError, OSError) as undo:
+                log.error("putting the stable track back on version %s failed: %s", before.version, first_line(undo))
+                restored = False
             if isinstance(exc, Terminated):
                 raise
             where = f"back on version {before.version}" if restored else f"NOT back on version {before.version}"
@@ -434,14 +443,9 @@ class KubernetesServing:
         self.route(version)
         self._set_track("canary", None, 0)
 
-    def _put_back(self, track: str, state: TrackState) -> bool:
+    def _put_back(self, track: str, state: TrackState) -> None:
         """``track`` serving ``state`` again (waiting for it unless the step is stopping: SIGTERM)."""
-        try:
-            self._set_track(track, state.version, state.replicas, state.export_uri, wait=not stopping.is_set())
-            return True
-        except (StepError, KubeError, OSError) as exc:
-            log.error("putting the %s track back on version %s failed: %s", track, state.version, first_line(exc))
-            return False
+        self._set_track(track, state.version, state.replicas, state.export_uri, wait=not stopping.is_set())
 
     def roll_back(self, stable: int | None) -> None:
         # a promotion interrupted while the stable track rolled to the canary's version (the pod
@@ -455,7 +459,7 @@ class KubernetesServing:
                                 f"run the llm_rollback DAG with target {stable}")
             log.warning("the stable track names version %s (an interrupted promotion): putting it back on %d",
                         current.version, stable)
-            self._set_track("stable", stable, before.replicas, before.export_uri, wait=not stopping.is_set())
+            self._put_back("stable", before)
         self.route(stable)
         self._set_track("canary", None, 0, wait=not stopping.is_set())
 
