@@ -71,7 +71,8 @@ SECRET_VARIABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                              ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "DVC_REGISTRY_GIT_REMOTE")),
     "llm-pipeline-mlflow": (("MLFLOW_TRACKING_URI", "ROUTER_URL", "ROUTER_INTERNAL_URL"),
                             ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-                             "PUSHGATEWAY_URL")),  # the run report pushes each run's figures there
+                             # the run report and deploy push figures there, with its login where it asks for one
+                             "PUSHGATEWAY_URL", "PUSHGATEWAY_USERNAME", "PUSHGATEWAY_PASSWORD")),
 }
 
 

@@ -10,6 +10,8 @@
     python -m stack mlflow-users   the pipeline's MLflow login, created by the admin (compose's mlflow-users)
     python -m stack reconcile-serving   load what the router's route serves into a Triton that restarted
                                         empty (TRITON_URL, TRITON_REPOSITORY, ROUTER_DIR; compose's serving-reconcile)
+    python -m stack metrics-auth DIR   Prometheus' and the Pushgateway's logins from PROMETHEUS_PASSWORD and
+                                       PUSHGATEWAY_PASSWORD, written to DIR (compose's metrics-auth)
 
 Runs in the runtime environment (it holds ``weed`` and ``mlflow``). State lives in
 ``.stack/`` (or ``$STACK_DIR``): data, logs, PIDs, the generated S3 keys and ``stack.env``.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from stack.servers import (
     StackError,
@@ -34,6 +37,7 @@ from stack.servers import (
     status,
     up,
     write_env_file,
+    write_metrics_auth,
 )
 
 
@@ -64,11 +68,26 @@ def predict(prompt: str, max_tokens: int) -> int:
     return 0
 
 
+def write_compose_metrics_auth(folder: str) -> int:
+    """The logins of Prometheus and the Pushgateway, readable by the user those images run as
+    (the volume is mounted by those two services only); one line when a password is missing."""
+    passwords = {name: os.environ.get(name, "") for name in ("PROMETHEUS_PASSWORD", "PUSHGATEWAY_PASSWORD")}
+    unset = [name for name, value in passwords.items() if not value]
+    if not folder or unset:
+        print(f"error: metrics-auth needs a folder and {', '.join(unset or passwords)} in the environment",
+              file=sys.stderr)
+        return 2
+    write_metrics_auth(Path(folder), passwords["PROMETHEUS_PASSWORD"], passwords["PUSHGATEWAY_PASSWORD"], mode=0o644)
+    print(f"metrics logins written to {folder}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "compose-init",
-                                            "reconcile-serving", "mlflow-users"])
-    parser.add_argument("prompt", nargs="?", default="", help="with `predict`: the text to continue")
+                                            "reconcile-serving", "mlflow-users", "metrics-auth"])
+    parser.add_argument("prompt", nargs="?", default="",
+                        help="with `predict`: the text to continue; with `metrics-auth`: the folder to write")
     parser.add_argument("--airflow", action="store_true", help="with `up`: also start Airflow (needs its venv)")
     parser.add_argument("--max-tokens", type=int, default=24, help="with `predict`: tokens to generate")
     args = parser.parse_args()
@@ -83,6 +102,8 @@ def main() -> int:
         ensure_mlflow_pipeline_user(os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_ADMIN_PASSWORD"],
                                     os.environ["MLFLOW_TRACKING_PASSWORD"])
         return 0
+    if args.command == "metrics-auth":  # docker-compose.yaml's: the container's environment
+        return write_compose_metrics_auth(args.prompt)
     if args.command == "reconcile-serving":
         env = os.environ if "TRITON_URL" in os.environ else client_env()
         try:

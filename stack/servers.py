@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import configparser
 import contextlib
 import fcntl
@@ -90,10 +91,19 @@ def client_env() -> dict[str, str]:
         "ROUTER_INTERNAL_URL": f"http://127.0.0.1:{port['router_internal']}",  # deploy's: a version by its path
         "OPENAI_API_URL": f"http://127.0.0.1:{port['openai_api']}",  # the front behind the router's /v1
         "ROUTER_DIR": str(router_dir()),
-        # observability: steps push run figures, people and tests query Prometheus
+        # observability: steps push run figures, people and tests query Prometheus; both ask for a login
         "PUSHGATEWAY_URL": f"http://127.0.0.1:{port['pushgateway']}",
+        "PUSHGATEWAY_USERNAME": PUSHGATEWAY_USER,
+        "PUSHGATEWAY_PASSWORD": _secret("pushgateway_pipeline"),
         "PROMETHEUS_URL": f"http://127.0.0.1:{port['prometheus']}",
+        "PROMETHEUS_USERNAME": PROMETHEUS_USER,  # people and tests (PEOPLE_ONLY: never the steps)
+        "PROMETHEUS_PASSWORD": _secret("prometheus_admin"),
     }
+
+
+# What people (and the tests) get from client_env() and the steps do not: they only push to the
+# Pushgateway, and docker-compose.yaml gives its scheduler (where they run) no Prometheus login
+PEOPLE_ONLY = frozenset({"PROMETHEUS_USERNAME", "PROMETHEUS_PASSWORD"})
 
 
 def triton_repository() -> Path:
@@ -220,9 +230,15 @@ def _group_alive(pid: int) -> bool:
         return False
 
 
-def _http_ok(url: str) -> bool:
+def basic_auth(username: str, password: str) -> dict[str, str]:
+    """The ``Authorization`` header of an HTTP basic-auth login."""
+    token = base64.b64encode(f"{username}:{password}".encode()).decode()
+    return {"Authorization": f"Basic {token}"}
+
+
+def _http_ok(url: str, headers: Mapping[str, str] | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers or {})), timeout=2) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False
@@ -573,18 +589,65 @@ def _debian_bin(name: str) -> str:
     return found
 
 
+PROMETHEUS_USER, PUSHGATEWAY_USER = "admin", "pipeline"
+# The files of write_metrics_auth, in its folder: each server's web config (its users' bcrypt
+# hashes) and the passwords Prometheus scrapes with (itself, and the Pushgateway)
+PROMETHEUS_WEB, PUSHGATEWAY_WEB = "prometheus-web.yml", "pushgateway-web.yml"
+PROMETHEUS_PASSWORD_FILE, PUSHGATEWAY_PASSWORD_FILE = "prometheus.password", "pushgateway.password"
+
+
+def web_config(username: str, password: str) -> str:
+    """A Prometheus server's ``--web.config.file`` (Prometheus and the Pushgateway read the same
+    format): one basic-auth user, its password as a bcrypt hash. Every path asks for it, health
+    included."""
+    import bcrypt
+
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=10)).decode()
+    return yaml.safe_dump({"basic_auth_users": {username: hashed}})
+
+
+def write_metrics_auth(folder: Path, prometheus_password: str, pushgateway_password: str, mode: int = 0o600) -> None:
+    """The logins of Prometheus (people, Grafana, its own scrape) and the Pushgateway (the steps
+    push, Prometheus scrapes), as the two servers read them. ``mode`` 0644 in docker-compose.yaml,
+    where Prometheus runs as another user than the one-shot that writes them (the volume holding
+    them is mounted by those two services only)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {PROMETHEUS_WEB: web_config(PROMETHEUS_USER, prometheus_password),
+             PUSHGATEWAY_WEB: web_config(PUSHGATEWAY_USER, pushgateway_password),
+             PROMETHEUS_PASSWORD_FILE: prometheus_password, PUSHGATEWAY_PASSWORD_FILE: pushgateway_password}
+    for name, text in files.items():
+        write_private(folder / name, text)
+        os.chmod(folder / name, mode)
+
+
+def _metrics_auth_dir() -> Path:
+    """The local stack's logins, written again at each start from its secrets (both servers read
+    their web config at each request: replacing it with the same passwords changes nothing)."""
+    folder = state_dir() / "metrics-auth"
+    write_metrics_auth(folder, _secret("prometheus_admin"), _secret("pushgateway_pipeline"))
+    return folder
+
+
 def _pushgateway_command() -> list[str]:
-    return [_debian_bin("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{ports()['pushgateway']}"]
+    return [_debian_bin("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{ports()['pushgateway']}",
+            f"--web.config.file={_metrics_auth_dir() / PUSHGATEWAY_WEB}"]
 
 
-def prometheus_config(targets: dict[str, str], rule_file: str) -> dict[str, Any]:
+def prometheus_config(targets: dict[str, str], rule_file: str, auth_dir: str) -> dict[str, Any]:
     """Scrape Triton (per-version request counters and latencies) and the Pushgateway (each run's
     figures, labels kept as pushed) and, where one runs, the StatsD exporter holding Airflow's own
     metrics; evaluate the alert rules. ``targets``: host:port of ``prometheus``, ``pushgateway``,
-    ``triton`` (its metrics port) and optionally ``statsd_exporter`` (docker-compose.yaml only)."""
+    ``triton`` (its metrics port) and optionally ``statsd_exporter`` (docker-compose.yaml only).
+    ``auth_dir``: where the passwords of write_metrics_auth are (Prometheus and the Pushgateway
+    ask for logins, itself included)."""
+    def login(username: str, password_file: str) -> dict[str, Any]:
+        return {"basic_auth": {"username": username, "password_file": f"{auth_dir}/{password_file}"}}
+
     jobs = [
-        {"job_name": "prometheus", "static_configs": [{"targets": [targets["prometheus"]]}]},
-        {"job_name": "pushgateway", "honor_labels": True, "static_configs": [{"targets": [targets["pushgateway"]]}]},
+        {"job_name": "prometheus", **login(PROMETHEUS_USER, PROMETHEUS_PASSWORD_FILE),
+         "static_configs": [{"targets": [targets["prometheus"]]}]},
+        {"job_name": "pushgateway", "honor_labels": True, **login(PUSHGATEWAY_USER, PUSHGATEWAY_PASSWORD_FILE),
+         "static_configs": [{"targets": [targets["pushgateway"]]}]},
         {"job_name": "triton", "static_configs": [{"targets": [targets["triton"]]}]},
     ]
     if "statsd_exporter" in targets:
@@ -598,7 +661,7 @@ def write_prometheus_config() -> Path:
     config = prometheus_config(
         {"prometheus": f"127.0.0.1:{port['prometheus']}", "pushgateway": f"127.0.0.1:{port['pushgateway']}",
          "triton": f"127.0.0.1:{port['triton_metrics']}"},
-        str(REPO_ROOT / "observability" / "alerts.yml"))
+        str(REPO_ROOT / "observability" / "alerts.yml"), str(_metrics_auth_dir()))
     path = state_dir() / "prometheus" / "prometheus.yml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -608,7 +671,16 @@ def write_prometheus_config() -> Path:
 def _prometheus_command() -> list[str]:
     return [_debian_bin("prometheus"), f"--config.file={write_prometheus_config()}",
             f"--storage.tsdb.path={state_dir() / 'prometheus' / 'data'}",
-            f"--web.listen-address=127.0.0.1:{ports()['prometheus']}"]
+            f"--web.listen-address=127.0.0.1:{ports()['prometheus']}",
+            f"--web.config.file={_metrics_auth_dir() / PROMETHEUS_WEB}"]
+
+
+def _login_ok(server: str, path: str) -> bool:
+    """``path`` of the Prometheus server named ``server`` (pushgateway, prometheus) answers 200
+    to the stack's login."""
+    env = client_env()
+    prefix = server.upper()
+    return _http_ok(f"{env[f'{prefix}_URL']}{path}", basic_auth(env[f"{prefix}_USERNAME"], env[f"{prefix}_PASSWORD"]))
 
 
 SERVERS = (
@@ -629,9 +701,9 @@ SERVERS = (
                                                         for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")),
            start_timeout_s=20, port="router"),
     Server("pushgateway", _pushgateway_command, dict,
-           lambda: _http_ok(f"{client_env()['PUSHGATEWAY_URL']}/-/ready"), start_timeout_s=20, port="pushgateway"),
+           lambda: _login_ok("pushgateway", "/-/ready"), start_timeout_s=20, port="pushgateway"),
     Server("prometheus", _prometheus_command, dict,
-           lambda: _http_ok(f"{client_env()['PROMETHEUS_URL']}/-/ready"), start_timeout_s=30, port="prometheus"),
+           lambda: _login_ok("prometheus", "/-/ready"), start_timeout_s=30, port="prometheus"),
 )
 
 
@@ -693,7 +765,7 @@ def publish_saved_route(env: Mapping[str, str]) -> None:
     from tasks.lib.serving import publish_route
 
     if env.get("PUSHGATEWAY_URL"):
-        publish_route(saved_route(Path(env["ROUTER_DIR"])), env["PUSHGATEWAY_URL"])
+        publish_route(saved_route(Path(env["ROUTER_DIR"])), env)
 
 
 def up(with_airflow: bool = False) -> dict[str, str]:

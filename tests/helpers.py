@@ -81,6 +81,22 @@ def mlflow_rest(path: str) -> Any:
         return json.loads(resp.read())
 
 
+def prometheus_query(expr: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Prometheus' answer to ``expr`` (its ``/api/v1/query`` JSON), asked with the stack's login
+    (``PROMETHEUS_URL`` / ``_USERNAME`` / ``_PASSWORD`` of ``env``, default this process's)."""
+    import base64
+    import urllib.parse
+    import urllib.request
+
+    env = env or dict(os.environ)
+    login = f"{env['PROMETHEUS_USERNAME']}:{env['PROMETHEUS_PASSWORD']}"
+    request = urllib.request.Request(f"{env['PROMETHEUS_URL']}/api/v1/query?{urllib.parse.urlencode({'query': expr})}",
+                                     headers={"Authorization": "Basic " + base64.b64encode(login.encode()).decode()})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        loaded: dict[str, Any] = json.loads(resp.read())
+    return loaded
+
+
 def step_result(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
     """The result JSON a step logged (``... result {json}``)."""
     for line in reversed(proc.stderr.splitlines()):

@@ -46,14 +46,20 @@ def group_path(grouping: Mapping[str, str]) -> str:
 
 
 def push(grouping: Mapping[str, str], figures: Mapping[str, float | None], help_texts: Mapping[str, str],
-         gateway: str | None = None) -> bool:
-    """Replace this group's metrics (HTTP PUT) on ``gateway`` (default ``PUSHGATEWAY_URL``);
-    False when not configured or not reachable."""
-    url = (gateway or os.environ.get("PUSHGATEWAY_URL", "")).rstrip("/")
+         env: Mapping[str, str] | None = None) -> bool:
+    """Replace this group's metrics (HTTP PUT) on the Pushgateway at ``PUSHGATEWAY_URL`` of ``env``
+    (default: this process's environment), with its login ``PUSHGATEWAY_USERNAME`` /
+    ``PUSHGATEWAY_PASSWORD`` where set; False when not configured, not reachable or refused."""
+    env = os.environ if env is None else env
+    url = env.get("PUSHGATEWAY_URL", "").rstrip("/")
     if not url:
         return False
+    headers = {"Content-Type": "text/plain; version=0.0.4"}
+    if env.get("PUSHGATEWAY_USERNAME"):
+        login = f"{env['PUSHGATEWAY_USERNAME']}:{env.get('PUSHGATEWAY_PASSWORD', '')}".encode()
+        headers["Authorization"] = f"Basic {base64.b64encode(login).decode()}"
     request = urllib.request.Request(url + group_path(grouping), data=exposition(figures, help_texts).encode(),
-                                     method="PUT", headers={"Content-Type": "text/plain; version=0.0.4"})
+                                     method="PUT", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10):
             return True

@@ -29,7 +29,7 @@ import os
 import shutil
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -110,7 +110,7 @@ def serve_versions(client: triton.TritonClient, repository: Path, serve: dict[st
 ROUTE_METRIC = "llm_serving_route_version"  # observability/alerts.yml: LLMServingRouteVersionNotServed
 
 
-def publish_route(route: Route, gateway: str | None = None) -> None:
+def publish_route(route: Route, env: Mapping[str, str] | None = None) -> None:
     """The versions the route sends traffic to, as Pushgateway series (group ``serving/route``,
     replaced at each change, and again when the stack comes up: the Pushgateway keeps nothing
     across its restarts): Prometheus compares them with the versions Triton exports counters
@@ -119,8 +119,8 @@ def publish_route(route: Route, gateway: str | None = None) -> None:
     series = {f'{ROUTE_METRIC}{{track="{track}",version="{version}"}}': 1.0
               for track, version in tracks.items() if version is not None}
     pushed = metrics.push({"serving": "route"}, series,
-                          {ROUTE_METRIC: "1 for each version the router sends a track's traffic to"}, gateway)
-    if not pushed and (gateway or os.environ.get("PUSHGATEWAY_URL")):
+                          {ROUTE_METRIC: "1 for each version the router sends a track's traffic to"}, env)
+    if not pushed and (os.environ if env is None else env).get("PUSHGATEWAY_URL"):
         log.error("the route's versions %s were not pushed: until the next push the alert on versions Triton "
                   "does not serve compares with the previous route", route.versions())
 

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,8 @@ def load_compose() -> dict[str, Any]:
 
 COMPOSE_SERVICES = {"postgres", "seaweedfs", "mlflow", "airflow-init", "airflow-apiserver", "airflow-scheduler",
                     "airflow-dag-processor", "airflow-triggerer", "triton", "openai-api", "router", "pushgateway", "statsd-exporter",
-                    "prometheus", "grafana", "serving-reconcile", "mlflow-users"}
-ONE_SHOT = {"airflow-init", "serving-reconcile", "mlflow-users"}
+                    "prometheus", "grafana", "serving-reconcile", "mlflow-users", "metrics-auth"}
+ONE_SHOT = {"airflow-init", "serving-reconcile", "mlflow-users", "metrics-auth"}
 
 
 def test_compose_file_parses_under_the_compose_specification() -> None:
@@ -138,7 +139,7 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
     """Every server publishes its params.yaml port on loopback only; the steps get every endpoint
     the local stack gives them (client_env), each naming the service and port that serves it."""
     monkeypatch.setenv("STACK_DIR", str(tmp_path))
-    from stack.servers import client_env
+    from stack.servers import PEOPLE_ONLY, client_env
 
     ports = load_params()["stack"]["ports"]
     services = load_compose()["services"]
@@ -146,8 +147,7 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
         "seaweedfs": ["s3"], "mlflow": ["mlflow"], "airflow-apiserver": ["airflow"],
         "router": ["router"],  # not Triton: its HTTP port holds repository control
         "pushgateway": ["pushgateway"], "prometheus": ["prometheus"], "grafana": ["grafana"],
-        "statsd-exporter": ["statsd_exporter"],
-    }
+    }  # not the StatsD exporter: only Prometheus reads it
     for name, service in services.items():
         expected = [f"127.0.0.1:{ports[p]}:{ports[p]}" for p in published.get(name, [])]
         assert service.get("ports", []) == expected, name
@@ -156,7 +156,8 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
         assert f"--{flag}={ports[port]}" in triton
 
     env = services["airflow-scheduler"]["environment"]
-    assert set(client_env()) <= set(env), set(client_env()) - set(env)
+    assert set(client_env()) - PEOPLE_ONLY <= set(env), set(client_env()) - PEOPLE_ONLY - set(env)
+    assert not PEOPLE_ONLY & set(env)  # the steps push figures; reading Prometheus is people's
     serving = {"AWS_ENDPOINT_URL": ("seaweedfs", "s3"), "MLFLOW_TRACKING_URI": ("mlflow", "mlflow"),
                "TRITON_URL": ("triton", "triton_http"), "TRITON_METRICS_URL": ("triton", "triton_metrics"),
                "ROUTER_URL": ("router", "router"), "ROUTER_INTERNAL_URL": ("router", "router_internal"),
@@ -200,18 +201,22 @@ def test_compose_mlflow_asks_for_logins_and_only_it_holds_the_admin_password() -
 
 
 def test_compose_prometheus_is_the_local_config_by_service_name(tmp_path: Path) -> None:
-    from stack.servers import prometheus_config
+    from stack.servers import prometheus_config, write_metrics_auth
 
     ports = load_params()["stack"]["ports"]
     committed = yaml.safe_load((REPO_ROOT / "observability" / "prometheus-compose.yml").read_text())
-    assert committed == prometheus_config(
-        {"prometheus": f"127.0.0.1:{ports['prometheus']}", "pushgateway": f"pushgateway:{ports['pushgateway']}",
-         "triton": f"triton:{ports['triton_metrics']}", "statsd_exporter": f"statsd-exporter:{ports['statsd_exporter']}"},
-        "/etc/prometheus/alerts.yml")
+    targets = {"prometheus": f"127.0.0.1:{ports['prometheus']}", "pushgateway": f"pushgateway:{ports['pushgateway']}",
+               "triton": f"triton:{ports['triton_metrics']}",
+               "statsd_exporter": f"statsd-exporter:{ports['statsd_exporter']}"}
+    assert committed == prometheus_config(targets, "/etc/prometheus/alerts.yml", "/etc/prometheus/auth")
     mounts = load_compose()["services"]["prometheus"]["volumes"]
     assert "./observability/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
-    local = tmp_path / "prometheus.yml"  # the same config, its rule file where promtool can read it
-    local.write_text(yaml.safe_dump({**committed, "rule_files": [str(REPO_ROOT / "observability" / "alerts.yml")]}))
+    assert "metrics-auth:/etc/prometheus/auth:ro" in mounts
+    # the same config, its rule file and logins where promtool can read them
+    write_metrics_auth(tmp_path / "auth", "p1", "p2")
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(prometheus_config(targets, str(REPO_ROOT / "observability" / "alerts.yml"),
+                                                      str(tmp_path / "auth"))))
     proc = subprocess.run(["promtool", "check", "config", str(local)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -222,10 +227,96 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard() -> None:
     provisioning = REPO_ROOT / "observability" / "grafana" / "provisioning"
     (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
     assert source["type"] == "prometheus" and source["url"] == f"http://prometheus:{ports['prometheus']}"
+    # Prometheus asks for a login: Grafana's data source has it, and Grafana itself asks for one
+    # (an anonymous viewer would read Prometheus through it)
+    from stack.servers import PROMETHEUS_USER
+
+    assert source["basicAuth"] is True and source["basicAuthUser"] == PROMETHEUS_USER
+    assert source["secureJsonData"]["basicAuthPassword"] == "$PROMETHEUS_PASSWORD"
+    assert "PROMETHEUS_PASSWORD" in grafana["environment"]["PROMETHEUS_PASSWORD"]
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert "GRAFANA_ADMIN_PASSWORD" in grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
     (provider,) = yaml.safe_load((provisioning / "dashboards" / "llm-pipeline.yaml").read_text())["providers"]
     dashboard_mount = next(m for m in grafana["volumes"] if "grafana-dashboard.json" in m)
     assert Path(dashboard_mount.split(":")[1]).parent == Path(provider["options"]["path"])
     assert "./observability/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
+
+
+def test_compose_metrics_logins_are_written_by_a_one_shot_the_servers_read(tmp_path: Path) -> None:
+    """docker-compose.yaml's metrics-auth writes what Prometheus and the Pushgateway read (their web
+    configs, the passwords Prometheus scrapes with), readable by the user their images run as; a
+    real Pushgateway on that config refuses anonymous and wrong logins and takes the right one.
+    Only the services that need a password get it."""
+    from stack.servers import (
+        PROMETHEUS_PASSWORD_FILE,
+        PROMETHEUS_WEB,
+        PUSHGATEWAY_PASSWORD_FILE,
+        PUSHGATEWAY_USER,
+        PUSHGATEWAY_WEB,
+        basic_auth,
+    )
+
+    services = load_compose()["services"]
+    one_shot = services["metrics-auth"]
+    folder = one_shot["volumes"][0].split(":")[1]
+    assert one_shot["entrypoint"][-2:] == ["metrics-auth", folder]
+    assert f"--web.config.file=/etc/pushgateway/auth/{PUSHGATEWAY_WEB}" in services["pushgateway"]["command"]
+    assert f"--web.config.file=/etc/prometheus/auth/{PROMETHEUS_WEB}" in services["prometheus"]["command"]
+    assert PUSHGATEWAY_PASSWORD_FILE in services["pushgateway"]["healthcheck"]["test"][1]
+    assert PROMETHEUS_PASSWORD_FILE in services["prometheus"]["healthcheck"]["test"][1]
+    holders = {variable: {name for name, service in services.items()
+                          if any(variable in str(value) for value in (service.get("environment") or {}).values())}
+               for variable in ("PROMETHEUS_PASSWORD", "PUSHGATEWAY_PASSWORD")}
+    assert holders["PROMETHEUS_PASSWORD"] == {"metrics-auth", "grafana"}, holders
+    assert "metrics-auth" in holders["PUSHGATEWAY_PASSWORD"] and "airflow-scheduler" in holders["PUSHGATEWAY_PASSWORD"]
+    assert not holders["PUSHGATEWAY_PASSWORD"] & {"triton", "router", "openai-api", "mlflow", "grafana"}
+
+    out = tmp_path / "auth"
+    run = [sys.executable, "-m", "stack", "metrics-auth", str(out)]
+    missing = subprocess.run(run, cwd=REPO_ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "PROMETHEUS_PASSWORD" in missing.stderr
+    written = subprocess.run(run, cwd=REPO_ROOT, capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", "PROMETHEUS_PASSWORD": "prom-pw", "PUSHGATEWAY_PASSWORD": "push-pw"})
+    assert written.returncode == 0, written.stderr
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
+        name: 0o644 for name in (PROMETHEUS_WEB, PUSHGATEWAY_WEB, PROMETHEUS_PASSWORD_FILE, PUSHGATEWAY_PASSWORD_FILE)}
+    for web in (PROMETHEUS_WEB, PUSHGATEWAY_WEB):
+        checked = subprocess.run(["promtool", "check", "web-config", str(out / web)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert (out / PUSHGATEWAY_PASSWORD_FILE).read_text() == "push-pw"
+
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    gateway = subprocess.Popen(["prometheus-pushgateway", f"--web.listen-address=127.0.0.1:{port}",
+                                f"--web.config.file={out / PUSHGATEWAY_WEB}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def status(headers: dict[str, str]) -> int | None:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics/job/t", data=b"x 1\n", method="PUT",
+                                         headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return None  # not listening yet
+
+    try:
+        deadline = time.monotonic() + 20
+        while status({}) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status({}) == 401
+        assert status(basic_auth(PUSHGATEWAY_USER, "wrong")) == 401
+        assert status(basic_auth(PUSHGATEWAY_USER, "push-pw")) == 200
+    finally:
+        gateway.kill()
+        gateway.wait()
 
 
 def test_locks_pin_only_versions_an_index_hosts() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI, mlflow_rest
+from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI, mlflow_rest, prometheus_query
 
 HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", "tokenizers")
 ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train", "evaluate",
@@ -214,10 +214,8 @@ def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -
 def prometheus_value(expr: str, timeout_s: float = 60) -> float:
     """The value of a one-series query, waiting for the next scrape (every 5 s locally)."""
     deadline = time.monotonic() + timeout_s
-    query = urllib.parse.urlencode({"query": expr})
     while True:
-        with urllib.request.urlopen(f"{os.environ['PROMETHEUS_URL']}/api/v1/query?{query}", timeout=10) as resp:
-            result = json.loads(resp.read())["data"]["result"]
+        result = prometheus_query(expr)["data"]["result"]
         if result:
             return float(result[0]["value"][1])
         assert time.monotonic() < deadline, f"Prometheus has no {expr}"

@@ -10,13 +10,13 @@ import re
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
 
 import pytest
 import yaml
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, prometheus_query
 
 from tasks import report
 from tasks.lib import metrics
@@ -27,12 +27,6 @@ PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PROMTOOL, *args], cwd=OBSERVABILITY, capture_output=True, text=True)
-
-
-def prometheus_query(url: str, expr: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}", timeout=10) as resp:
-        loaded: dict[str, Any] = json.loads(resp.read())
-    return loaded
 
 
 def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
@@ -97,7 +91,7 @@ def test_dashboard_queries_are_valid_promql(stack_env: dict[str, str]) -> None:
         assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
         assert set(panel["gridPos"]) == {"x", "y", "w", "h"} and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
         for target in panel["targets"]:
-            answer = prometheus_query(stack_env["PROMETHEUS_URL"], target["expr"])  # 400 on a syntax error
+            answer = prometheus_query(target["expr"], stack_env)  # 400 on a syntax error
             assert answer["status"] == "success", (panel["title"], answer)
 
 
@@ -108,8 +102,8 @@ def test_a_runs_figures_reach_prometheus_through_the_pushgateway(stack_env: dict
     assert metrics.push({"dag_id": "llm_retrain", "run_id": run_id}, figures, report.FIGURE_HELP)
     deadline = time.monotonic() + 60  # the next scrape (every 5 s)
     while True:
-        result = prometheus_query(stack_env["PROMETHEUS_URL"],
-                                  f'llm_pipeline_train_tokens_per_second{{run_id="{run_id}"}}')["data"]["result"]
+        result = prometheus_query(f'llm_pipeline_train_tokens_per_second{{run_id="{run_id}"}}',
+                                  stack_env)["data"]["result"]
         if result or time.monotonic() > deadline:
             break
         time.sleep(1)
@@ -117,6 +111,54 @@ def test_a_runs_figures_reach_prometheus_through_the_pushgateway(stack_env: dict
     assert result[0]["metric"]["dag_id"] == "llm_retrain" and result[0]["metric"]["job"] == "llm_pipeline"
     assert float(result[0]["value"][1]) == 4321.0
     # the alert rules are loaded and evaluated
-    with urllib.request.urlopen(f"{stack_env['PROMETHEUS_URL']}/api/v1/rules", timeout=10) as resp:
+    request = urllib.request.Request(f"{stack_env['PROMETHEUS_URL']}/api/v1/rules", headers=prometheus_login(stack_env))
+    with urllib.request.urlopen(request, timeout=10) as resp:
         groups = json.loads(resp.read())["data"]["groups"]
     assert {rule["name"] for g in groups for rule in g["rules"]} >= {"LLMPipelineRunFailed", "LLMCanaryRolledBack"}
+
+
+def prometheus_login(env: dict[str, str]) -> dict[str, str]:
+    from stack.servers import basic_auth
+
+    return basic_auth(env["PROMETHEUS_USERNAME"], env["PROMETHEUS_PASSWORD"])
+
+
+def http_status(url: str, method: str = "GET", data: bytes | None = None, headers: dict[str, str] | None = None) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method=method, headers=headers or {}),
+                                    timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.mark.integration
+def test_prometheus_and_the_pushgateway_ask_for_their_logins(stack_env: dict[str, str]) -> None:
+    """Without its login nobody reads Prometheus (queries, health) nor pushes to the Pushgateway
+    (a push could raise or silence an alert); a push with a wrong password is refused, logged and
+    reaches no series; Prometheus scrapes itself and the Pushgateway with their logins."""
+    prometheus, gateway = stack_env["PROMETHEUS_URL"], stack_env["PUSHGATEWAY_URL"]
+    query = f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': 'up'})}"
+    assert http_status(query) == 401 and http_status(f"{prometheus}/-/ready") == 401
+    assert http_status(query, headers={"Authorization": "Basic " + base64.b64encode(b"admin:wrong").decode()}) == 401
+    assert http_status(query, headers=prometheus_login(stack_env)) == 200
+    # the Pushgateway: reading and pushing
+    forged = f"{gateway}{metrics.group_path({'dag_id': 'llm_retrain', 'run_id': 'forged'})}"
+    assert http_status(forged, "PUT", b"llm_pipeline_run_success 0\n") == 401
+    assert http_status(f"{gateway}/metrics") == 401
+    wrong = {**stack_env, "PUSHGATEWAY_PASSWORD": "wrong"}
+    assert metrics.push({"dag_id": "llm_retrain", "run_id": "forged"}, {"llm_pipeline_run_success": 0.0}, {}, wrong) is False
+    # both scrapes (with the logins) are up, and nothing was pushed by the refused attempts
+    assert eventually_value(stack_env, 'sum(up{job=~"prometheus|pushgateway"})', 2.0) == 2.0
+    assert prometheus_query('llm_pipeline_run_success{run_id="forged"}', stack_env)["data"]["result"] == []
+
+
+def eventually_value(env: dict[str, str], expr: str, wanted: float, timeout_s: float = 60) -> float | None:
+    """The value of a one-series query once it is ``wanted`` (scrapes come every 5 s) or time is up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = prometheus_query(expr, env)["data"]["result"]
+        value = float(result[0]["value"][1]) if result else None
+        if value == wanted or time.monotonic() > deadline:
+            return value
+        time.sleep(1)

@@ -35,6 +35,7 @@ from helpers import (
     RUNTIME_PY,
     error_lines,
     params_with_model_name,
+    prometheus_query,
     run_module,
     step_result,
     write_eval_text,
@@ -870,9 +871,7 @@ def route_versions_not_served(env: dict[str, str]) -> list[str]:
     the stack's Prometheus with the rule's own expression."""
     rules = yaml.safe_load((REPO_ROOT / "observability" / "alerts.yml").read_text())["groups"]
     expr = next(r["expr"] for g in rules for r in g["rules"] if r.get("alert") == "LLMServingRouteVersionNotServed")
-    query = urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(f"{env['PROMETHEUS_URL']}/api/v1/query?{query}", timeout=10) as resp:
-        return sorted(r["metric"]["version"] for r in json.loads(resp.read())["data"]["result"])
+    return sorted(r["metric"]["version"] for r in prometheus_query(expr, env)["data"]["result"])
 
 
 def eventually(read: Any, wanted: Any, timeout_s: float = 60.0) -> Any:
