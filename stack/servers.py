@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
@@ -675,12 +676,21 @@ def _prometheus_command() -> list[str]:
             f"--web.config.file={_metrics_auth_dir() / PROMETHEUS_WEB}"]
 
 
-def _login_ok(server: str, path: str) -> bool:
+def _asks_for_login(server: str, path: str) -> bool:
     """``path`` of the Prometheus server named ``server`` (pushgateway, prometheus) answers 200
-    to the stack's login."""
+    to the stack's login and 401 without one (a server started by older code, which asks for
+    none, is not reused: it is restarted with its login)."""
     env = client_env()
-    prefix = server.upper()
-    return _http_ok(f"{env[f'{prefix}_URL']}{path}", basic_auth(env[f"{prefix}_USERNAME"], env[f"{prefix}_PASSWORD"]))
+    url, prefix = f"{env[f'{server.upper()}_URL']}{path}", server.upper()
+    if not _http_ok(url, basic_auth(env[f"{prefix}_USERNAME"], env[f"{prefix}_PASSWORD"])):
+        return False
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+        return False
+    except urllib.error.HTTPError as exc:
+        return exc.code == 401
+    except OSError:
+        return False
 
 
 SERVERS = (
@@ -701,9 +711,9 @@ SERVERS = (
                                                         for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")),
            start_timeout_s=20, port="router"),
     Server("pushgateway", _pushgateway_command, dict,
-           lambda: _login_ok("pushgateway", "/-/ready"), start_timeout_s=20, port="pushgateway"),
+           lambda: _asks_for_login("pushgateway", "/-/ready"), start_timeout_s=20, port="pushgateway"),
     Server("prometheus", _prometheus_command, dict,
-           lambda: _login_ok("prometheus", "/-/ready"), start_timeout_s=30, port="prometheus"),
+           lambda: _asks_for_login("prometheus", "/-/ready"), start_timeout_s=30, port="prometheus"),
 )
 
 

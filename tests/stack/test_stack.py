@@ -4,6 +4,7 @@ session."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,6 @@ def test_mlflow_asks_for_a_login_and_the_pipeline_writes_only_what_it_manages(
     and models), and gets a 403 on a model someone else (the admin) created."""
     import base64
     import json
-    import urllib.error
     import urllib.request
 
     from mlflow import MlflowClient
@@ -182,3 +182,36 @@ def test_stop_servers_ends_every_group_and_reaps_its_own_children(tmp_path: Path
         assert not server.pid_file.exists()
         with pytest.raises(ProcessLookupError):
             os.killpg(proc.pid, 0)
+
+
+def test_a_pushgateway_started_without_a_login_is_replaced_by_up(stack_env: dict[str, str]) -> None:
+    """A Pushgateway started by older code (no login asked) answers the login's health check too:
+    `up` must not reuse it, or anonymous pushes would go on being taken."""
+    import subprocess
+    import urllib.request
+
+    from stack.servers import SERVERS, _debian_bin
+
+    gateway = next(server for server in SERVERS if server.name == "pushgateway")
+    gateway.stop()
+    url = stack_env["PUSHGATEWAY_URL"]
+    old = subprocess.Popen([_debian_bin("prometheus-pushgateway"), f"--web.listen-address={url.split('//')[1]}"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    gateway.pid_file.write_text(str(old.pid))
+    try:
+        for _ in range(100):  # listening, anonymous reads answered
+            try:
+                urllib.request.urlopen(f"{url}/-/ready", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        proc = run_module("stack", "up")
+        assert proc.returncode == 0, proc.stderr
+        assert old.wait(timeout=15) is not None  # stopped, not reused
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}/-/ready", timeout=5)
+        assert refused.value.code == 401
+        assert pids(stack_env["STACK_DIR"])["pushgateway"] != str(old.pid)
+    finally:
+        if old.poll() is None:
+            old.kill()
