@@ -149,11 +149,11 @@ repro: env
 # Both environments run their half of the suite: tasks/ and the stack in the runtime env,
 # dags/ and plugins/ (including the end-to-end DAG run) in the orchestrator env.
 test: env
-	$(RT_PY) -m pytest tests/tasks tests/stack tests/containers tests/observability
+	$(RT_PY) -m pytest tests/tasks tests/stack tests/containers tests/observability tests/docs
 	$(ORCH_PY) -m pytest tests/dags tests/plugins
 
 test-unit: env
-	$(RT_PY) -m pytest -m "not integration" tests/tasks tests/stack tests/containers tests/observability
+	$(RT_PY) -m pytest -m "not integration" tests/tasks tests/stack tests/containers tests/observability tests/docs
 	$(ORCH_PY) -m pytest -m "not integration" tests/dags tests/plugins
 
 lint: env

@@ -1,4 +1,4 @@
-"""Every way README starts the retrain DAG, through the real Airflow servers (api-server,
+"""Every way docs/operations.md starts the retrain DAG, through the real Airflow servers (api-server,
 scheduler, dag-processor, triggerer): the UI's trigger form driven in headless Chromium, the
 CLI's `dags trigger`, the REST API with ``"logical_date": null`` and `backfill create`. The CLI
 and REST give runs without a logical date, which `dag.test()` and the UI form (both fill one in)
@@ -160,7 +160,7 @@ def airflow_cli(*args: str, attempts: int = 1) -> str:
 
 @contextlib.contextmanager
 def signed_in_browser(api: AirflowApi) -> Iterator[Any]:
-    """A headless Chromium page signed in to the UI as README tells a person to: user admin,
+    """A headless Chromium page signed in to the UI as docs/operations.md tells a person to: user admin,
     the password Airflow generated into its passwords file."""
     from playwright.sync_api import sync_playwright
 
@@ -230,13 +230,13 @@ def seed_three_weeks() -> None:
 
 def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
     seed_three_weeks()
-    # README's backfill: the scheduler runs one run per interval, each on its own window. Created
+    # docs/operations.md's backfill: the scheduler runs one run per interval, each on its own window. Created
     # while the DAG is paused: unpausing makes the scheduler create the newest weekly tick's run
     # unless one exists (it skips a date the backfill holds; the backfill would skip its). On SQLite
     # `backfill create` can fail with "database is locked" whatever the lock wait: it reads, then
     # writes in one SAVEPOINT, and a scheduler commit in between makes its snapshot stale
     # (SQLITE_BUSY_SNAPSHOT, raised at once). Airflow removes the half-made backfill on that error
-    # so that it can be rerun, as README tells users; PostgreSQL does not fail so.
+    # so that it can be rerun, as docs/operations.md tells users; PostgreSQL does not fail so.
     airflow_cli("backfill", "create", "--dag-id", DAG_ID, "--from-date", BACKFILL_FROM, "--to-date", BACKFILL_TO,
                 "--dag-run-conf", json.dumps({**CONF, "raw_data_uri": BACKFILL_RAW, "skip_deploy": True}),
                 attempts=3)

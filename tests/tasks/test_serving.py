@@ -192,7 +192,7 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
 
 
 def test_reapplying_the_serving_objects_keeps_what_deploy_set() -> None:
-    """README's order: ``--install`` created once, deploy patches the tracks and the route, then
+    """docs/serving.md's order: ``--install`` created once, deploy patches the tracks and the route, then
     ``kubectl apply`` of the plain render after a change (a new image), twice: stable keeps its
     pods and version, the canary its share, the route its split and state; the change lands."""
     def key(obj: dict[str, Any]) -> tuple[str, str]:
@@ -223,11 +223,11 @@ def test_reapplying_the_serving_objects_keeps_what_deploy_set() -> None:
             deployed[deployment]["spec"]["template"]["metadata"]["annotations"]
         assert live[deployment]["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.2.0")
     assert live[route] == deployed[route]
-    # what README's apply of the whole render did before: stable at 0 pods, no version
+    # what the docs' apply of the whole render did before: stable at 0 pods, no version
     installed = {key(o): o for o in rendered_serving_objects()}[stable]
     assert kubectl_apply(deployed[stable], None, installed)["spec"]["replicas"] == 0
     # a cluster installed that way (`kubectl apply`: the whole render is its last-applied): the
-    # plain render would remove replicas and versions; README's migration drops the annotation first
+    # plain render would remove replicas and versions; docs/serving.md's migration drops the annotation first
     assert "replicas" not in kubectl_apply(deployed[stable], installed, plain[stable])["spec"]
     assert kubectl_apply(deployed[stable], None, plain[stable])["spec"]["replicas"] == 2
 
