@@ -630,8 +630,13 @@ def _metrics_auth_dir() -> Path:
 
 
 def _pushgateway_command() -> list[str]:
+    """The Pushgateway, its pushes kept in this stack's folder across restarts. Debian's build
+    defaults to one file for the whole machine (/var/lib/prometheus/pushgateway.data): every stack
+    on it (a developer's, the tests', the benchmarks') read and overwrote the others' runs."""
+    persisted = state_dir() / "pushgateway" / "metrics.data"
+    persisted.parent.mkdir(parents=True, exist_ok=True)
     return [_debian_bin("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{ports()['pushgateway']}",
-            f"--web.config.file={_metrics_auth_dir() / PUSHGATEWAY_WEB}"]
+            f"--web.config.file={_metrics_auth_dir() / PUSHGATEWAY_WEB}", f"--persistence.file={persisted}"]
 
 
 def prometheus_config(targets: dict[str, str], rule_file: str, auth_dir: str) -> dict[str, Any]:
@@ -769,7 +774,8 @@ def reconcile_serving(env: Mapping[str, str] | None = None) -> list[int]:
 
 
 def publish_saved_route(env: Mapping[str, str]) -> None:
-    """The router's saved route, pushed again (the Pushgateway keeps nothing across a restart:
+    """The router's saved route, pushed again (a Pushgateway restarted without its persistence
+    file, or with one older than the route, holds another route:
     without it the alert on versions Triton does not serve would see no route until a deploy)."""
     from tasks.lib.router import saved_route
     from tasks.lib.serving import publish_route

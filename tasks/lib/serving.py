@@ -112,8 +112,8 @@ ROUTE_METRIC = "llm_serving_route_version"  # observability/alerts.yml: LLMServi
 
 def publish_route(route: Route, env: Mapping[str, str] | None = None) -> None:
     """The versions the route sends traffic to, as Pushgateway series (group ``serving/route``,
-    replaced at each change, and again when the stack comes up: the Pushgateway keeps nothing
-    across its restarts): Prometheus compares them with the versions Triton exports counters
+    replaced at each change, and again when the stack comes up: a restarted Pushgateway may hold
+    an older route, or none): Prometheus compares them with the versions Triton exports counters
     for, and alerts when the route names one Triton does not serve (restarted empty, unloaded)."""
     tracks = {"stable": route.stable, "canary": route.canary if route.canary_weight > 0 else None}
     series = {f'{ROUTE_METRIC}{{track="{track}",version="{version}"}}': 1.0

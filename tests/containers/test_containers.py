@@ -261,6 +261,9 @@ def test_compose_metrics_logins_are_written_by_a_one_shot_the_servers_read(tmp_p
     folder = one_shot["volumes"][0].split(":")[1]
     assert one_shot["entrypoint"][-2:] == ["metrics-auth", folder]
     assert f"--web.config.file=/etc/pushgateway/auth/{PUSHGATEWAY_WEB}" in services["pushgateway"]["command"]
+    # each run's figures kept across restarts, on a volume where the image's user may write
+    assert "--persistence.file=/pushgateway/metrics.data" in services["pushgateway"]["command"]
+    assert "pushgateway:/pushgateway" in services["pushgateway"]["volumes"]
     assert f"--web.config.file=/etc/prometheus/auth/{PROMETHEUS_WEB}" in services["prometheus"]["command"]
     assert PUSHGATEWAY_PASSWORD_FILE in services["pushgateway"]["healthcheck"]["test"][1]
     assert PROMETHEUS_PASSWORD_FILE in services["prometheus"]["healthcheck"]["test"][1]
@@ -293,7 +296,7 @@ def test_compose_metrics_logins_are_written_by_a_one_shot_the_servers_read(tmp_p
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     gateway = subprocess.Popen(["prometheus-pushgateway", f"--web.listen-address=127.0.0.1:{port}",
-                                f"--web.config.file={out / PUSHGATEWAY_WEB}"],
+                                f"--web.config.file={out / PUSHGATEWAY_WEB}", "--persistence.file="],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def status(headers: dict[str, str]) -> int | None:

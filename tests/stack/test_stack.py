@@ -195,7 +195,8 @@ def test_a_pushgateway_started_without_a_login_is_replaced_by_up(stack_env: dict
     gateway = next(server for server in SERVERS if server.name == "pushgateway")
     gateway.stop()
     url = stack_env["PUSHGATEWAY_URL"]
-    old = subprocess.Popen([_debian_bin("prometheus-pushgateway"), f"--web.listen-address={url.split('//')[1]}"],
+    old = subprocess.Popen([_debian_bin("prometheus-pushgateway"), f"--web.listen-address={url.split('//')[1]}",
+                            "--persistence.file="],  # memory only: not the machine's shared file
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     gateway.pid_file.write_text(str(old.pid))
     try:
@@ -215,3 +216,28 @@ def test_a_pushgateway_started_without_a_login_is_replaced_by_up(stack_env: dict
     finally:
         if old.poll() is None:
             old.kill()
+
+
+def test_the_pushgateway_keeps_runs_across_a_restart_in_the_stacks_own_folder(stack_env: dict[str, str]) -> None:
+    """A run's figures survive the Pushgateway's restart (the alert on no successful retrain reads
+    them), in this stack's folder: Debian's default file is shared by every stack on the machine."""
+    import json
+    import urllib.request
+
+    from stack.servers import SERVERS, basic_auth
+    from tasks.lib import metrics
+
+    run_id = f"manual__{time.time_ns()}"
+    assert metrics.push({"dag_id": "llm_retrain", "run_id": run_id}, {"llm_pipeline_run_success": 1.0}, {})
+    gateway = next(server for server in SERVERS if server.name == "pushgateway")
+    gateway.stop()  # SIGTERM: it writes its persistence file on the way out
+    persisted = Path(stack_env["STACK_DIR"]) / "pushgateway" / "metrics.data"
+    assert persisted.exists() and run_id.encode() in persisted.read_bytes()
+    proc = run_module("stack", "up")
+    assert proc.returncode == 0, proc.stderr
+    request = urllib.request.Request(f"{stack_env['PUSHGATEWAY_URL']}/api/v1/metrics",
+                                     headers=basic_auth(stack_env["PUSHGATEWAY_USERNAME"],
+                                                        stack_env["PUSHGATEWAY_PASSWORD"]))
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        groups = [group["labels"] for group in json.loads(resp.read())["data"]]
+    assert {"dag_id": "llm_retrain", "job": "llm_pipeline", "run_id": run_id} in groups
