@@ -12,20 +12,14 @@ from __future__ import annotations
 import datetime as dt
 
 from airflow.providers.standard.operators.python import ShortCircuitOperator
-from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param
+from airflow.sdk import DAG, AssetOrTimeSchedule, BaseOperator, CronTriggerTimetable, Param
 from alerts import on_run_failure, on_task_failure
 
-from launcher import ERROR_XCOM_KEY, distributed_step, mapped_step, run_output_uri, shard_arguments, step
+from launcher import ERROR_XCOM_KEY, distributed_step, mapped_step, result, run_output_uri, shard_arguments, step
 from pipeline_params import pipeline_params, raw_data_asset
 
 params = pipeline_params()
 pipeline, train_params, gate = params["pipeline"], params["train"], params["evaluate"]
-
-
-def result(task_id: str, *keys: str) -> str:
-    """Template reading one field (``keys``: its path) of an upstream step's result."""
-    path = "".join(f"['{key}']" for key in keys)
-    return f"{{{{ ti.xcom_pull(task_ids='{task_id}'){path} }}}}"
 
 
 # Dates read from the DagRun's attributes only: a run triggered without a logical date (the
@@ -39,10 +33,10 @@ LOGICAL_DATE = "{{ (dag_run.logical_date or dag_run.run_after) | ds }}"
 REPORTED = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy")
 
 
-def reported_xcoms(option: str, key: str) -> list[str]:
+def reported_xcoms(option: str, key: str, steps: list[BaseOperator]) -> list[str]:
     """``option STEP=<the step's XCom under key, as JSON>`` for each reported step (the report's arguments)."""
-    return [arg for task_id in REPORTED
-            for arg in (option, f"{task_id}={{{{ ti.xcom_pull(task_ids='{task_id}', key='{key}') | tojson }}}}")]
+    assert tuple(step.task_id for step in steps) == REPORTED
+    return [arg for step in steps for arg in (option, f"{step.task_id}=" + result(step, xcom_key=key))]
 
 
 # names this DAG run's MLflow run and registered version (retries find them by it)
@@ -161,14 +155,14 @@ with DAG(
     validate = step(
         "validate",
         "tasks.validate",
-        ["--snapshot", result("snapshot", "snapshot_uri"), "--output", run_output_uri("validate")],
+        ["--snapshot", result(snapshot, "snapshot_uri"), "--output", run_output_uri("validate")],
     )
     tokenizer = step(
         "tokenizer",
         "tasks.tokenize",
         [
             "prepare",
-            "--snapshot", result("snapshot", "snapshot_uri"),
+            "--snapshot", result(snapshot, "snapshot_uri"),
             "--output", run_output_uri("tokenize/tokenizer"),
             "--tokenizer", "{{ params.tokenizer_uri or '' }}",
         ],
@@ -176,8 +170,8 @@ with DAG(
     shard_args = shard_arguments(
         [
             "encode",
-            "--snapshot", result("snapshot", "snapshot_uri"),
-            "--tokenizer", result("tokenizer", "tokenizer_uri"),
+            "--snapshot", result(snapshot, "snapshot_uri"),
+            "--tokenizer", result(tokenizer, "tokenizer_uri"),
         ],
         output_root=run_output_uri("tokenize/shards"),
         num_shards="{{ params.num_shards }}",
@@ -188,8 +182,8 @@ with DAG(
         "tasks.tokenize",
         [
             "merge",
-            "--snapshot", result("snapshot", "snapshot_uri"),
-            "--tokenizer", result("tokenizer", "tokenizer_uri"),
+            "--snapshot", result(snapshot, "snapshot_uri"),
+            "--tokenizer", result(tokenizer, "tokenizer_uri"),
             "--num-shards", "{{ params.num_shards }}",
             "--shards", run_output_uri("tokenize/shards"),
             "--output", run_output_uri("tokenize/dataset"),
@@ -200,12 +194,12 @@ with DAG(
         "train",
         "tasks.train",
         [
-            "--dataset", result("tokenize_merge", "dataset_uri"),
+            "--dataset", result(merge, "dataset_uri"),
             # run-scoped: a retry or a restarted worker resumes from the newest complete checkpoint
             "--checkpoints", run_output_uri("train/checkpoints"),
             "--output", run_output_uri("train/model"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
-            "--init-from", result("tokenizer", "champion_model_uri"),
+            "--init-from", result(tokenizer, "champion_model_uri"),
             "--set", "max_steps={{ params.train_max_steps }}",
             "--set", "init_from={{ params.train_init_from }}",
             "--set", "preset={{ params.train_preset }}",
@@ -222,8 +216,8 @@ with DAG(
         "evaluate",
         "tasks.evaluate",
         [
-            "--model", result("train", "model_uri"),
-            "--dataset", result("tokenize_merge", "dataset_uri"),
+            "--model", result(train, "model_uri"),
+            "--dataset", result(merge, "dataset_uri"),
             "--output", run_output_uri("evaluate"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
             "--set", "max_regression={{ params.max_regression }}",
@@ -235,11 +229,11 @@ with DAG(
         "register",
         "tasks.register",
         [
-            "--model", result("train", "model_uri"),
-            "--evaluation", result("evaluate", "report_uri"),
+            "--model", result(train, "model_uri"),
+            "--evaluation", result(evaluate, "report_uri"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
-            "--lineage", "data_version=" + result("snapshot", "data_version", "tag"),
-            "--lineage", "data_content_hash=" + result("snapshot", "data_version", "content_hash"),
+            "--lineage", "data_version=" + result(snapshot, "data_version", "tag"),
+            "--lineage", "data_content_hash=" + result(snapshot, "data_version", "content_hash"),
             "--lineage", "data_end=" + END_DATE,
             "--lineage", "dag_id={{ dag.dag_id }}",
             "--lineage", "dag_run_id={{ run_id }}",
@@ -251,7 +245,7 @@ with DAG(
         "export",
         "tasks.export",
         [
-            "--model-version", result("register", "version"),
+            "--model-version", result(register, "version"),
             "--output", run_output_uri("export"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
         ],
@@ -264,8 +258,8 @@ with DAG(
             "--set", "steps={{ params.canary_steps | tojson }}",  # the parser's, before the sub-command
             "--set", "deploy_older_data={{ params.deploy_older_data | tojson }}",
             "canary",
-            "--model-version", result("register", "version"),
-            "--export", result("export", "export_uri"),
+            "--model-version", result(register, "version"),
+            "--export", result(export, "export_uri"),
             "--output", run_output_uri("deploy"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
         ],
@@ -278,6 +272,7 @@ with DAG(
 
     # the run report: a teardown runs whatever happened upstream and leaves the run's state to
     # the steps (a failed deploy still fails the run)
+    reported = [snapshot, validate, tokenizer, merge, train, evaluate, register, export, deploy]
     report = step(
         "report",
         "tasks.report",
@@ -286,14 +281,18 @@ with DAG(
             "--dag-id", "{{ dag.dag_id }}",
             "--run-id", "{{ run_id }}",
             "--states", "{{ ti.get_task_states(dag_id=dag.dag_id, run_ids=[run_id]) | tojson }}",
-            *reported_xcoms("--result", "return_value"),
+            *reported_xcoms("--result", "return_value", reported),
             # a failed step pushes no result, only its one-line error (launcher.ERROR_XCOM_KEY)
-            *reported_xcoms("--error", ERROR_XCOM_KEY),
+            *reported_xcoms("--error", ERROR_XCOM_KEY, reported),
             "--deploy-output", run_output_uri("deploy"),
             "--output", run_output_uri("report"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
         ],
     )
 
-    snapshot >> validate >> tokenizer >> shard_args >> encode >> merge >> train >> evaluate >> register
-    register >> export >> deploy_gate >> deploy >> report.as_teardown()
+    # The edges come from the data: each step is downstream of the steps whose results its
+    # arguments read (launcher.result). What follows orders steps that read no result:
+    validate >> tokenizer  # nothing is tokenized before the snapshot passed validation
+    encode >> merge  # merge reads the shards' folder, written by the mapped encode tasks
+    export >> deploy_gate >> deploy  # skip_deploy: the export is kept, the canary is not run
+    report.as_teardown()  # after everything it reads, whatever happened to it

@@ -69,6 +69,53 @@ def run_output_uri(step_name: str) -> str:
 TORCHRUN_MODULE = "tasks.lib.torchrun"
 
 
+class StepResult(str):
+    """A field of an earlier step's result: the Jinja template that reads its XCom, remembering
+    the steps it reads. :func:`step` and the other builders make the task whose arguments hold it
+    downstream of them, so the data draws the DAG's edges (a template alone draws none: a rewired
+    DAG could read a step that has not run yet). Joined to a string it stays a StepResult."""
+
+    sources: tuple[BaseOperator, ...]
+
+    def __new__(cls, text: str, sources: tuple[BaseOperator, ...]) -> StepResult:
+        made = super().__new__(cls, text)
+        made.sources = sources
+        return made
+
+    def __add__(self, other: str) -> StepResult:
+        return StepResult(str(self) + str(other), self.sources + getattr(other, "sources", ()))
+
+    def __radd__(self, other: str) -> StepResult:
+        return StepResult(str(other) + str(self), getattr(other, "sources", ()) + self.sources)
+
+
+def result(task: BaseOperator, *keys: str, xcom_key: str | None = None) -> StepResult:
+    """A field (``keys``: its path) of ``task``'s result, or its XCom ``xcom_key``, as JSON when
+    the key is given (the run report's inputs)."""
+    if xcom_key is not None:
+        return StepResult(f"{{{{ ti.xcom_pull(task_ids='{task.task_id}', key='{xcom_key}') | tojson }}}}", (task,))
+    path = "".join(f"['{key}']" for key in keys)
+    return StepResult(f"{{{{ ti.xcom_pull(task_ids='{task.task_id}'){path} }}}}", (task,))
+
+
+def read_results(arguments: Sequence[Any]) -> tuple[list[Any], list[BaseOperator]]:
+    """``arguments`` as plain values (the operators keep no reference to other tasks), and the
+    tasks whose results they read, in order, once each."""
+    sources: dict[str, BaseOperator] = {}
+    for argument in arguments:
+        for source in getattr(argument, "sources", ()):
+            sources.setdefault(source.task_id, source)
+    plain = [str(a) if isinstance(a, StepResult) else a for a in arguments]
+    return plain, list(sources.values())
+
+
+def downstream_of_what_it_reads(task: Any, sources: list[BaseOperator]) -> Any:
+    """``task`` (an operator, mapped or not), downstream of ``sources``."""
+    for source in sources:
+        source >> task
+    return task
+
+
 def runtime_python() -> str:
     return os.environ.get("PIPELINE_RUNTIME_PYTHON", str(REPO_ROOT / ".venvs" / "runtime" / "bin" / "python"))
 
@@ -362,9 +409,11 @@ def step(
     env_vars: dict[str, str] | None = None,
     **operator_kwargs: Any,
 ) -> BaseOperator:
-    """The operator running ``python -m MODULE ARGUMENTS`` (Jinja-templated) in the configured mode."""
+    """The operator running ``python -m MODULE ARGUMENTS`` (Jinja-templated) in the configured
+    mode, downstream of the steps whose results its arguments read (:func:`result`)."""
     operator_cls, kwargs = _operator(task_id, module, kind, env_vars, **operator_kwargs)
-    return operator_cls(arguments=arguments, **kwargs)
+    plain, sources = read_results(arguments)
+    return downstream_of_what_it_reads(operator_cls(arguments=plain, **kwargs), sources)
 
 
 def mapped_step(
@@ -395,8 +444,10 @@ def distributed_step(
     **operator_kwargs: Any,
 ) -> BaseOperator:
     """A ``torchrun`` step over ``nodes`` x ``procs_per_node`` processes: an Indexed Job with a
-    rendezvous Service in a cluster, ``nodes`` local torchrun agents on 127.0.0.1 otherwise."""
+    rendezvous Service in a cluster, ``nodes`` local torchrun agents on 127.0.0.1 otherwise;
+    downstream of the steps whose results its arguments read."""
     env_vars = step_env(env_vars)
+    arguments, sources = read_results(arguments)
     if launcher_mode() == "kubernetes":
         from k8s_job import TorchrunJobOperator
         from kubernetes.client import models as k8s
@@ -409,7 +460,7 @@ def distributed_step(
             if "nvidia.com/gpu" in bound:
                 bound["nvidia.com/gpu"] = str(procs_per_node)
         kwargs["container_resources"] = k8s.V1ResourceRequirements(**resources)
-        return TorchrunJobOperator(
+        return downstream_of_what_it_reads(TorchrunJobOperator(
             task_id=task_id,
             module=module,
             arguments=arguments,
@@ -426,8 +477,8 @@ def distributed_step(
             ttl_seconds_after_finished=training["ttl_after_finished_s"],
             active_deadline_seconds=training["active_deadline_s"],
             **{**kwargs, **scheduling(task_id), **operator_kwargs},
-        )
-    return LocalTorchrunOperator(
+        ), sources)
+    return downstream_of_what_it_reads(LocalTorchrunOperator(
         task_id=task_id,
         module=module,
         arguments=arguments,
@@ -436,7 +487,7 @@ def distributed_step(
         procs_per_node=procs_per_node,
         max_restarts=max_restarts,
         **{**scheduling(task_id), **operator_kwargs},
-    )
+    ), sources)
 
 
 def shard_arguments(arguments: list[str], *, output_root: str, num_shards: str, task_id: str = "shard_plan") -> Any:
@@ -455,4 +506,8 @@ def shard_arguments(arguments: list[str], *, output_root: str, num_shards: str, 
             for i in range(count)
         ]
 
-    return plan(arguments, output_root, num_shards)
+    plain, sources = read_results(arguments)
+    planned = plan(plain, output_root, num_shards)
+    for planner, _ in planned.iter_references():  # the plan's own task
+        downstream_of_what_it_reads(planner, sources)
+    return planned

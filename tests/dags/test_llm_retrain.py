@@ -46,11 +46,51 @@ def test_parsing_imports_no_heavy_module() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_steps_run_in_order(dag: Any) -> None:
-    assert len(dag.tasks) == len(ORDER)
-    for upstream, downstream in itertools.pairwise(ORDER):
-        assert dag.get_task(upstream).downstream_task_ids == {downstream}
+# The edges no argument draws: a step that must wait for another without reading its result
+ORDERING_EDGES = {("validate", "tokenizer"), ("tokenize_shard", "tokenize_merge"), ("export", "deploy_gate"),
+                  ("deploy_gate", "deploy")}
+
+
+def results_read(task: Any) -> set[str]:
+    """The tasks whose XComs ``task`` reads: in its argument templates, or as XComArgs (mapped)."""
+    templates = " ".join(map(str, getattr(task, "arguments", None) or []))
+    read = set(re.findall(r"xcom_pull\(task_ids='(\w+)'", templates))
+    expanded = getattr(task, "expand_input", None)
+    if expanded is not None:
+        read |= {op.task_id for op, _ in expanded.iter_references()}
+    for value in getattr(task, "op_args", None) or []:  # the @task shard plan's inputs
+        read |= set(re.findall(r"xcom_pull\(task_ids='(\w+)'", str(value)))
+    return read
+
+
+def test_the_graph_is_what_the_data_implies(dag: Any) -> None:
+    """Each task is downstream of exactly the tasks whose results it reads, plus the few ordering
+    edges no argument draws; the steps then run in the pipeline's order."""
+    assert {task.task_id for task in dag.tasks} == set(ORDER)
+    for task in dag.tasks:
+        ordered_after = {up for up, down in ORDERING_EDGES if down == task.task_id}
+        assert task.upstream_task_ids == results_read(task) | ordered_after, task.task_id
+    assert results_read(dag.get_task("report")) >= {"snapshot", "evaluate", "deploy"}
     assert dag.get_task("report").downstream_task_ids == set() and dag.get_task("report").is_teardown
+    # a topological order of the graph is the pipeline's, and no two steps may run in another
+    for earlier, later in itertools.pairwise(ORDER):
+        assert earlier in dag.get_task(later).get_flat_relative_ids(upstream=True), (earlier, later)
+
+
+def test_a_result_read_draws_its_edge() -> None:
+    """The launcher makes a step downstream of the steps whose results its arguments read, joined
+    strings included, and hands the operator plain strings."""
+    from airflow.sdk import DAG
+
+    from launcher import result, step
+
+    with DAG(dag_id="edges", schedule=None):
+        first = step("first", "tasks.validate", [])
+        second = step("second", "tasks.validate", [])
+        reader = step("reader", "tasks.validate", ["--x", result(first, "uri"), "--y", "k=" + result(second, "a", "b")])
+    assert reader.upstream_task_ids == {"first", "second"}
+    assert [type(a) for a in reader.arguments] == [str] * 4
+    assert reader.arguments[3] == "k={{ ti.xcom_pull(task_ids='second')['a']['b'] }}"
 
 
 def test_every_steps_arguments_parse_with_its_module(dag: Any) -> None:

@@ -174,10 +174,6 @@ def test_validator_rejects_an_unknown_field(tmp_path: Path) -> None:
     assert validate_objects([bad], tmp_path).returncode != 0
 
 
-def test_repo_root_is_the_launch_directory() -> None:
-    assert (REPO_ROOT / "tasks" / "__init__.py").exists()
-
-
 # -- multi-node training --------------------------------------------------------------------
 
 
