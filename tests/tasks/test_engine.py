@@ -219,6 +219,19 @@ def test_text_deltas_never_split_a_character_or_show_a_stop_string() -> None:
     assert "".join(d for d, _ in shown) == "hi" and len(shown) == len("hi\nUser:")
 
 
+def test_incremental_deltas_add_up_to_the_whole_decode() -> None:
+    """Decoding only the ids since the last whole character gives the text a decode of every id
+    gives, for any bytes (valid text of 1-4 byte characters, invalid bytes, cut characters)."""
+    rng = np.random.default_rng(0)
+    pieces = ["a", " ", "é", "€", "😀", "\n"]
+    for trial in range(200):
+        data = b"".join(rng.choice(pieces).encode() if rng.random() < 0.8 else bytes([int(rng.integers(128, 256))])
+                        for _ in range(int(rng.integers(1, 40))))
+        detok = Detokenizer(ByteTokenizer(), ())
+        shown = "".join(detok.add(byte)[0] for byte in data) + detok.flush()
+        assert shown == data.decode("utf-8", errors="replace"), (trial, data)
+
+
 def test_greedy_sampling_is_argmax_and_top_k_one_is_greedy() -> None:
     from tasks.triton_models.llm_generate.engine import SamplingParams, sample
 

@@ -37,6 +37,10 @@ import numpy as np
 
 EOS = "<|endoftext|>"
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
+# How often a running request's client is asked whether it went away: in Triton each ask is a
+# call from the model's process to the server's, and asking every sequence at every step put
+# one such call per token per stream on the engine's thread
+CANCEL_CHECK_S = 0.05
 
 
 class RequestError(ValueError):
@@ -187,23 +191,31 @@ class KVDecoder:
 
 
 class Detokenizer:
-    """Token ids to text deltas: none ends inside a UTF-8 character or may be cut by a stop string."""
+    """Token ids to text deltas: none ends inside a UTF-8 character or may be cut by a stop string.
+    Incremental (vLLM's read offset): a token decodes only the ids since the last whole
+    character, not the whole sequence again (that cost grew with the sequence, per token)."""
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
         self.tokenizer, self.stops = tokenizer, stops
         self.ids: list[int] = []
+        self.text = ""  # ids[:read] decoded: whole characters (a byte-level split there decodes alike)
+        self.read = 0
         self.sent = 0  # characters of the text already emitted
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def add(self, token: int) -> tuple[str, bool]:
         """The text now safe to emit, and whether a stop string ended the text."""
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        pending = self.tokenizer.decode(self.ids[self.read:])
+        text = self.text + pending
+        whole = not pending.endswith(REPLACEMENT)  # else inside a UTF-8 character: wait for its end
+        if whole:
+            self.text, self.read = text, len(self.ids)
         for stop in self.stops:
             at = text.find(stop, max(0, self.sent - len(stop)))
             if at >= 0:
                 return self.flush(text[:at]), True
-        if text.endswith(REPLACEMENT):
+        if not whole:
             return "", False
         safe = len(text) - self.hold
         if safe <= self.sent:
@@ -214,7 +226,7 @@ class Detokenizer:
     def flush(self, text: str | None = None) -> str:
         """What is left to emit when the sequence ends."""
         if text is None:
-            text = self.tokenizer.decode(self.ids)
+            text = self.text + self.tokenizer.decode(self.ids[self.read:])
         delta, self.sent = text[self.sent:], max(self.sent, len(text))
         return delta
 
@@ -235,6 +247,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+    cancel_checked_at: float = 0.0
     finish_reason: str | None = None
 
 
@@ -442,15 +455,18 @@ class Engine:
             self.deliver(sequence, message, "error")
 
     def drop_abandoned(self) -> None:
-        """Free the slots of clients that went away or waited past the request timeout."""
+        """Free the slots of clients that went away (asked every CANCEL_CHECK_S) or waited past
+        the request timeout."""
         now = time.monotonic()
         for sequence in list(self.running.values()):
-            if sequence.cancelled():
-                self.stats.cancelled += 1
-                self.release(sequence, "cancelled")
-                self.deliver(sequence, "", "cancelled")
-            elif now > sequence.deadline:
+            if now > sequence.deadline:
                 self.finish(sequence, "timeout")
+            elif now - sequence.cancel_checked_at >= CANCEL_CHECK_S:
+                sequence.cancel_checked_at = now
+                if sequence.cancelled():
+                    self.stats.cancelled += 1
+                    self.release(sequence, "cancelled")
+                    self.deliver(sequence, "", "cancelled")
 
 
 def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 60.0) -> Sequence:
