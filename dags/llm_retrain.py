@@ -10,9 +10,10 @@ params.yaml, outputs are run-scoped URIs, XCom carries only small JSON results.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from airflow.providers.standard.operators.python import ShortCircuitOperator
-from airflow.sdk import DAG, AssetOrTimeSchedule, BaseOperator, CronTriggerTimetable, Param
+from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param
 from alerts import on_run_failure, on_task_failure
 
 from launcher import ERROR_XCOM_KEY, distributed_step, mapped_step, result, run_output_uri, shard_arguments, step
@@ -33,9 +34,8 @@ LOGICAL_DATE = "{{ (dag_run.logical_date or dag_run.run_after) | ds }}"
 REPORTED = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy")
 
 
-def reported_xcoms(option: str, key: str, steps: list[BaseOperator]) -> list[str]:
+def reported_xcoms(option: str, key: str, steps: list[Any]) -> list[str]:
     """``option STEP=<the step's XCom under key, as JSON>`` for each reported step (the report's arguments)."""
-    assert tuple(step.task_id for step in steps) == REPORTED
     return [arg for step in steps for arg in (option, f"{step.task_id}=" + result(step, xcom_key=key))]
 
 
@@ -272,7 +272,7 @@ with DAG(
 
     # the run report: a teardown runs whatever happened upstream and leaves the run's state to
     # the steps (a failed deploy still fails the run)
-    reported = [snapshot, validate, tokenizer, merge, train, evaluate, register, export, deploy]
+    reported = [dag.get_task(task_id) for task_id in REPORTED]
     report = step(
         "report",
         "tasks.report",

@@ -1,4 +1,4 @@
-"""The cluster's own objects, before Airflow and serving go in (README "Running on Kubernetes").
+"""The cluster's own objects, before Airflow and serving go in (docs/kubernetes.md).
 
     python plugins/cluster.py base | kubectl apply -f -
     AWS_ACCESS_KEY_ID=... MLFLOW_TRACKING_URI=... ROUTER_URL=... ROUTER_INTERNAL_URL=... python plugins/cluster.py secrets | kubectl apply -f -

@@ -106,6 +106,13 @@ def read_results(arguments: Sequence[Any]) -> tuple[list[Any], list[BaseOperator
         for source in getattr(argument, "sources", ()):
             sources.setdefault(source.task_id, source)
     plain = [str(a) if isinstance(a, StepResult) else a for a in arguments]
+    # a result formatted into a plain string (an f-string, a join) has lost its task: refused
+    # here, not found missing at run time
+    for argument in plain:
+        for task_id in re.findall(r"xcom_pull\(task_ids='(\w+)'", str(argument)):
+            if task_id not in sources:
+                raise ValueError(f"argument {str(argument)[:80]!r} reads {task_id}'s result without its edge: "
+                                 "build it from launcher.result(...) with + (not an f-string or a join)")
     return plain, list(sources.values())
 
 

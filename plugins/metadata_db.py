@@ -9,7 +9,7 @@ PostgreSQL config does not use these.
 
 No wait helps a transaction that read, then writes after another process committed (its WAL
 snapshot is stale: SQLite raises at once). `backfill create` does so inside a SAVEPOINT;
-Airflow removes the half-made backfill on that error, and README says to rerun it.
+Airflow removes the half-made backfill on that error, and docs/operations.md says to rerun it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
     python -m stack reconcile-serving   load what the router's route serves into a Triton that restarted
                                         empty (TRITON_URL, TRITON_REPOSITORY, ROUTER_DIR; compose's serving-reconcile)
     python -m stack metrics-auth DIR   Prometheus' and the Pushgateway's logins from PROMETHEUS_PASSWORD and
-                                       PUSHGATEWAY_PASSWORD, written to DIR (compose's metrics-auth)
+                                       PUSHGATEWAY_PASSWORD, into DIR/prometheus and DIR/pushgateway (compose's)
 
 Runs in the runtime environment (it holds ``weed`` and ``mlflow``). State lives in
 ``.stack/`` (or ``$STACK_DIR``): data, logs, PIDs, the generated S3 keys and ``stack.env``.
@@ -69,16 +69,17 @@ def predict(prompt: str, max_tokens: int) -> int:
 
 
 def write_compose_metrics_auth(folder: str) -> int:
-    """The logins of Prometheus and the Pushgateway, readable by the user those images run as
-    (the volume is mounted by those two services only); one line when a password is missing."""
+    """The logins of Prometheus and the Pushgateway, into ``folder``/prometheus and
+    ``folder``/pushgateway (a volume each, mounted by that server only), readable by the user
+    those images run as; one line when the folder or a password is missing."""
     passwords = {name: os.environ.get(name, "") for name in ("PROMETHEUS_PASSWORD", "PUSHGATEWAY_PASSWORD")}
-    unset = [name for name, value in passwords.items() if not value]
-    if not folder or unset:
-        print(f"error: metrics-auth needs a folder and {', '.join(unset or passwords)} in the environment",
-              file=sys.stderr)
+    missing = ([] if folder else ["a folder"]) + [name for name, value in passwords.items() if not value]
+    if missing:
+        print(f"error: metrics-auth needs {' and '.join(missing)} (in the environment)", file=sys.stderr)
         return 2
-    write_metrics_auth(Path(folder), passwords["PROMETHEUS_PASSWORD"], passwords["PUSHGATEWAY_PASSWORD"], mode=0o644)
-    print(f"metrics logins written to {folder}")
+    write_metrics_auth(Path(folder) / "prometheus", Path(folder) / "pushgateway", passwords["PROMETHEUS_PASSWORD"],
+                       passwords["PUSHGATEWAY_PASSWORD"], mode=0o644)
+    print(f"metrics logins written to {folder}/prometheus and {folder}/pushgateway")
     return 0
 
 
@@ -131,7 +132,8 @@ def main() -> int:
             print(f"{name}: {'healthy' if ok else 'down'}")
         return 0 if all(healthy.values()) else 1
     else:
-        for key, value in write_env_file().items():
+        write_env_file()  # the steps' (stack.env); people get their logins too
+        for key, value in client_env().items():
             print(f"export {key}={value}")
     return 0
 

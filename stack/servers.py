@@ -42,12 +42,15 @@ def ports() -> dict[str, int]:
     return {name: int(os.environ.get(f"STACK_PORT_{name.upper()}", port)) for name, port in configured.items()}
 
 
-def write_private(path: Path, text: str) -> None:
-    """A file only its owner can read, from its first byte (created 0600, not chmod'ed after),
-    replaced atomically."""
+def write_private(path: Path, text: str, mode: int = 0o600) -> None:
+    """A file only its owner can read (or ``mode``), from its first byte (its mode set before
+    anything is written, not chmod'ed after), replaced atomically: a reader sees the old file or
+    the new one, each readable as it should be."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staged = path.with_name(f".{path.name}.{os.getpid()}")
-    with os.fdopen(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, mode)  # exactly mode, whatever the umask
+    with os.fdopen(fd, "w") as fh:
         fh.write(text)
     os.replace(staged, path)
 
@@ -102,9 +105,15 @@ def client_env() -> dict[str, str]:
     }
 
 
-# What people (and the tests) get from client_env() and the steps do not: they only push to the
-# Pushgateway, and docker-compose.yaml gives its scheduler (where they run) no Prometheus login
+# What people (and the tests) get from client_env() (`python -m stack env`) and the steps do not:
+# they only push to the Pushgateway. Left out of stack.env and of Airflow's environment, as
+# docker-compose.yaml gives its scheduler (where the steps run) no Prometheus login
 PEOPLE_ONLY = frozenset({"PROMETHEUS_USERNAME", "PROMETHEUS_PASSWORD"})
+
+
+def steps_env() -> dict[str, str]:
+    """What the steps get: client_env() without people's logins."""
+    return {key: value for key, value in client_env().items() if key not in PEOPLE_ONLY}
 
 
 def triton_repository() -> Path:
@@ -116,7 +125,8 @@ def router_dir() -> Path:
 
 
 def write_env_file() -> dict[str, str]:
-    env = client_env()
+    """stack.env: what the steps Airflow launches get (sourced by the Makefile); returns it."""
+    env = steps_env()
     path = state_dir() / "stack.env"
     write_private(path, "".join(f"{key}={value}\n" for key, value in env.items()))
     return env
@@ -505,7 +515,7 @@ def _router_command() -> list[str]:
 def _airflow_env() -> dict[str, str]:
     port = ports()["airflow"]
     return {
-        **client_env(),  # the steps Airflow launches reach the stack with these
+        **steps_env(),  # the steps Airflow launches reach the stack with these
         "AIRFLOW_HOME": str(REPO_ROOT),
         "AIRFLOW__API__HOST": "127.0.0.1",  # loopback only, like every server of the stack
         "AIRFLOW__API__PORT": str(port),
@@ -591,8 +601,9 @@ def _debian_bin(name: str) -> str:
 
 
 PROMETHEUS_USER, PUSHGATEWAY_USER = "admin", "pipeline"
-# The files of write_metrics_auth, in its folder: each server's web config (its users' bcrypt
-# hashes) and the passwords Prometheus scrapes with (itself, and the Pushgateway)
+# The files of write_metrics_auth: each server's web config (its users' bcrypt hashes), the
+# passwords Prometheus scrapes with (itself, and the Pushgateway) and the Pushgateway's own
+# (its health check in compose)
 PROMETHEUS_WEB, PUSHGATEWAY_WEB = "prometheus-web.yml", "pushgateway-web.yml"
 PROMETHEUS_PASSWORD_FILE, PUSHGATEWAY_PASSWORD_FILE = "prometheus.password", "pushgateway.password"
 
@@ -607,25 +618,29 @@ def web_config(username: str, password: str) -> str:
     return yaml.safe_dump({"basic_auth_users": {username: hashed}})
 
 
-def write_metrics_auth(folder: Path, prometheus_password: str, pushgateway_password: str, mode: int = 0o600) -> None:
+def write_metrics_auth(prometheus_dir: Path, pushgateway_dir: Path, prometheus_password: str,
+                       pushgateway_password: str, mode: int = 0o600) -> None:
     """The logins of Prometheus (people, Grafana, its own scrape) and the Pushgateway (the steps
-    push, Prometheus scrapes), as the two servers read them. ``mode`` 0644 in docker-compose.yaml,
-    where Prometheus runs as another user than the one-shot that writes them (the volume holding
-    them is mounted by those two services only)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    files = {PROMETHEUS_WEB: web_config(PROMETHEUS_USER, prometheus_password),
-             PUSHGATEWAY_WEB: web_config(PUSHGATEWAY_USER, pushgateway_password),
-             PROMETHEUS_PASSWORD_FILE: prometheus_password, PUSHGATEWAY_PASSWORD_FILE: pushgateway_password}
-    for name, text in files.items():
-        write_private(folder / name, text)
-        os.chmod(folder / name, mode)
+    push, Prometheus scrapes), as each server reads them from its folder: Prometheus' holds its
+    web config and both passwords it scrapes with, the Pushgateway's only its own web config and
+    password (one folder locally). ``mode`` 0644 in docker-compose.yaml, where the servers run as
+    another user than the one-shot that writes them (each folder is a volume only its server
+    mounts)."""
+    hashed_prometheus = web_config(PROMETHEUS_USER, prometheus_password)
+    hashed_pushgateway = web_config(PUSHGATEWAY_USER, pushgateway_password)
+    for folder, files in ((prometheus_dir, {PROMETHEUS_WEB: hashed_prometheus, PROMETHEUS_PASSWORD_FILE: prometheus_password,
+                                            PUSHGATEWAY_PASSWORD_FILE: pushgateway_password}),
+                          (pushgateway_dir, {PUSHGATEWAY_WEB: hashed_pushgateway,
+                                             PUSHGATEWAY_PASSWORD_FILE: pushgateway_password})):
+        for name, text in files.items():
+            write_private(folder / name, text, mode)
 
 
 def _metrics_auth_dir() -> Path:
     """The local stack's logins, written again at each start from its secrets (both servers read
     their web config at each request: replacing it with the same passwords changes nothing)."""
     folder = state_dir() / "metrics-auth"
-    write_metrics_auth(folder, _secret("prometheus_admin"), _secret("pushgateway_pipeline"))
+    write_metrics_auth(folder, folder, _secret("prometheus_admin"), _secret("pushgateway_pipeline"))
     return folder
 
 

@@ -68,6 +68,9 @@ def stack_env() -> Iterator[dict[str, str]]:
         proc = run_module("stack", "up")
         assert proc.returncode == 0, proc.stderr[-3000:]
         client = dict(line.split("=", 1) for line in (stack_dir / "stack.env").read_text().splitlines() if line)
+        # and people's logins (Prometheus), which the steps' stack.env leaves out
+        printed = run_module("stack", "env").stdout.splitlines()
+        client.update(line.removeprefix("export ").split("=", 1) for line in printed if line.startswith("export "))
         os.environ.update(client)
         yield {**env, **client}
     finally:

@@ -109,7 +109,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 def use_bf16(device: torch.device, precision: str = "auto") -> bool:
     """Whether the step computes in bf16 autocast (train.precision; weights, gradients and the
     optimizer state stay fp32). auto: on CUDA GPUs with bf16. On CPUs only when asked: AVX2 CPUs
-    run bf16 ~19x slower than fp32, those with AMX 1.2-2x faster (cpu-tiny, cpu-small: README), and auto
+    run bf16 ~19x slower than fp32, those with AMX 1.2-2x faster (cpu-tiny, cpu-small: docs/benchmarks.md), and auto
     keeps a run's numbers from depending on the CPU model its pod lands on."""
     if precision == "auto":
         return device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -239,7 +239,7 @@ def reshard_after_forward(setting: bool | str, device: torch.device, blocks: int
     holds the unsharded weights through the step (gradients and optimizer state stay sharded).
     auto: on GPUs every block but the last, whose weights the backward needs first (torchtitan's
     default; NCCL overlaps the gathers with compute); on CPUs none: gloo's all-gathers run on the
-    critical path (benchmarks/train.py, see README)."""
+    critical path (benchmarks/train.py, docs/benchmarks.md)."""
     if setting == "auto":
         return [device.type == "cuda" and i < blocks - 1 for i in range(blocks)]
     return [bool(setting)] * blocks

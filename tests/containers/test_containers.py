@@ -211,9 +211,9 @@ def test_compose_prometheus_is_the_local_config_by_service_name(tmp_path: Path) 
     assert committed == prometheus_config(targets, "/etc/prometheus/alerts.yml", "/etc/prometheus/auth")
     mounts = load_compose()["services"]["prometheus"]["volumes"]
     assert "./observability/alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
-    assert "metrics-auth:/etc/prometheus/auth:ro" in mounts
+    assert "metrics-auth-prometheus:/etc/prometheus/auth:ro" in mounts
     # the same config, its rule file and logins where promtool can read them
-    write_metrics_auth(tmp_path / "auth", "p1", "p2")
+    write_metrics_auth(tmp_path / "auth", tmp_path / "auth", "p1", "p2")
     local = tmp_path / "prometheus.yml"
     local.write_text(yaml.safe_dump(prometheus_config(targets, str(REPO_ROOT / "observability" / "alerts.yml"),
                                                       str(tmp_path / "auth"))))
@@ -258,8 +258,14 @@ def test_compose_metrics_logins_are_written_by_a_one_shot_the_servers_read(tmp_p
 
     services = load_compose()["services"]
     one_shot = services["metrics-auth"]
-    folder = one_shot["volumes"][0].split(":")[1]
-    assert one_shot["entrypoint"][-2:] == ["metrics-auth", folder]
+    assert one_shot["entrypoint"][-2:] == ["metrics-auth", "/metrics-auth"]
+    # a volume per server, each mounted by its server alone: the Pushgateway never holds Prometheus' password
+    assert sorted(one_shot["volumes"]) == ["metrics-auth-prometheus:/metrics-auth/prometheus",
+                                           "metrics-auth-pushgateway:/metrics-auth/pushgateway"]
+    for volume in ("metrics-auth-prometheus", "metrics-auth-pushgateway"):
+        mounted_by = {name for name, service in services.items()
+                      if any(str(m).startswith(f"{volume}:") for m in service.get("volumes", []))}
+        assert mounted_by == {"metrics-auth", volume.removeprefix("metrics-auth-")}, (volume, mounted_by)
     assert f"--web.config.file=/etc/pushgateway/auth/{PUSHGATEWAY_WEB}" in services["pushgateway"]["command"]
     # each run's figures kept across restarts, on a volume where the image's user may write
     assert "--persistence.file=/pushgateway/metrics.data" in services["pushgateway"]["command"]
@@ -278,15 +284,18 @@ def test_compose_metrics_logins_are_written_by_a_one_shot_the_servers_read(tmp_p
     run = [sys.executable, "-m", "stack", "metrics-auth", str(out)]
     missing = subprocess.run(run, cwd=REPO_ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "PROMETHEUS_PASSWORD" in missing.stderr
+    assert not out.exists()  # nothing half-written
     written = subprocess.run(run, cwd=REPO_ROOT, capture_output=True, text=True,
                              env={"PATH": "/usr/bin:/bin", "PROMETHEUS_PASSWORD": "prom-pw", "PUSHGATEWAY_PASSWORD": "push-pw"})
     assert written.returncode == 0, written.stderr
-    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
-        name: 0o644 for name in (PROMETHEUS_WEB, PUSHGATEWAY_WEB, PROMETHEUS_PASSWORD_FILE, PUSHGATEWAY_PASSWORD_FILE)}
-    for web in (PROMETHEUS_WEB, PUSHGATEWAY_WEB):
+    modes = {str(p.relative_to(out)): p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
+    assert modes == {f"prometheus/{PROMETHEUS_WEB}": 0o644, f"prometheus/{PROMETHEUS_PASSWORD_FILE}": 0o644,
+                     f"prometheus/{PUSHGATEWAY_PASSWORD_FILE}": 0o644, f"pushgateway/{PUSHGATEWAY_WEB}": 0o644,
+                     f"pushgateway/{PUSHGATEWAY_PASSWORD_FILE}": 0o644}
+    for web in (f"prometheus/{PROMETHEUS_WEB}", f"pushgateway/{PUSHGATEWAY_WEB}"):
         checked = subprocess.run(["promtool", "check", "web-config", str(out / web)], capture_output=True, text=True)
         assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert (out / PUSHGATEWAY_PASSWORD_FILE).read_text() == "push-pw"
+    assert (out / "pushgateway" / PUSHGATEWAY_PASSWORD_FILE).read_text() == "push-pw"
 
     import socket
     import urllib.error
@@ -296,7 +305,7 @@ def test_compose_metrics_logins_are_written_by_a_one_shot_the_servers_read(tmp_p
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     gateway = subprocess.Popen(["prometheus-pushgateway", f"--web.listen-address=127.0.0.1:{port}",
-                                f"--web.config.file={out / PUSHGATEWAY_WEB}", "--persistence.file="],
+                                f"--web.config.file={out / 'pushgateway' / PUSHGATEWAY_WEB}", "--persistence.file="],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def status(headers: dict[str, str]) -> int | None:

@@ -91,6 +91,11 @@ def test_a_result_read_draws_its_edge() -> None:
     assert reader.upstream_task_ids == {"first", "second"}
     assert [type(a) for a in reader.arguments] == [str] * 4
     assert reader.arguments[3] == "k={{ ti.xcom_pull(task_ids='second')['a']['b'] }}"
+    # formatted into a plain string the result would lose its edge: refused when the DAG is built
+    with DAG(dag_id="lost", schedule=None):
+        first = step("first", "tasks.validate", [])
+        with pytest.raises(ValueError, match="reads first's result without its edge"):
+            step("reader", "tasks.validate", ["--x", f"k={result(first, 'uri')}"])
 
 
 def test_every_steps_arguments_parse_with_its_module(dag: Any) -> None:

@@ -15,6 +15,7 @@ from helpers import REPO_ROOT
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 TOP_DIRS = ("dags", "plugins", "tasks", "stack", "observability", "containers", "benchmarks", "tests", "docs",
             "requirements")
+TOP_FILES = ("params.yaml", "docker-compose.yaml", "dvc.yaml", "airflow.cfg", "pyproject.toml", ".ci/run")
 
 
 def prose(page: Path) -> str:
@@ -48,7 +49,7 @@ def test_every_repository_path_the_docs_name_exists() -> None:
     """A backticked path under one of the tree's folders (`tasks/lib/step.py`, `observability/`):
     a renamed file leaves no stale name behind. Placeholders (`<step>`, `*`) are skipped."""
     missing, named = [], 0
-    pattern = re.compile(r"`((?:" + "|".join(TOP_DIRS) + r")/[\w./-]*)`")
+    pattern = re.compile(r"`((?:" + "|".join(TOP_DIRS) + r")/[\w./-]*|" + "|".join(map(re.escape, TOP_FILES)) + ")`")
     for page in PAGES:
         for path in pattern.findall(page.read_text()):
             named += 1

@@ -4,6 +4,7 @@ session."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -198,6 +199,7 @@ def test_a_pushgateway_started_without_a_login_is_replaced_by_up(stack_env: dict
     old = subprocess.Popen([_debian_bin("prometheus-pushgateway"), f"--web.listen-address={url.split('//')[1]}",
                             "--persistence.file="],  # memory only: not the machine's shared file
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    threading.Thread(target=old.wait, daemon=True).start()  # reaped once stopped: up sees it gone at once
     gateway.pid_file.write_text(str(old.pid))
     try:
         for _ in range(100):  # listening, anonymous reads answered
@@ -241,3 +243,15 @@ def test_the_pushgateway_keeps_runs_across_a_restart_in_the_stacks_own_folder(st
     with urllib.request.urlopen(request, timeout=10) as resp:
         groups = [group["labels"] for group in json.loads(resp.read())["data"]]
     assert {"dag_id": "llm_retrain", "job": "llm_pipeline", "run_id": run_id} in groups
+
+
+def test_the_steps_get_no_prometheus_login(stack_env: dict[str, str]) -> None:
+    """stack.env (what `make pipeline` gives Airflow and its steps) and Airflow's own environment
+    hold the Pushgateway's login but not Prometheus' (people's: `python -m stack env`)."""
+    from stack.servers import PEOPLE_ONLY, _airflow_env
+
+    steps = dict(line.split("=", 1) for line in (Path(stack_env["STACK_DIR"]) / "stack.env").read_text().splitlines())
+    assert "PUSHGATEWAY_PASSWORD" in steps and not PEOPLE_ONLY & set(steps)
+    assert "PUSHGATEWAY_PASSWORD" in _airflow_env() and not PEOPLE_ONLY & set(_airflow_env())
+    printed = run_module("stack", "env").stdout
+    assert all(f"export {key}=" in printed for key in PEOPLE_ONLY)

@@ -154,7 +154,12 @@ def test_a_full_queue_refuses_at_once_and_memory_stays_bounded(exported: tuple[G
         engine.stop()
 
 
-def test_a_cancelled_request_frees_its_slot(exported: tuple[GPT, Any, Path]) -> None:
+def test_a_cancelled_request_frees_its_slot(exported: tuple[GPT, Any, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from tasks.triton_models.llm_generate import engine as engine_module
+
+    # the client is asked at every step here (every 50 ms in service: the tiny model would
+    # finish its tokens before a second ask)
+    monkeypatch.setattr(engine_module, "CANCEL_CHECK_S", 0.0)
     _, tokenizer, _ = exported
     engine = engine_of(exported, slots=1)
     ids = prompt_ids(tokenizer, "Return the")
@@ -230,6 +235,29 @@ def test_incremental_deltas_add_up_to_the_whole_decode() -> None:
         detok = Detokenizer(ByteTokenizer(), ())
         shown = "".join(detok.add(byte)[0] for byte in data) + detok.flush()
         assert shown == data.decode("utf-8", errors="replace"), (trial, data)
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "metaspace"])
+def test_incremental_deltas_match_decoders_that_read_the_previous_piece(kind: str) -> None:
+    """An operator may bring any tokenizer.json (the tokenizer_uri Param): decoders whose piece
+    depends on the one before (WordPiece's ``##``, Metaspace's word-leading space) give the whole
+    decode's text too."""
+    from tokenizers import Tokenizer, decoders, models
+
+    words = ["the", "##n", "hello", "##lo", "wor", "##ld", "é", "##s"]
+    if kind == "wordpiece":
+        tokenizer = Tokenizer(models.WordPiece({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+        tokenizer.decoder = decoders.WordPiece()
+    else:
+        pieces = ["▁the", "n", "▁hello", "lo", "▁wor", "ld", "▁é", "s"]
+        tokenizer = Tokenizer(models.BPE({w: i for i, w in enumerate(["<unk>", *pieces])}, merges=[]))
+        tokenizer.decoder = decoders.Metaspace()
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        ids = [int(i) for i in rng.integers(1, len(words) + 1, size=int(rng.integers(1, 20)))]
+        detok = Detokenizer(tokenizer, ())
+        shown = "".join(detok.add(i)[0] for i in ids) + detok.flush()
+        assert shown == tokenizer.decode(ids), ids
 
 
 def test_greedy_sampling_is_argmax_and_top_k_one_is_greedy() -> None:

@@ -192,25 +192,32 @@ class KVDecoder:
 
 class Detokenizer:
     """Token ids to text deltas: none ends inside a UTF-8 character or may be cut by a stop string.
-    Incremental (vLLM's read offset): a token decodes only the ids since the last whole
-    character, not the whole sequence again (that cost grew with the sequence, per token)."""
+    Incremental (vLLM's prefix and read offsets): a token decodes a short window of ids, not the
+    whole sequence again (that cost grew with the sequence, per token). The window starts one
+    committed step back, so decoders that change a piece by what precedes it (a word's leading
+    space in SentencePiece's Metaspace, WordPiece's ``##``) give the text a whole decode gives."""
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
         self.tokenizer, self.stops = tokenizer, stops
         self.ids: list[int] = []
-        self.text = ""  # ids[:read] decoded: whole characters (a byte-level split there decodes alike)
-        self.read = 0
+        self.text = ""  # the text of ids[:read], whole characters
+        self.prefix = self.read = 0  # the window: ids[prefix:], of which ids[prefix:read] are in text
         self.sent = 0  # characters of the text already emitted
         self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def pending(self) -> str:
+        """The text the ids after ``read`` add to ``text``."""
+        window = self.tokenizer.decode(self.ids[self.prefix:])
+        return window[len(self.tokenizer.decode(self.ids[self.prefix:self.read])):]
 
     def add(self, token: int) -> tuple[str, bool]:
         """The text now safe to emit, and whether a stop string ended the text."""
         self.ids.append(token)
-        pending = self.tokenizer.decode(self.ids[self.read:])
+        pending = self.pending()
         text = self.text + pending
-        whole = not pending.endswith(REPLACEMENT)  # else inside a UTF-8 character: wait for its end
+        whole = bool(pending) and not pending.endswith(REPLACEMENT)  # else inside a UTF-8 character
         if whole:
-            self.text, self.read = text, len(self.ids)
+            self.text, self.prefix, self.read = text, self.read, len(self.ids)
         for stop in self.stops:
             at = text.find(stop, max(0, self.sent - len(stop)))
             if at >= 0:
@@ -226,7 +233,7 @@ class Detokenizer:
     def flush(self, text: str | None = None) -> str:
         """What is left to emit when the sequence ends."""
         if text is None:
-            text = self.text + self.tokenizer.decode(self.ids[self.read:])
+            text = self.text + self.pending()
         delta, self.sent = text[self.sent:], max(self.sent, len(text))
         return delta
 
@@ -459,14 +466,15 @@ class Engine:
         the request timeout."""
         now = time.monotonic()
         for sequence in list(self.running.values()):
-            if now > sequence.deadline:
-                self.finish(sequence, "timeout")
-            elif now - sequence.cancel_checked_at >= CANCEL_CHECK_S:
+            if now - sequence.cancel_checked_at >= CANCEL_CHECK_S:
                 sequence.cancel_checked_at = now
                 if sequence.cancelled():
                     self.stats.cancelled += 1
                     self.release(sequence, "cancelled")
                     self.deliver(sequence, "", "cancelled")
+                    continue
+            if now > sequence.deadline:
+                self.finish(sequence, "timeout")
 
 
 def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 60.0) -> Sequence:
