@@ -25,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FORMAT_VERSION = 2  # 1: the gpt-v1 layout (no format_version recorded); 2: Llama layout
+# 1: the gpt-v1 layout (no format_version recorded); 2: Llama layout. Each format's saved form is
+# frozen in tests/tasks/saved_formats: changing what is saved means a new version, and
+# GPTConfig.from_saved reading the previous ones
+FORMAT_VERSION = 2
 LAYOUTS = ("llama", "gpt-v1")
 
 

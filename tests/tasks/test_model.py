@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -242,3 +243,49 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients() -> None:
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
     for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+SAVED_FORMATS = Path(__file__).parent / "saved_formats"
+
+
+def saved_format(version: int) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((SAVED_FORMATS / f"format-{version}.json").read_text())
+    return loaded
+
+
+@pytest.mark.parametrize("version", range(1, FORMAT_VERSION + 1))
+def test_a_model_saved_in_each_known_format_still_loads(version: int, tmp_path: Path) -> None:
+    """Frozen on-disk forms (tests/tasks/saved_formats: config.json as saved, the stored tensors'
+    names and shapes): next month's code must load this month's champion."""
+    from safetensors.torch import save_file
+
+    from tasks.lib.model_store import load_model_files
+
+    frozen = saved_format(version)
+    generator = torch.Generator().manual_seed(version)
+    save_file({name: torch.randn(shape, generator=generator) for name, shape in frozen["tensors"].items()},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(frozen["description"]))
+    model = load_model_files(tmp_path / "config.json", tmp_path / "model.safetensors", f"format {version}").model
+    vocab, context = frozen["description"]["config"]["vocab_size"], frozen["description"]["config"]["seq_len"]
+    logits = model(torch.randint(0, vocab, (2, context)))
+    assert logits.shape == (2, context, vocab) and bool(torch.isfinite(logits).all())
+
+
+def test_todays_saved_form_is_the_newest_frozen_format(tmp_path: Path) -> None:
+    """What today's code saves is exactly the newest frozen format: a renamed field or tensor
+    fails here until FORMAT_VERSION is bumped, GPTConfig.from_saved reads the previous format,
+    and tests/tasks/saved_formats/format-<new>.json freezes the new one."""
+    from safetensors import safe_open
+
+    from tasks.lib.model_store import save_model_files
+
+    frozen = saved_format(FORMAT_VERSION)
+    config = GPTConfig(**frozen["description"]["config"])
+    save_model_files(GPT(config).state_dict(), frozen["description"], tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
+        tensors = {name: list(stored.get_slice(name).get_shape()) for name in stored.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    changed = "the saved format changed: bump FORMAT_VERSION, read the old one in GPTConfig.from_saved, freeze the new"
+    assert tensors == frozen["tensors"], changed
+    assert config.to_dict() == frozen["description"]["config"], changed
+    assert not (SAVED_FORMATS / f"format-{FORMAT_VERSION + 1}.json").exists()
