@@ -37,10 +37,6 @@ import numpy as np
 
 EOS = "<|endoftext|>"
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
-# How often a running request's client is asked whether it went away: in Triton each ask is a
-# call from the model's process to the server's, and asking every sequence at every step put
-# one such call per token per stream on the engine's thread
-CANCEL_CHECK_S = 0.05
 
 
 class RequestError(ValueError):
@@ -254,7 +250,6 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
-    cancel_checked_at: float = 0.0
     finish_reason: str | None = None
 
 
@@ -462,18 +457,14 @@ class Engine:
             self.deliver(sequence, message, "error")
 
     def drop_abandoned(self) -> None:
-        """Free the slots of clients that went away (asked every CANCEL_CHECK_S) or waited past
-        the request timeout."""
+        """Free the slots of clients that went away or waited past the request timeout."""
         now = time.monotonic()
         for sequence in list(self.running.values()):
-            if now - sequence.cancel_checked_at >= CANCEL_CHECK_S:
-                sequence.cancel_checked_at = now
-                if sequence.cancelled():
-                    self.stats.cancelled += 1
-                    self.release(sequence, "cancelled")
-                    self.deliver(sequence, "", "cancelled")
-                    continue
-            if now > sequence.deadline:
+            if sequence.cancelled():
+                self.stats.cancelled += 1
+                self.release(sequence, "cancelled")
+                self.deliver(sequence, "", "cancelled")
+            elif now > sequence.deadline:
                 self.finish(sequence, "timeout")
 
 
