@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import base64
 import configparser
 import contextlib
 import fcntl
+import functools
 import io
 import json
 import os
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tasks.lib.metrics import basic_auth
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUCKETS = ("pipeline", "raw", "dvc", "mlflow")
@@ -239,12 +241,6 @@ def _group_alive(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
-
-
-def basic_auth(username: str, password: str) -> dict[str, str]:
-    """The ``Authorization`` header of an HTTP basic-auth login."""
-    token = base64.b64encode(f"{username}:{password}".encode()).decode()
-    return {"Authorization": f"Basic {token}"}
 
 
 def _http_ok(url: str, headers: Mapping[str, str] | None = None) -> bool:
@@ -639,7 +635,13 @@ def write_metrics_auth(prometheus_dir: Path, pushgateway_dir: Path, prometheus_p
 def _metrics_auth_dir() -> Path:
     """The local stack's logins, written again at each start from its secrets (both servers read
     their web config at each request: replacing it with the same passwords changes nothing)."""
-    folder = state_dir() / "metrics-auth"
+    return _write_local_metrics_auth(state_dir() / "metrics-auth")
+
+
+@functools.cache
+def _write_local_metrics_auth(folder: Path) -> Path:
+    """Once per process and folder: the Pushgateway's command and Prometheus' config and command
+    all name it, and each write hashes both passwords with bcrypt."""
     write_metrics_auth(folder, folder, _secret("prometheus_admin"), _secret("pushgateway_pipeline"))
     return folder
 

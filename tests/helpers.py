@@ -71,12 +71,12 @@ def run_measuring_peak_rss(module: str, *args: str, peak: Path) -> subprocess.Co
 
 def mlflow_rest(path: str) -> Any:
     """GET an MLflow REST path as the pipeline's user (the server asks for a login), as JSON."""
-    import base64
     import urllib.request
 
-    login = f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ['MLFLOW_TRACKING_PASSWORD']}"
-    request = urllib.request.Request(f"{os.environ['MLFLOW_TRACKING_URI']}{path}",
-                                     headers={"Authorization": "Basic " + base64.b64encode(login.encode()).decode()})
+    from tasks.lib.metrics import basic_auth
+
+    request = urllib.request.Request(f"{os.environ['MLFLOW_TRACKING_URI']}{path}", headers=basic_auth(
+        os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]))
     with urllib.request.urlopen(request, timeout=10) as resp:
         return json.loads(resp.read())
 
@@ -84,14 +84,14 @@ def mlflow_rest(path: str) -> Any:
 def prometheus_query(expr: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Prometheus' answer to ``expr`` (its ``/api/v1/query`` JSON), asked with the stack's login
     (``PROMETHEUS_URL`` / ``_USERNAME`` / ``_PASSWORD`` of ``env``, default this process's)."""
-    import base64
     import urllib.parse
     import urllib.request
 
+    from tasks.lib.metrics import basic_auth
+
     env = env or dict(os.environ)
-    login = f"{env['PROMETHEUS_USERNAME']}:{env['PROMETHEUS_PASSWORD']}"
     request = urllib.request.Request(f"{env['PROMETHEUS_URL']}/api/v1/query?{urllib.parse.urlencode({'query': expr})}",
-                                     headers={"Authorization": "Basic " + base64.b64encode(login.encode()).decode()})
+                                     headers=basic_auth(env["PROMETHEUS_USERNAME"], env["PROMETHEUS_PASSWORD"]))
     with urllib.request.urlopen(request, timeout=10) as resp:
         loaded: dict[str, Any] = json.loads(resp.read())
     return loaded

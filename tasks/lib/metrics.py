@@ -45,6 +45,13 @@ def group_path(grouping: Mapping[str, str]) -> str:
     return "".join(parts)
 
 
+def basic_auth(username: str, password: str) -> dict[str, str]:
+    """The ``Authorization`` header of an HTTP basic-auth login (the Pushgateway's, Prometheus',
+    MLflow's)."""
+    token = base64.b64encode(f"{username}:{password}".encode()).decode()
+    return {"Authorization": f"Basic {token}"}
+
+
 def push(grouping: Mapping[str, str], figures: Mapping[str, float | None], help_texts: Mapping[str, str],
          env: Mapping[str, str] | None = None) -> bool:
     """Replace this group's metrics (HTTP PUT) on the Pushgateway at ``PUSHGATEWAY_URL`` of ``env``
@@ -56,8 +63,7 @@ def push(grouping: Mapping[str, str], figures: Mapping[str, float | None], help_
         return False
     headers = {"Content-Type": "text/plain; version=0.0.4"}
     if env.get("PUSHGATEWAY_USERNAME"):
-        login = f"{env['PUSHGATEWAY_USERNAME']}:{env.get('PUSHGATEWAY_PASSWORD', '')}".encode()
-        headers["Authorization"] = f"Basic {base64.b64encode(login).decode()}"
+        headers.update(basic_auth(env["PUSHGATEWAY_USERNAME"], env.get("PUSHGATEWAY_PASSWORD", "")))
     request = urllib.request.Request(url + group_path(grouping), data=exposition(figures, help_texts).encode(),
                                      method="PUT", headers=headers)
     try:

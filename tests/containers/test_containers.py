@@ -18,6 +18,7 @@ import pytest
 import yaml
 from helpers import REPO_ROOT
 
+from tasks.lib import metrics
 from tasks.lib.params import load_params
 
 
@@ -253,7 +254,6 @@ def test_compose_metrics_logins_are_written_by_a_one_shot_the_servers_read(tmp_p
         PUSHGATEWAY_PASSWORD_FILE,
         PUSHGATEWAY_USER,
         PUSHGATEWAY_WEB,
-        basic_auth,
     )
 
     services = load_compose()["services"]
@@ -324,8 +324,8 @@ def test_compose_metrics_logins_are_written_by_a_one_shot_the_servers_read(tmp_p
         while status({}) is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert status({}) == 401
-        assert status(basic_auth(PUSHGATEWAY_USER, "wrong")) == 401
-        assert status(basic_auth(PUSHGATEWAY_USER, "push-pw")) == 200
+        assert status(metrics.basic_auth(PUSHGATEWAY_USER, "wrong")) == 401
+        assert status(metrics.basic_auth(PUSHGATEWAY_USER, "push-pw")) == 200
     finally:
         gateway.kill()
         gateway.wait()

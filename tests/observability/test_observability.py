@@ -118,9 +118,7 @@ def test_a_runs_figures_reach_prometheus_through_the_pushgateway(stack_env: dict
 
 
 def prometheus_login(env: dict[str, str]) -> dict[str, str]:
-    from stack.servers import basic_auth
-
-    return basic_auth(env["PROMETHEUS_USERNAME"], env["PROMETHEUS_PASSWORD"])
+    return metrics.basic_auth(env["PROMETHEUS_USERNAME"], env["PROMETHEUS_PASSWORD"])
 
 
 def http_status(url: str, method: str = "GET", data: bytes | None = None, headers: dict[str, str] | None = None) -> int:
@@ -140,7 +138,7 @@ def test_prometheus_and_the_pushgateway_ask_for_their_logins(stack_env: dict[str
     prometheus, gateway = stack_env["PROMETHEUS_URL"], stack_env["PUSHGATEWAY_URL"]
     query = f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': 'up'})}"
     assert http_status(query) == 401 and http_status(f"{prometheus}/-/ready") == 401
-    assert http_status(query, headers={"Authorization": "Basic " + base64.b64encode(b"admin:wrong").decode()}) == 401
+    assert http_status(query, headers=metrics.basic_auth("admin", "wrong")) == 401
     assert http_status(query, headers=prometheus_login(stack_env)) == 200
     # the Pushgateway: reading and pushing
     forged = f"{gateway}{metrics.group_path({'dag_id': 'llm_retrain', 'run_id': 'forged'})}"
@@ -150,9 +148,7 @@ def test_prometheus_and_the_pushgateway_ask_for_their_logins(stack_env: dict[str
     assert metrics.push({"dag_id": "llm_retrain", "run_id": "forged"}, {"llm_pipeline_run_success": 0.0}, {}, wrong) is False
     # both scrapes (with the logins) are up, and nothing was pushed by the refused attempts
     assert eventually_value(stack_env, 'sum(up{job=~"prometheus|pushgateway"})', 2.0) == 2.0
-    from stack.servers import basic_auth
-
-    request = urllib.request.Request(f"{gateway}/api/v1/metrics", headers=basic_auth(
+    request = urllib.request.Request(f"{gateway}/api/v1/metrics", headers=metrics.basic_auth(
         stack_env["PUSHGATEWAY_USERNAME"], stack_env["PUSHGATEWAY_PASSWORD"]))
     with urllib.request.urlopen(request, timeout=10) as resp:
         groups = [group["labels"] for group in json.loads(resp.read())["data"]]

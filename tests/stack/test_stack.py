@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import run_module
 
-from tasks.lib import storage
+from tasks.lib import metrics, storage
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +94,6 @@ def test_mlflow_asks_for_a_login_and_the_pipeline_writes_only_what_it_manages(
     """MLflow's basic-auth app: no login or a wrong password is a 401 (nothing registered, no
     alias moved); the pipeline's user reads everything, writes what it created (its experiments
     and models), and gets a 403 on a model someone else (the admin) created."""
-    import base64
     import json
     import urllib.request
 
@@ -108,7 +107,7 @@ def test_mlflow_asks_for_a_login_and_the_pipeline_writes_only_what_it_manages(
     def status(path: str, login: tuple[str, str] | None, body: dict[str, str] | None = None) -> int:
         headers = {"Content-Type": "application/json"}
         if login:
-            headers["Authorization"] = "Basic " + base64.b64encode(":".join(login).encode()).decode()
+            headers.update(metrics.basic_auth(*login))
         request = urllib.request.Request(uri + path, data=json.dumps(body).encode() if body else None, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=10) as resp:
@@ -226,8 +225,7 @@ def test_the_pushgateway_keeps_runs_across_a_restart_in_the_stacks_own_folder(st
     import json
     import urllib.request
 
-    from stack.servers import SERVERS, basic_auth
-    from tasks.lib import metrics
+    from stack.servers import SERVERS
 
     run_id = f"manual__{time.time_ns()}"
     assert metrics.push({"dag_id": "llm_retrain", "run_id": run_id}, {"llm_pipeline_run_success": 1.0}, {})
@@ -238,7 +236,7 @@ def test_the_pushgateway_keeps_runs_across_a_restart_in_the_stacks_own_folder(st
     proc = run_module("stack", "up")
     assert proc.returncode == 0, proc.stderr
     request = urllib.request.Request(f"{stack_env['PUSHGATEWAY_URL']}/api/v1/metrics",
-                                     headers=basic_auth(stack_env["PUSHGATEWAY_USERNAME"],
+                                     headers=metrics.basic_auth(stack_env["PUSHGATEWAY_USERNAME"],
                                                         stack_env["PUSHGATEWAY_PASSWORD"]))
     with urllib.request.urlopen(request, timeout=10) as resp:
         groups = [group["labels"] for group in json.loads(resp.read())["data"]]
