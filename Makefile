@@ -25,11 +25,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env up down status pipeline report predict repro test test-unit lint benchmark clean
+.PHONY: help env up down status pipeline report predict repro test test-fast config-docs lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (embedded default)"
-	@echo "make test       set up and run the whole test suite"
+	@echo "make test       set up and run the whole test suite (make test-fast first)"
+	@echo "make test-fast  the tests that start no server and no torchrun (a minute or two)"
 	@echo "make report     the newest run's summary (report.json, report.html: paths printed)"
 	@echo "make predict PROMPT=...   a completion from the serving model, through the router"
 	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow) and the Airflow UI"
@@ -148,13 +149,23 @@ repro: env
 
 # Both environments run their half of the suite: tasks/ and the stack in the runtime env,
 # dags/ and plugins/ (including the end-to-end DAG run) in the orchestrator env.
-test: env
-	$(RT_PY) -m pytest tests/tasks tests/stack tests/containers tests/observability tests/docs
-	$(ORCH_PY) -m pytest tests/dags tests/plugins
+# test-fast first (no servers, no torchrun: the typed settings, the in-process Trainer, the DAG's
+# structure, the pure functions), then what starts servers or torchrun agents.
+RT_TESTS := tests/tasks tests/stack tests/containers tests/observability tests/docs
+ORCH_TESTS := tests/dags tests/plugins
+FAST := not integration and not torchrun
 
-test-unit: env
-	$(RT_PY) -m pytest -m "not integration" tests/tasks tests/stack tests/containers tests/observability tests/docs
-	$(ORCH_PY) -m pytest -m "not integration" tests/dags tests/plugins
+test: test-fast
+	$(RT_PY) -m pytest -m "not ($(FAST))" $(RT_TESTS)
+	$(ORCH_PY) -m pytest -m "not ($(FAST))" $(ORCH_TESTS)
+
+test-fast: env
+	$(RT_PY) -m pytest -m "$(FAST)" $(RT_TESTS)
+	$(ORCH_PY) -m pytest -m "$(FAST)" $(ORCH_TESTS)
+
+# docs/configuration.md's reference, generated from tasks/config.py's dataclasses
+config-docs: env
+	$(RT_PY) -m tasks.config --update-docs docs/configuration.md
 
 lint: env
 	$(ORCH)/bin/ruff check .
@@ -164,6 +175,7 @@ lint: env
 benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) benchmarks/tokenization.py
+	$(STACK_ENV) && $(RT_PY) benchmarks/storage.py
 	$(RT_PY) benchmarks/train.py
 	$(RT_PY) benchmarks/fsdp_units.py
 	$(RT_PY) benchmarks/serve.py

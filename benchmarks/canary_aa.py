@@ -23,6 +23,7 @@ Per rollout: the verdict, the step and check it failed at, and per step how many
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -36,7 +37,7 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 from serve import benchmark_stack, make_tokenizer_and_eval_text, register, run_module, run_step  # noqa: E402
 
-from tasks.lib.params import load_params  # noqa: E402
+from tasks.lib.params import load_settings  # noqa: E402
 
 
 def register_copy(name: str, version: str) -> str:
@@ -96,14 +97,15 @@ def main() -> None:
     parser.add_argument("--bad-rollouts", type=int, default=3, help="rollouts of each bad version")
     parser.add_argument("--output", type=Path, help="write every rollout's figures here (JSON)")
     args = parser.parse_args()
-    settings = load_params()
-    preset, vocab = settings["train"]["presets"]["cpu-tiny"], settings["tokenize"]["vocab_size"]
+    settings = load_settings()
+    preset, vocab = settings.train.presets["cpu-tiny"], settings.tokenize.vocab_size
     results: list[dict[str, Any]] = []
     with benchmark_stack(settings, "bench-canary-aa") as (folder, env, name):
         tokenizer_uri, eval_text = make_tokenizer_and_eval_text(folder, vocab)
         champion = register(name, tokenizer_uri, 1, preset, vocab)
         versions = {"a": champion, "b": register_copy(name, champion), "wrong": register_copy(name, champion),
-                    "slow": register(name, tokenizer_uri, 4, {**preset, "d_model": 256, "n_layers": 8}, vocab),
+                    "slow": register(name, tokenizer_uri, 4, dataclasses.replace(preset, d_model=256, n_layers=8),
+                                     vocab),
                     "donor": register(name, tokenizer_uri, 2, preset, vocab, weight_scale=10)}
         exports = {k: folder / f"export-{k}" for k in versions}
         for kind, version in versions.items():
@@ -125,9 +127,10 @@ def main() -> None:
 
     if args.output:
         args.output.write_text(json.dumps(results, indent=1))
-    canary = settings["canary"]
-    print(f"\ncanary steps {canary['steps']}, {canary['step_duration_s']} s windows, latency_analyses "
-          f"{canary['latency_analyses']}; cpu-tiny GPT, 2 versions of equal weights served in turn")
+    canary_settings = settings.canary
+    print(f"\ncanary steps {list(canary_settings.steps)}, {canary_settings.step_duration_s:g} s windows, "
+          f"latency_analyses {canary_settings.latency_analyses}; cpu-tiny GPT, 2 versions of equal weights "
+          "served in turn")
     header = ("canary", "rollouts", "promoted", "rolled back", "one analysis would roll back", "max latency ratio",
               "max TTFT ratio", "max ITL ratio", "failed on")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))

@@ -9,7 +9,7 @@ rank 0's median forward, backward and optimizer-step times (where a layout's col
             slower rank costs by itself, without moving the weights and gradients
   ddp       DistributedDataParallel (one bucketed all-reduce)
   one unit  FSDP2, the whole model one unit: one all-gather and one reduce-scatter a step
-            (the CPU default, tasks.lib.parallel.per_block_units)
+            (the CPU default, tasks.train.engines.per_block_units)
   per block FSDP2, a unit per block and the root, weights kept for the backward (torchtitan's
             layout; the GPU default)
   one unit, AdamW loop   the one-unit layout with PyTorch's per-parameter AdamW loop instead
@@ -38,16 +38,17 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tasks.config import SettingsError, load  # noqa: E402
 from tasks.lib import parallel  # noqa: E402
 from tasks.lib.model import GPT  # noqa: E402
-from tasks.lib.params import step_params  # noqa: E402
 from tasks.lib.torchrun import preload_allocator  # noqa: E402
-from tasks.train import build_optimizer, loss_fn, model_config  # noqa: E402
+from tasks.train.engines import Engine, shard  # noqa: E402
+from tasks.train.trainer import build_optimizer, loss_fn, model_config  # noqa: E402
 
 VARIANTS = ("plain", "apart", "apart, synced", "ddp", "one unit", "per block", "one unit, AdamW loop")
 RANKS = 2  # the ranks of every distributed layout (train.nodes of the demo); each gets cpu_count // RANKS threads
 RUN_TIMEOUT_S = 600
-VOCAB = int(step_params("tokenize")["vocab_size"])  # the size of the pipeline's trained tokenizer
+VOCAB = load().tokenize.vocab_size  # the size of the pipeline's trained tokenizer
 
 
 def layout(model: torch.nn.Module, variant: str) -> torch.nn.Module:
@@ -57,7 +58,7 @@ def layout(model: torch.nn.Module, variant: str) -> torch.nn.Module:
         return DistributedDataParallel(model)
     if variant in ("one unit", "per block", "one unit, AdamW loop"):
         kept = [False] * len(model.blocks)  # type: ignore[arg-type]
-        return parallel.shard(model, kept, variant == "per block", torch.device("cpu"))  # fp32 weights on CPUs
+        return shard(model, kept, variant == "per block", torch.device("cpu"))  # fp32 weights on CPUs
     return model  # plain, apart
 
 
@@ -78,8 +79,7 @@ def timed_steps(variant: str, preset: str, micro_batch: int, steps: int, warmup:
     """Tokens/s of all ranks over ``steps`` steps after ``warmup``, timed by the slowest rank, and
     this rank's median forward, backward and optimizer-step milliseconds."""
     rank = dist.get_rank() if world > 1 else 0
-    params = step_params("train")
-    params["preset"] = preset
+    params = load(section="train", overrides=[f"preset={preset}"]).train
     config = model_config(params, VOCAB)
     torch.manual_seed(0)
     model = layout(GPT(config), variant)
@@ -87,7 +87,8 @@ def timed_steps(variant: str, preset: str, micro_batch: int, steps: int, warmup:
     if variant.endswith("AdamW loop"):
         for group in optimizer.param_groups:
             group["foreach"] = False
-    engine = parallel.Engine(variant, model, optimizer)
+    # the trainer's optimizer step (clipping, the update): the plain engine over the laid-out model
+    engine = Engine(model, params, parallel.Dist(rank, world, 0, torch.device("cpu")), lambda _: optimizer)
     tokens = torch.Generator().manual_seed(rank)
     phases: list[tuple[float, float, float]] = []
     for i in range(warmup + steps):
@@ -99,7 +100,7 @@ def timed_steps(variant: str, preset: str, micro_batch: int, steps: int, warmup:
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
-        engine.step(float(params["grad_clip"]))
+        engine.step(params.grad_clip)
         if variant == "apart, synced":  # timed with the optimizer step: its third phase holds the wait
             dist.all_reduce(torch.zeros(1))
         if i >= warmup:
@@ -144,14 +145,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    params = step_params("train")
-    preset = args.preset or params["preset"]
-    micro = args.micro_batch or int(params["micro_batch"])
+    try:
+        params = load(section="train", overrides=[f"preset={args.preset}"] if args.preset else []).train
+    except SettingsError as exc:
+        raise SystemExit(f"--preset: {exc}") from None
+    preset, micro = params.preset, args.micro_batch or params.micro_batch
     if args.worker:
         worker(args.worker, preset, micro, args.steps, args.warmup)
         return
-    if preset not in params["presets"]:
-        raise SystemExit(f"--preset {preset!r}: expected one of {', '.join(params['presets'])}")
     env = dict(os.environ)
     preload_allocator(env, on_gpu=False)
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
@@ -159,7 +160,7 @@ def main() -> None:
         for variant in VARIANTS:
             runs[variant].append(measure(variant, preset, micro, args.steps, args.warmup, env))
     plain = statistics.median(r["tokens_per_s"] for r in runs["plain"])
-    print(f"\npreset {preset}, global batch {RANKS * micro} x {params['presets'][preset]['seq_len']}, {args.steps} steps "
+    print(f"\npreset {preset}, global batch {RANKS * micro} x {params.model.seq_len}, {args.steps} steps "
           f"after {args.warmup}, {os.cpu_count()} CPUs, medians of {args.rounds} interleaved rounds")
     print(f"{'variant':<24}{'tokens/s':>10}{'ratio':>7}{'fwd ms':>8}{'bwd ms':>8}{'opt ms':>8}  {'each round':<30}")
     for variant, measured in runs.items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -39,8 +40,8 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from tasks.config import Preset, ServeSettings, Settings, load  # noqa: E402
 from tasks.lib import triton  # noqa: E402
-from tasks.lib.params import load_params  # noqa: E402
 
 PORT_OFFSET = 700  # apart from a dev stack (defaults) and the tests (+100)
 PORT_NAMES = ("s3", "seaweedfs_master", "seaweedfs_volume", "seaweedfs_filer", "mlflow", "airflow",
@@ -66,7 +67,7 @@ def run_step(module: str, *args: str, env: dict[str, str]) -> dict[str, Any]:
 
 
 def start_stack(folder: Path) -> dict[str, str]:
-    defaults = load_params()["stack"]["ports"]
+    defaults = load().stack.ports
     env = {**os.environ, "STACK_DIR": str(folder / "stack"), "DVC_REGISTRY_DIR": str(folder / "dvc"),
            **{f"STACK_PORT_{n.upper()}": str(defaults[n] + PORT_OFFSET) for n in PORT_NAMES}}
     proc = subprocess.run([sys.executable, "-m", "stack", "up"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
@@ -76,20 +77,21 @@ def start_stack(folder: Path) -> dict[str, str]:
     return {**env, **client}
 
 
-def start_benchmark_stack(folder: Path, settings: dict[str, Any], prefix: str) -> tuple[dict[str, str], str]:
+def start_benchmark_stack(folder: Path, settings: Settings, prefix: str) -> tuple[dict[str, str], str]:
     """The stack on the benchmark's ports, this process's environment pointed at it, and a params
     file (PIPELINE_PARAMS) naming a registered model of its own: ``(env, model name)``."""
     env = start_stack(folder)
     os.environ.update({k: v for k, v in env.items() if k.startswith(("MLFLOW", "AWS", "S3", "TRITON", "ROUTER"))})
     name = f"{prefix}-{time.time_ns()}"
     params = folder / "params.yaml"
-    params.write_text(json.dumps({**settings, "pipeline": {**settings["pipeline"], "model_name": name}}))
+    named = dataclasses.replace(settings, pipeline=dataclasses.replace(settings.pipeline, model_name=name))
+    params.write_text(json.dumps(dataclasses.asdict(named)))
     env["PIPELINE_PARAMS"] = os.environ["PIPELINE_PARAMS"] = str(params)
     return env, name
 
 
 @contextlib.contextmanager
-def benchmark_stack(settings: dict[str, Any], prefix: str) -> Iterator[tuple[Path, dict[str, str], str]]:
+def benchmark_stack(settings: Settings, prefix: str) -> Iterator[tuple[Path, dict[str, str], str]]:
     """A temporary folder, the stack in it (:func:`start_benchmark_stack`): ``(folder, env, model
     name)``; at the end the stack is stopped and the folder removed, also when it failed to start."""
     folder = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
@@ -116,7 +118,7 @@ def make_tokenizer_and_eval_text(folder: Path, vocab: int) -> tuple[str, Path]:
     return str(path), eval_text
 
 
-def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, Any], vocab: int,
+def register(name: str, tokenizer_uri: str, seed: int, preset: Preset, vocab: int,
              weight_scale: float = 1.0) -> str:
     """A random-weight GPT registered the way the register step does. ``weight_scale`` multiplies
     the blocks' matrices: at 1 the tied embedding dominates and greedy decoding repeats the
@@ -128,7 +130,7 @@ def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, Any], v
     from tasks.lib.model_store import log_model
 
     torch.manual_seed(seed)
-    config = GPTConfig(vocab_size=vocab, **preset)
+    config = GPTConfig(vocab_size=vocab, **dataclasses.asdict(preset))
     model = GPT(config).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
@@ -145,16 +147,17 @@ def register(name: str, tokenizer_uri: str, seed: int, preset: dict[str, Any], v
 
 
 def load_copy(client: triton.TritonClient, repository: Path, export: Path, version: str, name: str,
-              batching: bool, threads: int, serve: dict[str, Any]) -> None:
+              batching: bool, threads: int, serve: ServeSettings) -> None:
     """The exported logits model under another name, with or without dynamic batching."""
     target = repository / name / "1"
     shutil.rmtree(target.parent, ignore_errors=True)
-    shutil.copytree(export / "triton" / serve["triton_model"] / version, target)
-    config = triton.with_versions(triton.logits_model_config(name, "python", {**serve, "intra_op_threads": threads}), [1])
+    shutil.copytree(export / "triton" / serve.triton_model / version, target)
+    threaded = dataclasses.replace(serve, intra_op_threads=threads)
+    config = triton.with_versions(triton.logits_model_config(name, "python", threaded), [1])
     if not batching:
         config.pop("dynamic_batching")
     client.load(name, config)
-    client.wait_ready(name, [1], float(serve["load_timeout_s"]))
+    client.wait_ready(name, [1], serve.load_timeout_s)
 
 
 def throughput(url: str, model: str, ids: np.ndarray[Any, Any], concurrency: int, seconds: float) -> float:
@@ -242,10 +245,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=200, help="sequential requests per latency measurement")
     args = parser.parse_args()
-    settings = load_params()
-    serve = settings["serve"]
-    preset = settings["train"]["presets"]["cpu-tiny"]
-    vocab = settings["tokenize"]["vocab_size"]
+    settings = load()
+    serve = settings.serve
+    preset = settings.train.presets["cpu-tiny"]
+    vocab = settings.tokenize.vocab_size
     with benchmark_stack(settings, "bench-serve") as (folder, env, name):
         tokenizer_uri, eval_text = make_tokenizer_and_eval_text(folder, vocab)
         versions = [register(name, tokenizer_uri, seed, preset, vocab) for seed in (1, 2)]
@@ -257,7 +260,7 @@ def main() -> None:
         client = triton.TritonClient(env["TRITON_URL"])
         repository = Path(env["TRITON_REPOSITORY"])
         rng = np.random.default_rng(0)
-        window = rng.integers(0, vocab, size=(1, preset["seq_len"]), dtype=np.int64)
+        window = rng.integers(0, vocab, size=(1, preset.seq_len), dtype=np.int64)
         rates: dict[tuple[int, bool], float] = {}
         for threads in (1, 0):
             for batching in (False, True):
@@ -267,7 +270,7 @@ def main() -> None:
                 rates[threads, batching] = throughput(env["TRITON_URL"], model, window, args.concurrency, args.seconds)
                 if (threads, batching) != (1, False):  # kept for the latency comparison (one thread)
                     client.unload(model)
-        inputs = [rng.integers(0, vocab, size=(1, preset["seq_len"]), dtype=np.int64) for _ in range(args.requests)]
+        inputs = [rng.integers(0, vocab, size=(1, preset.seq_len), dtype=np.int64) for _ in range(args.requests)]
         latency = latencies(env["TRITON_URL"], "bench_t1_unbatched", name, versions[0], exports[0], inputs)
         client.unload("bench_t1_unbatched")
 
@@ -280,8 +283,8 @@ def main() -> None:
             decisions.append((version, result["verdict"], time.monotonic() - started,
                               [(s["weight"], s["seconds"]) for s in report["steps"]]))
 
-    print(f"\ncpu-tiny GPT ({preset['n_layers']} layers, d_model {preset['d_model']}, vocab {vocab}), "
-          f"batch-1 requests of {preset['seq_len']} tokens, {os.cpu_count()} CPUs")
+    print(f"\ncpu-tiny GPT ({preset.n_layers} layers, d_model {preset.d_model}, vocab {vocab}), "
+          f"batch-1 requests of {preset.seq_len} tokens, {os.cpu_count()} CPUs")
     print(f"\n{'throughput at concurrency ' + str(args.concurrency) + ' (1 instance)':<54}{'req/s':>10}"
           f"{'vs no batching':>16}")
     for threads in (1, 0):
@@ -294,7 +297,7 @@ def main() -> None:
     print(f"\n{'latency, ' + str(args.requests) + ' sequential requests':<54}{'p50 ms':>10}{'ratio':>8}")
     for label, ms in latency.items():
         print(f"{label:<54}{ms:>10.2f}{ms / eager:>8.2f}")
-    print(f"\n{'deploy (canary steps ' + str(settings['canary']['steps']) + ')':<54}{'seconds':>10}  verdict, traffic windows")
+    print(f"\n{'deploy (canary steps ' + str(list(settings.canary.steps)) + ')':<54}{'seconds':>10}  verdict, traffic windows")
     for version, verdict, seconds, steps in decisions:
         label = "first model (alone at 100%)" if version == versions[0] else "canary of a second model"
         windows = ", ".join(f"{w:g}%: {s:.1f}s" for w, s in steps)

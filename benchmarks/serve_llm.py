@@ -66,7 +66,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +76,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import PORT_OFFSET, benchmark_stack, make_tokenizer_and_eval_text, register, run_step
 
 from stack.servers import _terminate_groups as terminate_groups
+from tasks.config import REPO_ROOT, ServeSettings, load
 from tasks.lib import triton
-from tasks.lib.params import REPO_ROOT, load_params
 
 AIPERF = REPO_ROOT / ".venvs" / "aiperf" / "bin" / "aiperf"
 VLLM_PYTHON = REPO_ROOT / ".venvs" / "vllm" / "bin" / "python"
@@ -201,23 +201,23 @@ def served_name(url: str) -> str:
 # -- Triton: the engine, and today's loop beside its logits model --------------------------------
 
 
-def loop_model_config(name: str, logits_model: str, serve: Mapping[str, Any]) -> dict[str, Any]:
+def loop_model_config(name: str, logits_model: str, serve: ServeSettings) -> dict[str, Any]:
     """Today's engine as the pipeline served it (``serve.instances`` instances, greedy), with the
     new engine's generate-extension inputs and outputs (plus ``ignore_eos``), not decoupled."""
     config = triton.generate_model_config(name, serve)
     config.pop("model_transaction_policy")  # (generate_model_config declares ignore_eos already)
-    config["instance_group"] = [{"count": int(serve["instances"]), "kind": "KIND_CPU"}]
+    config["instance_group"] = [{"count": serve.instances, "kind": "KIND_CPU"}]
     config["parameters"] = {"logits_model": {"string_value": logits_model},
-                            "max_tokens": {"string_value": str(int(serve["generate"]["max_tokens"]))},
+                            "max_tokens": {"string_value": str(serve.generate.max_tokens)},
                             "top_k": {"string_value": "1"}}
     return config
 
 
-def load_models(client: triton.TritonClient, repository: Path, export: Path, version: str, serve: Mapping[str, Any],
+def load_models(client: triton.TritonClient, repository: Path, export: Path, version: str, serve: ServeSettings,
                 systems: list[str]) -> list[str]:
     """Load this version of the engine and/or the loop (with its logits model); returns the names."""
     v = int(version)
-    generate, logits = serve["generate_model"], serve["triton_model"]
+    generate, logits = serve.generate_model, serve.triton_model
     source = export / "triton" / generate / version
     configs: dict[str, dict[str, Any]] = {}
     if "engine" in systems:
@@ -234,7 +234,7 @@ def load_models(client: triton.TritonClient, repository: Path, export: Path, ver
         configs[LOOP_MODEL] = loop_model_config(LOOP_MODEL, logits, serve)
     for name, config in configs.items():
         client.load(name, triton.with_versions(config, [v]))
-        client.wait_ready(name, [v], float(serve["load_timeout_s"]))
+        client.wait_ready(name, [v], serve.load_timeout_s)
     return list(configs)
 
 
@@ -535,11 +535,11 @@ def main() -> None:
     if any(s in AIPERF_SYSTEMS for s in args.systems) and not AIPERF.exists():
         raise SystemExit(f"{AIPERF} is missing: make .venvs/aiperf/.installed")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # tear the stack down on a plain kill too
-    settings = load_params()
-    serve = settings["serve"]
-    vocab = settings["tokenize"]["vocab_size"]
-    presets = {w.preset: settings["train"]["presets"][w.preset] for w in (WORKLOADS[n] for n in args.workloads)}
-    ports = settings["stack"]["ports"]
+    settings = load()
+    serve = settings.serve
+    vocab = settings.tokenize.vocab_size
+    presets = {w.preset: settings.train.presets[w.preset] for w in (WORKLOADS[n] for n in args.workloads)}
+    ports = settings.stack.ports
     loop_port, vllm_port = ports["openai_api"] + PORT_OFFSET + 10, ports["openai_api"] + PORT_OFFSET + 20
     load_before = os.getloadavg()[0]  # other work on these 2 cores slows every figure: said in the header
     processes: list[subprocess.Popen[bytes]] = []
@@ -558,9 +558,9 @@ def main() -> None:
         loop_url = f"http://127.0.0.1:{loop_port}"
         if "baseline" in args.systems:  # a front of its own: the loop's model name, and time for its queue
             loop_params = folder / "params-loop.yaml"
-            generate = {**serve["generate"], "request_timeout_s": REQUEST_TIMEOUT_S}
-            loop_params.write_text(json.dumps({**settings, "serve": {**serve, "generate_model": LOOP_MODEL,
-                                                                     "generate": generate}}))
+            generate = replace(serve.generate, request_timeout_s=REQUEST_TIMEOUT_S)
+            loop_serve = replace(serve, generate_model=LOOP_MODEL, generate=generate)
+            loop_params.write_text(json.dumps(asdict(replace(settings, serve=loop_serve))))
             processes.append(start_front(loop_port, env["TRITON_URL"], loop_params, logs / "front-loop.log"))
 
         def measure(system: str, url: str, served: str, hf: Path, workload_name: str) -> None:
@@ -595,7 +595,7 @@ def main() -> None:
                 prompt = tok.decode(tok.encode(text, add_special_tokens=False).ids[:24])
                 max_tokens = max(WORKLOADS[n].osl for n in names)
                 memory_rows[preset] = memory(triton_pid, engine_url, served_name(engine_url), prompt, max_tokens,
-                                             int(serve["max_slots"]), args.burst)
+                                             serve.max_slots, args.burst)
             for workload_name in names:
                 for system, url in (("baseline", loop_url), ("engine", engine_url)):
                     if system in args.systems:
@@ -608,13 +608,13 @@ def main() -> None:
 
                 in_process["pytorch"] = pytorch_steps(load_version(name, version).model.eval())
             if "onnxruntime" in args.systems:
-                in_process["onnxruntime"] = onnxruntime_steps(export / "triton" / serve["generate_model"] / version)
+                in_process["onnxruntime"] = onnxruntime_steps(export / "triton" / serve.generate_model / version)
             for system, (prefill, decode) in in_process.items():
                 for workload_name in names:
                     rows[workload_name][system, 1] = timed_generation(prefill, decode, vocab, WORKLOADS[workload_name],
                                                                       args.request_count, args.runs)
             if "vllm" in args.systems:
-                proc, why = start_vllm(hf, "vllm-" + preset, int(shape["seq_len"]), vllm_port,
+                proc, why = start_vllm(hf, "vllm-" + preset, shape.seq_len, vllm_port,
                                        logs / f"vllm-{preset}.log")
                 vllm_status[preset] = why
                 if proc is not None:
@@ -631,7 +631,7 @@ def main() -> None:
           f"{load_before:.1f} before the run, {host['load_average_1min']:.1f} after")
     report: dict[str, Any] = {"machine": {**host, "load_average_before": load_before},
                               "settings": {k: v for k, v in vars(args).items() if k != "output"},
-                              "max_slots": int(serve["max_slots"]), "workloads": {}, "memory": memory_rows,
+                              "max_slots": serve.max_slots, "workloads": {}, "memory": memory_rows,
                               "vllm": {p: s or "ran" for p, s in vllm_status.items()}}
     for workload_name, by_system in rows.items():
         workload = WORKLOADS[workload_name]

@@ -53,12 +53,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from tasks import seed  # noqa: E402
+from tasks.config import SettingsError, TrainSettings, load  # noqa: E402
+from tasks.contract import TORCHRUN_MODULE, torchrun_args  # noqa: E402
 from tasks.lib import parallel, records  # noqa: E402
 from tasks.lib.data import BatchSampler, open_split  # noqa: E402
 from tasks.lib.model import GPT  # noqa: E402
-from tasks.lib.params import step_params  # noqa: E402
 from tasks.lib.torchrun import malloc_in_use, preload_allocator  # noqa: E402
-from tasks.train import build_optimizer, loss_fn, model_config  # noqa: E402
+from tasks.train.meters import best_peak, matmul_probe, peak_flops  # noqa: E402
+from tasks.train.trainer import build_optimizer, loss_fn, model_config  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -94,7 +96,7 @@ def build_dataset(root: Path, documents: int) -> Path:
     return root / "dataset"
 
 
-def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: int) -> tuple[float, float]:
+def plain_loop(dataset: Path, steps: int, params: TrainSettings, micro_batch: int) -> tuple[float, float]:
     """Tokens/s of the plain loop and its model FLOPs utilization against this process's peak."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     split = open_split(dataset, "train")
@@ -103,7 +105,7 @@ def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: i
     model = GPT(config).to(device)
     optimizer = build_optimizer(model, params)
     sampler = BatchSampler(split.tokens, config.seq_len, micro_batch, 0)
-    peak_before = parallel.peak_flops(device)
+    peak_before = peak_flops(device)
     started = time.perf_counter()
     for i in range(steps):
         x, y = sampler.batch(i * micro_batch, 0, 1)
@@ -115,7 +117,7 @@ def plain_loop(dataset: Path, steps: int, params: dict[str, Any], micro_batch: i
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     rate = steps * micro_batch * config.seq_len / (time.perf_counter() - started)
-    peak, _ = parallel.best_peak(peak_before, parallel.peak_flops(device))
+    peak, _ = best_peak(peak_before, peak_flops(device))
     return rate, rate * config.flops_per_token() / peak
 
 
@@ -132,9 +134,9 @@ def train_step(dataset: Path, out: Path, nodes: int, steps: int, micro_batch: in
     # CPU: one agent per node, as on separate machines; GPU: one agent with a process per GPU
     # (two agents of one process each would both take cuda:0)
     agents, per_agent = (1, nodes) if torch.cuda.is_available() else (nodes, 1)
-    procs = [subprocess.Popen([str(BIN / "python"), "-m", "tasks.lib.torchrun", f"--nnodes={agents}",
-                               f"--nproc-per-node={per_agent}", "--rdzv-backend=c10d",
-                               f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=bench-{port}", "-m", "tasks.train", *args],
+    torchrun = torchrun_args(nodes=agents, procs_per_node=per_agent, rdzv_endpoint=f"127.0.0.1:{port}",
+                             rdzv_id=f"bench-{port}", max_restarts=0, module="tasks.train", arguments=args)
+    procs = [subprocess.Popen([str(BIN / "python"), "-m", TORCHRUN_MODULE, *torchrun],
                               cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(agents)]
     outputs = [p.communicate()[0] for p in procs]
@@ -161,20 +163,20 @@ def main() -> None:
     parser.add_argument("--preset", help="a train.presets name (default: params.yaml's train.preset)")
     parser.add_argument("--micro-batch", type=int, help="sequences per process (default: train.micro_batch)")
     args = parser.parse_args()
-    params = step_params("train")
-    params["preset"] = args.preset or params["preset"]
-    if params["preset"] not in params["presets"]:
-        raise SystemExit(f"--preset {params['preset']!r}: expected one of {', '.join(params['presets'])}")
-    micro = args.micro_batch or int(params["micro_batch"])
+    try:
+        params = load(section="train", overrides=[f"preset={args.preset}"] if args.preset else []).train
+    except SettingsError as exc:
+        raise SystemExit(f"--preset: {exc}") from None
+    micro = args.micro_batch or params.micro_batch
     if args.plain_loop_only:
         print(plain_loop(args.plain_loop_only, args.steps, params, micro)[0])
         return
-    nodes = int(params["nodes"])
+    nodes = params.nodes
     gpus = torch.cuda.device_count()
     env = dict(os.environ)
     if preload_allocator(env, on_gpu=gpus > 0):  # the plain loop in this process on the workers' allocator too
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    preset = ["--set", f"preset={params['preset']}"]
+    preset = ["--set", f"preset={params.preset}"]
     chosen = [*preset, "--set", "compile=false"]  # eager, but (d)
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         root = Path(tmp)
@@ -182,7 +184,7 @@ def main() -> None:
         # same global batch everywhere: the 1-process variants take all of it
         plain, plain_mfu = plain_loop(dataset, args.steps, params, micro * nodes)
         malloc = malloc_in_use()
-        plain_glibc = plain_loop_on_glibc(dataset, args.steps, micro * nodes, params["preset"]) if malloc != "glibc" else None
+        plain_glibc = plain_loop_on_glibc(dataset, args.steps, micro * nodes, params.preset) if malloc != "glibc" else None
         rows = {
             "(b) train step, 1 process": train_step(dataset, root / "single", 1, args.steps, micro * nodes, *chosen),
             "(b') the same, sync checkpoints": train_step(dataset, root / "sync", 1, args.steps, micro * nodes, *chosen,
@@ -206,9 +208,9 @@ def main() -> None:
             rows[f"(e') {nodes} nodes FSDP2, bf16"] = train_step(dataset, root / "bf16-multi", nodes, args.steps, micro,
                                                                   *bf16, "--set", "engine=fsdp2")
         tokens = int(np.load(dataset / "train.offsets.npy")[-1])
-    cadence, seq_len = int(params["checkpoint_every"]), int(params["presets"][params["preset"]]["seq_len"])
+    cadence, seq_len = params.checkpoint_every, params.model.seq_len
     where = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else f"{os.cpu_count()} CPUs"
-    print(f"\npreset {params['preset']}, {tokens:,} train tokens, global batch {micro * nodes} x {seq_len}, "
+    print(f"\npreset {params.preset}, {tokens:,} train tokens, global batch {micro * nodes} x {seq_len}, "
           f"{args.steps} steps, {where}, malloc: {malloc}; checkpoint stall share at the default cadence of {cadence} steps")
     if 0 < gpus < nodes:
         print(f"(c) FSDP2 and (c') DDP over {nodes} processes need {nodes} GPUs, this machine has {gpus}: not run")
@@ -229,7 +231,7 @@ def main() -> None:
     peaks = {f"{r['peak_flops'] / 1e9:,.0f} GFLOP/s, {r['peak_source']}" for r in rows.values()}
     print(f"MFU: model FLOPs (6N + attention per token) against each process's peak: {'; '.join(sorted(peaks))}")
     if gpus:  # what the card reaches here, beside the data sheet's figure MFU is quoted against
-        peak, what = parallel.matmul_probe(torch.device("cuda"), 8192, 20)
+        peak, what = matmul_probe(torch.device("cuda"), 8192, 20)
         print(f"measured peak for comparison: {peak / 1e12:.0f} TFLOP/s ({what}, 8192^3, best of 20)")
 
 

@@ -16,13 +16,13 @@ from launcher import step
 from pipeline_params import pipeline_params, raw_data_asset
 
 params = pipeline_params()
-pipeline, ingest = params["pipeline"], params["ingest"]
+pipeline, ingest = params.pipeline, params.ingest
 
 with DAG(
-    dag_id=ingest["dag_id"],
+    dag_id=ingest.dag_id,
     description="Land the day's raw partition and update the raw data Asset",
-    schedule=ingest["schedule"],
-    start_date=dt.datetime.fromisoformat(pipeline["start_date"]).replace(tzinfo=dt.UTC),
+    schedule=ingest.schedule,
+    start_date=dt.datetime.fromisoformat(pipeline.start_date).replace(tzinfo=dt.UTC),
     catchup=False,
     max_active_runs=1,
     tags=["llm", "data"],
@@ -30,6 +30,6 @@ with DAG(
 ) as dag:
     # the day that just ended: a run at midnight lands yesterday's partition
     step("ingest", "tasks.seed",
-         ["--output", pipeline["raw_data_uri"],
+         ["--output", pipeline.raw_data_uri,
           "--end-date", "{{ macros.ds_add((dag_run.logical_date or dag_run.run_after) | ds, -1) }}"],
-         retries=pipeline["retries"], outlets=[raw_data_asset()])
+         retries=pipeline.retries, outlets=[raw_data_asset()])

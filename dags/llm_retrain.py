@@ -16,11 +16,13 @@ from airflow.providers.standard.operators.python import ShortCircuitOperator
 from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param
 from alerts import on_run_failure, on_task_failure
 
-from launcher import ERROR_XCOM_KEY, distributed_step, mapped_step, result, run_output_uri, shard_arguments, step
+from launcher import distributed_step, mapped_step, result, run_output_uri, shard_arguments, step
 from pipeline_params import pipeline_params, raw_data_asset
+from tasks.config import TrainSettings, choices
+from tasks.contract import ERROR_XCOM_KEY
 
 params = pipeline_params()
-pipeline, train_params, gate = params["pipeline"], params["train"], params["evaluate"]
+pipeline, train_params, gate = params.pipeline, params.train, params.evaluate
 
 
 # Dates read from the DagRun's attributes only: a run triggered without a logical date (the
@@ -43,26 +45,26 @@ def reported_xcoms(option: str, key: str, steps: list[Any]) -> list[str]:
 MLFLOW_RUN_TAG = "{{ dag.dag_id }}/{{ run_id }}"
 
 with DAG(
-    dag_id=pipeline["dag_id"],
+    dag_id=pipeline.dag_id,
     description="Retrain the language model on the latest data window",
     # weekly, and whenever the ingest DAG lands new raw data (an asset-triggered run has no
     # logical date: its window ends the day it was triggered, see END_DATE)
-    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable(pipeline["schedule"], timezone="UTC"),
+    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable(pipeline.schedule, timezone="UTC"),
                                  assets=[raw_data_asset()]),
-    start_date=dt.datetime.fromisoformat(pipeline["start_date"]).replace(tzinfo=dt.UTC),
+    start_date=dt.datetime.fromisoformat(pipeline.start_date).replace(tzinfo=dt.UTC),
     catchup=False,
     max_active_runs=2,
     # a run going on this long is failed by the scheduler, with one alert line (and the webhook).
     # (Airflow 3.3.2's DeadlineAlert, which would only alert, crashes `airflow dags test`.)
-    dagrun_timeout=dt.timedelta(minutes=pipeline["deadline_min"]),
+    dagrun_timeout=dt.timedelta(minutes=pipeline.deadline_min),
     on_failure_callback=on_run_failure,
     default_args={
         # a task that failed for good: one alert line, and the webhook (PIPELINE_ALERT_WEBHOOK_URL)
         "on_failure_callback": on_task_failure,
-        "retries": pipeline["retries"],
-        "retry_delay": dt.timedelta(seconds=pipeline["retry_delay_s"]),
+        "retries": pipeline.retries,
+        "retry_delay": dt.timedelta(seconds=pipeline.retry_delay_s),
         "retry_exponential_backoff": True,
-        "max_retry_delay": dt.timedelta(seconds=pipeline["max_retry_delay_s"]),
+        "max_retry_delay": dt.timedelta(seconds=pipeline.max_retry_delay_s),
     },
     params={
         # the trigger form: what an operator changes for a manual run, refused by the form when out of bounds
@@ -71,56 +73,56 @@ with DAG(
             description="Read the look-back window ending before this date (YYYY-MM-DD); empty: the run's data interval.",
         ),
         "lookback_days": Param(
-            pipeline["lookback_days"], type="integer", minimum=1, maximum=366, title="Look-back days",
+            pipeline.lookback_days, type="integer", minimum=1, maximum=366, title="Look-back days",
             description="How many daily partitions before the end date to snapshot.",
         ),
         "raw_data_uri": Param(
-            pipeline["raw_data_uri"], type="string", pattern=r"^(s3://|/).+", title="Raw data",
+            pipeline.raw_data_uri, type="string", pattern=r"^(s3://|/).+", title="Raw data",
             description="Raw JSON Lines partitioned as date=YYYY-MM-DD/ (s3:// URI or absolute path).",
         ),
         "num_shards": Param(
-            params["tokenize"]["num_shards"], type="integer", minimum=1, maximum=256, title="Tokenization shards",
+            params.tokenize.num_shards, type="integer", minimum=1, maximum=256, title="Tokenization shards",
             description="Parallel tokenization tasks (one pod each in a cluster).",
         ),
         "train_preset": Param(
-            train_params["preset"], type="string", enum=sorted(train_params["presets"]), title="Model preset",
+            train_params.preset, type="string", enum=sorted(train_params.presets), title="Model preset",
             description="Model size (params.yaml train.presets): cpu-* on CPUs, gpu-* on GPU nodes.",
         ),
         "train_engine": Param(
-            train_params["engine"], type="string", enum=["fsdp2", "ddp", "deepspeed", "single"], title="Training engine",
+            train_params.engine, type="string", enum=choices(TrainSettings, "engine"), title="Training engine",
             description="FSDP2 (sharded), DDP (replicated), DeepSpeed ZeRO, or one process.",
         ),
         "train_precision": Param(
-            train_params["precision"], type="string", enum=["auto", "bf16", "fp32"], title="Training precision",
+            train_params.precision, type="string", enum=choices(TrainSettings, "precision"), title="Training precision",
             description="bf16 autocast: auto on GPUs only; bf16 on CPU nodes with AMX too (~2x there), fp32 never.",
         ),
         "train_nodes": Param(
-            train_params["nodes"], type="integer", minimum=1, maximum=64, title="Training nodes",
+            train_params.nodes, type="integer", minimum=1, maximum=64, title="Training nodes",
             description="torchrun nodes: local processes, or pods of the Indexed Job in a cluster.",
         ),
         "train_max_steps": Param(
-            train_params["max_steps"], type="integer", minimum=1, maximum=10_000_000, title="Training steps",
+            train_params.max_steps, type="integer", minimum=1, maximum=10_000_000, title="Training steps",
             description="Optimizer steps of the train step (the rest of its settings: params.yaml train).",
         ),
         "train_init_from": Param(
-            train_params["init_from"], type="string", enum=["champion", "scratch"], title="Start training from",
+            train_params.init_from, type="string", enum=choices(TrainSettings, "init_from"), title="Start training from",
             description="champion: continue from the production model's weights (same architecture and "
                         "vocabulary, else scratch); scratch: a random initialization.",
         ),
         "max_regression": Param(
-            gate["max_regression"], type="number", minimum=0, maximum=1, title="Gate: largest regression",
+            gate.max_regression, type="number", minimum=0, maximum=1, title="Gate: largest regression",
             description="Largest relative perplexity increase over the champion the gate accepts (0.05: 5%).",
         ),
         "max_eval_perplexity": Param(
-            gate["max_eval_perplexity"], type="number", exclusiveMinimum=1, title="Gate: highest perplexity",
+            gate.max_eval_perplexity, type="number", exclusiveMinimum=1, title="Gate: highest perplexity",
             description="Held-out perplexity above this is rejected, whatever the champion's.",
         ),
         "min_eval_accuracy": Param(
-            gate["min_eval_accuracy"], type="number", minimum=0, maximum=1, title="Gate: lowest accuracy",
+            gate.min_eval_accuracy, type="number", minimum=0, maximum=1, title="Gate: lowest accuracy",
             description="Held-out next-token accuracy below this is rejected.",
         ),
         "canary_steps": Param(
-            params["canary"]["steps"], type="array", minItems=1, maxItems=10,
+            list(params.canary.steps), type="array", minItems=1, maxItems=10,
             items={"type": "number", "exclusiveMinimum": 0, "maximum": 100}, title="Canary traffic steps (%)",
             description="Traffic share of the new version at each canary step, ending at 100 (then promotion).",
         ),
@@ -129,7 +131,7 @@ with DAG(
             description="Register and export the model, but do not canary or promote it.",
         ),
         "deploy_older_data": Param(
-            params["canary"]["deploy_older_data"], type="boolean", title="Deploy over a newer champion",
+            params.canary.deploy_older_data, type="boolean", title="Deploy over a newer champion",
             description="Deploy even when the model's data window ends before the champion's (a backfill's "
                         "usually does: it is registered and exported, not deployed).",
         ),
@@ -207,8 +209,8 @@ with DAG(
             "--set", "precision={{ params.train_precision }}",
         ],
         nodes="{{ params.train_nodes }}",
-        procs_per_node=train_params["procs_per_node"],
-        max_restarts=train_params["max_restarts"],
+        procs_per_node=train_params.procs_per_node,
+        max_restarts=train_params.max_restarts,
     )
 
     # a rejected challenger exits 99: the task is skipped, and so is everything after it
@@ -282,7 +284,7 @@ with DAG(
             "--run-id", "{{ run_id }}",
             "--states", "{{ ti.get_task_states(dag_id=dag.dag_id, run_ids=[run_id]) | tojson }}",
             *reported_xcoms("--result", "return_value", reported),
-            # a failed step pushes no result, only its one-line error (launcher.ERROR_XCOM_KEY)
+            # a failed step pushes no result, only its one-line error (tasks/contract.py)
             *reported_xcoms("--error", ERROR_XCOM_KEY, reported),
             "--deploy-output", run_output_uri("deploy"),
             "--output", run_output_uri("report"),

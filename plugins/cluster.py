@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from pipeline_params import pipeline_params
+from pipeline_params import Settings, pipeline_params
 
 SUPPORTED_KUBERNETES = ("1.32.0", "1.37.0")  # podFailurePolicy and Indexed Jobs are GA in both
 PART_OF = {"app.kubernetes.io/part-of": "llm-pipeline"}
@@ -105,15 +105,15 @@ def _metadata(name: str, namespace: str | None = None) -> dict[str, Any]:
     return {"name": name, **({"namespace": namespace} if namespace else {}), "labels": dict(PART_OF)}
 
 
-def namespaces(params: dict[str, Any]) -> list[dict[str, Any]]:
+def namespaces(params: Settings) -> list[dict[str, Any]]:
     """The steps' and Airflow's (see the module docstring). Step pods run as uid 1000 without
     privileges and the chart's as Airflow's uid: "baseline" holds in both; "restricted" only warns."""
-    cluster = params["launcher"]["kubernetes"]
-    if cluster["airflow_namespace"] == cluster["namespace"]:
-        raise ValueError(f"launcher.kubernetes.airflow_namespace {cluster['airflow_namespace']!r}: must differ from "
+    cluster = params.launcher.kubernetes
+    if cluster.airflow_namespace == cluster.namespace:
+        raise ValueError(f"launcher.kubernetes.airflow_namespace {cluster.airflow_namespace!r}: must differ from "
                          "namespace (the steps'), or the workers could exec into Airflow's own pods")
     objects = []
-    for name in (cluster["namespace"], cluster["airflow_namespace"]):
+    for name in (cluster.namespace, cluster.airflow_namespace):
         meta = _metadata(name)
         meta["labels"].update({"pod-security.kubernetes.io/enforce": "baseline",
                                "pod-security.kubernetes.io/warn": "restricted"})
@@ -121,90 +121,90 @@ def namespaces(params: dict[str, Any]) -> list[dict[str, Any]]:
     return objects
 
 
-def service_accounts(params: dict[str, Any]) -> list[dict[str, Any]]:
+def service_accounts(params: Settings) -> list[dict[str, Any]]:
     """The step pods' (no API token: they never call the API), the deploy pods' (a token, and the
     Role of plugins/serving.py), in the steps' namespace; the Airflow workers', in Airflow's."""
-    cluster = params["launcher"]["kubernetes"]
-    accounts = {(cluster["service_account"], cluster["namespace"]): False,
-                (cluster["deploy_service_account"], cluster["namespace"]): True,
-                (cluster["airflow_service_account"], cluster["airflow_namespace"]): True}
+    cluster = params.launcher.kubernetes
+    accounts = {(cluster.service_account, cluster.namespace): False,
+                (cluster.deploy_service_account, cluster.namespace): True,
+                (cluster.airflow_service_account, cluster.airflow_namespace): True}
     return [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, ns),
              "automountServiceAccountToken": token} for (name, ns), token in accounts.items()]
 
 
-def launcher_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
+def launcher_rbac(params: Settings) -> list[dict[str, Any]]:
     """The Airflow workers' Role, in the steps' namespace only: start and follow step pods and
     training Jobs, nothing else, and nothing of Airflow's own namespace."""
-    cluster = params["launcher"]["kubernetes"]
-    name, ns = "llm-pipeline-launcher", cluster["namespace"]
+    cluster = params.launcher.kubernetes
+    name, ns = "llm-pipeline-launcher", cluster.namespace
     return [
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(name, ns),
          "rules": LAUNCHER_RULES},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(name, ns),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": cluster["airflow_service_account"],
-                       "namespace": cluster["airflow_namespace"]}]},
+         "subjects": [{"kind": "ServiceAccount", "name": cluster.airflow_service_account,
+                       "namespace": cluster.airflow_namespace}]},
     ]
 
 
-def _priority_class(name: str, value: Any, description: str) -> dict[str, Any]:
+def _priority_class(name: str, value: int, description: str) -> dict[str, Any]:
     return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": _metadata(name),
-            "value": int(value), "globalDefault": False, "description": description}
+            "value": value, "globalDefault": False, "description": description}
 
 
-def training_priority_class(params: dict[str, Any]) -> dict[str, Any]:
-    training = params["launcher"]["kubernetes"]["training"]
-    return _priority_class(training["priority_class"], training["priority"],
+def training_priority_class(params: Settings) -> dict[str, Any]:
+    training = params.launcher.kubernetes.training
+    return _priority_class(training.priority_class, training.priority,
                            "LLM pipeline training Jobs: above batch work, below serving")
 
 
-def serving_priority_class(params: dict[str, Any]) -> dict[str, Any]:
+def serving_priority_class(params: Settings) -> dict[str, Any]:
     """Serving's PriorityClass (the Triton pods of ``plugins/serving.py``), above training's."""
-    settings = params["serve"]["kubernetes"]
-    return _priority_class(settings["priority_class"], settings["priority"],
+    settings = params.serve.kubernetes
+    return _priority_class(settings.priority_class, settings.priority,
                            "LLM pipeline serving (Triton): above training, so a training Job never preempts it")
 
 
-def training_local_queue(params: dict[str, Any]) -> dict[str, Any]:
+def training_local_queue(params: Settings) -> dict[str, Any]:
     """The namespace's door to the cluster queue an administrator set up (its quotas, flavors)."""
-    cluster = params["launcher"]["kubernetes"]
-    training = cluster["training"]
+    cluster = params.launcher.kubernetes
+    training = cluster.training
     return {"apiVersion": KUEUE_API, "kind": "LocalQueue",
-            "metadata": _metadata(training["queue_name"], cluster["namespace"]),
-            "spec": {"clusterQueue": training["cluster_queue"]}}
+            "metadata": _metadata(training.queue_name, cluster.namespace),
+            "spec": {"clusterQueue": training.cluster_queue}}
 
 
-def step_network_policy(params: dict[str, Any]) -> dict[str, Any]:
+def step_network_policy(params: Settings) -> dict[str, Any]:
     """No connection reaches a step pod but a training rank's from another rank (the c10d
     rendezvous, gloo or NCCL: any port). Steps are clients; Airflow reads their logs, exit and
     XCom through the API server, which no NetworkPolicy governs."""
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": _metadata("llm-pipeline-steps", params["launcher"]["kubernetes"]["namespace"]),
+            "metadata": _metadata("llm-pipeline-steps", params.launcher.kubernetes.namespace),
             "spec": {"podSelector": {"matchExpressions": [{"key": STEP_LABEL, "operator": "Exists"}]},
                      "policyTypes": ["Ingress"],
                      "ingress": [{"from": [{"podSelector": {"matchExpressions": [{"key": JOB_LABEL, "operator": "Exists"}]}}]}]}}
 
 
-def base_objects(params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def base_objects(params: Settings | None = None) -> list[dict[str, Any]]:
     params = params or pipeline_params()
     return [*namespaces(params), *service_accounts(params), *launcher_rbac(params),
             training_priority_class(params), serving_priority_class(params), training_local_queue(params),
             step_network_policy(params)]
 
 
-def secrets(env: dict[str, str], params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def secrets(env: dict[str, str], params: Settings | None = None) -> list[dict[str, Any]]:
     params = params or pipeline_params()
-    cluster = params["launcher"]["kubernetes"]
+    cluster = params.launcher.kubernetes
     objects = []
-    for name in cluster["env_from_secrets"]:
+    for name in cluster.env_from_secrets:
         required, optional = SECRET_VARIABLES[name]
         missing = [key for key in required if not env.get(key)]
         if missing:
             raise MissingVariable(f"Secret {name}: set {', '.join(missing)} in the environment")
         data = {key: env[key] for key in (*required, *optional) if env.get(key)}
-        objects.append(_secret(name, cluster["namespace"], data))
+        objects.append(_secret(name, cluster.namespace, data))
     # Airflow's components read it (the chart's `secret`): in Airflow's namespace
-    objects.append(_secret(cluster["remote_logs"]["conn_secret"], cluster["airflow_namespace"],
+    objects.append(_secret(cluster.remote_logs.conn_secret, cluster.airflow_namespace,
                            {"AIRFLOW_CONN": json.dumps(remote_logs_connection(env))}))
     return objects
 
@@ -223,35 +223,35 @@ def _secret(name: str, namespace: str, data: dict[str, str]) -> dict[str, Any]:
             "stringData": data}
 
 
-def helm_values(params: dict[str, Any] | None = None) -> dict[str, Any]:
+def helm_values(params: Settings | None = None) -> dict[str, Any]:
     """Values for the official Airflow chart (apache-airflow/airflow, chart 1.x)."""
     params = params or pipeline_params()
-    cluster = params["launcher"]["kubernetes"]
+    cluster = params.launcher.kubernetes
     namespaces(params)  # refuses Airflow's namespace being the steps'
-    image = pinned_image_parts("launcher.kubernetes.airflow_image", cluster["airflow_image"])
+    image = pinned_image_parts("launcher.kubernetes.airflow_image", cluster.airflow_image)
     repository, tag, digest = image["repository"], image["tag"], image["digest"]
-    logs = cluster["remote_logs"]
+    logs = cluster.remote_logs
     local_settings = Path(__file__).with_name("airflow_local_settings.py").read_text()
     return {
         "executor": "KubernetesExecutor",
         "airflowVersion": airflow_version(),  # the chart renders Airflow 3's components from it
         # the chart pulls by digest where one is given (it takes precedence over the tag)
         "images": {"airflow": {"repository": repository, "tag": tag, "digest": digest,
-                               "pullPolicy": cluster["image_pull_policy"]}},
+                               "pullPolicy": cluster.image_pull_policy}},
         # the image holds the DAGs, plugins and params.yaml (containers/Dockerfile.airflow)
         "dags": {"persistence": {"enabled": False}, "gitSync": {"enabled": False}},
         "airflowLocalSettings": local_settings,
         "env": [{"name": "PIPELINE_LAUNCHER_MODE", "value": "kubernetes"}],
-        "workers": {"serviceAccount": {"create": False, "name": cluster["airflow_service_account"]}},
+        "workers": {"serviceAccount": {"create": False, "name": cluster.airflow_service_account}},
         # the S3 connection of the remote logs, from the storage Secret's keys
-        "secret": [{"envName": "AIRFLOW_CONN_" + logs["conn_id"].upper(),
-                    "secretName": logs["conn_secret"], "secretKey": "AIRFLOW_CONN"}],
+        "secret": [{"envName": "AIRFLOW_CONN_" + logs.conn_id.upper(),
+                    "secretName": logs.conn_secret, "secretKey": "AIRFLOW_CONN"}],
         "config": {
             "core": {"load_examples": "False"},
-            "logging": {"remote_logging": "True", "remote_base_log_folder": logs["base_uri"],
-                        "remote_log_conn_id": logs["conn_id"]},
+            "logging": {"remote_logging": "True", "remote_base_log_folder": logs.base_uri,
+                        "remote_log_conn_id": logs.conn_id},
             # worker pods in Airflow's namespace (the chart is installed there), step pods in the steps'
-            "kubernetes_executor": {"namespace": cluster["airflow_namespace"], "delete_worker_pods": "True"},
+            "kubernetes_executor": {"namespace": cluster.airflow_namespace, "delete_worker_pods": "True"},
         },
     }
 

@@ -35,7 +35,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, Airfl
 from cluster import JOB_LABEL
 from kubernetes.client import models as k8s
 
-from launcher import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, ended_without_error_line, record_error, torchrun_args
+from tasks.contract import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, ended_without_error_line, record_error, torchrun_args
 
 ATTEMPT_OF_LABEL = "llm-pipeline/attempt-of"  # the task instance a Job is an attempt of (hashed)
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"

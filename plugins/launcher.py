@@ -39,22 +39,24 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, Airfl
 from cluster import DEPLOY_MODULE, DEPLOYER_LABEL, STEP_LABEL, pinned_image
 
 from pipeline_params import REPO_ROOT, pipeline_params
-
-# Exit codes of the step contract (tasks/lib/step.py)
-BAD_INPUT_EXIT_CODE = 2
-GATE_REJECTED_EXIT_CODE = 99
+from tasks.contract import (
+    BAD_INPUT_EXIT_CODE,
+    GATE_REJECTED_EXIT_CODE,
+    RESULT_PATH_ENV,
+    TORCHRUN_MODULE,
+    ended_without_error_line,
+    record_error,
+    torchrun_args,
+)
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
-
-# XCom key of a failed step's one-line error (a failed task returns no result): the run report quotes it
-ERROR_XCOM_KEY = "error"
 
 # Run-scoped storage key of the DAG run: run ids hold ':' and '+', which S3 clients mangle.
 RUN_KEY = "{{ run_id | replace(':', '-') | replace('+', '_') }}"
 
 
 def launcher_mode() -> str:
-    mode = os.environ.get("PIPELINE_LAUNCHER_MODE") or pipeline_params()["launcher"]["mode"]
+    mode = os.environ.get("PIPELINE_LAUNCHER_MODE") or pipeline_params().launcher.mode
     if mode not in ("local", "kubernetes"):
         raise ValueError(f"launcher mode {mode!r}: expected 'local' or 'kubernetes'")
     return str(mode)
@@ -62,11 +64,8 @@ def launcher_mode() -> str:
 
 def run_output_uri(step_name: str) -> str:
     """Templated output URI of a step for the current DAG run."""
-    pipeline = pipeline_params()["pipeline"]
-    return f"{pipeline['artifact_root']}/{{{{ dag.dag_id }}}}/{RUN_KEY}/{step_name}"
-
-
-TORCHRUN_MODULE = "tasks.lib.torchrun"
+    pipeline = pipeline_params().pipeline
+    return f"{pipeline.artifact_root}/{{{{ dag.dag_id }}}}/{RUN_KEY}/{step_name}"
 
 
 class StepResult(str):
@@ -162,7 +161,7 @@ class LocalStepOperator(BaseOperator):
     def execute(self, context: Any) -> Any:
         with tempfile.TemporaryDirectory(prefix="step-result-") as scratch:
             result_path = Path(scratch) / "return.json"
-            env = {**self.process_env(), "STEP_RESULT_PATH": str(result_path)}
+            env = {**self.process_env(), RESULT_PATH_ENV: str(result_path)}
             commands = self.commands(context)
             for command in commands:
                 self.log.info("running %s", " ".join(command))
@@ -231,20 +230,6 @@ class LocalStepOperator(BaseOperator):
                 os.killpg(proc.pid, signal.SIGTERM)
 
 
-def ended_without_error_line(exit_code: int, reason: str | None, last_line: str) -> str:
-    """What the report says of a step that failed without its ERROR line (killed, out of memory,
-    a crash): its exit code, the kubelet's reason where there is one, its last output."""
-    how = f"exit {exit_code}" + (f" ({reason})" if reason else "")
-    return f"{how}; last output: {last_line[:300]}" if last_line else how
-
-
-def record_error(context: Any, error_line: str | None) -> None:
-    """Keep a failed step's one-line error as its ``error`` XCom, for the run report (the task's
-    last try keeps it: a retry starts with its XComs cleared)."""
-    if error_line and context and "ti" in context:
-        context["ti"].xcom_push(key=ERROR_XCOM_KEY, value=error_line.splitlines()[0][:500])
-
-
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the task process dies, however it dies (SIGKILL
     included). A torchrun agent stops its workers on SIGTERM, so a killed task leaves no
@@ -297,23 +282,6 @@ class LocalTorchrunOperator(LocalStepOperator):
         }
 
 
-def torchrun_args(*, nodes: int, procs_per_node: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int,
-                  module: str, arguments: Sequence[Any]) -> list[str]:
-    """A step's torchrun options, the same for a local agent and a Job's pod. They go to
-    ``python -m tasks.lib.torchrun`` (torchrun that keeps the step contract's exit codes)."""
-    return [
-        f"--nnodes={nodes}",
-        f"--nproc-per-node={procs_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rdzv_endpoint}",
-        f"--rdzv-id={rdzv_id}",
-        f"--max-restarts={max_restarts}",
-        "-m",
-        module,
-        *map(str, arguments),
-    ]
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -325,34 +293,34 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
     """KubernetesPodOperator settings for one step, from params.yaml ``launcher.kubernetes``."""
     from kubernetes.client import models as k8s
 
-    cluster = pipeline_params()["launcher"]["kubernetes"]
-    kind_settings = cluster["kinds"][kind]
+    cluster = pipeline_params().launcher.kubernetes
+    kind_settings = cluster.kinds[kind]
     deployer = module == DEPLOY_MODULE
     # kubernetes needs the same tmp space a read-only root filesystem takes away
-    scratch = k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=cluster["scratch_size"]))
+    scratch = k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=cluster.scratch_size))
     return {
         "name": task_id.replace("_", "-"),
-        "namespace": cluster["namespace"],
-        "image": pinned_image(f"launcher.kubernetes.images.{kind}", cluster["images"][kind]),
-        "image_pull_policy": cluster["image_pull_policy"],
+        "namespace": cluster.namespace,
+        "image": pinned_image(f"launcher.kubernetes.images.{kind}", cluster.images[kind]),
+        "image_pull_policy": cluster.image_pull_policy,
         "cmds": ["python", "-m", module],
         # only deploy's pods carry an API token (and may reach Triton's pods: plugins/serving.py)
-        "service_account_name": cluster["deploy_service_account" if deployer else "service_account"],
+        "service_account_name": cluster.deploy_service_account if deployer else cluster.service_account,
         "automount_service_account_token": deployer,
         # deploy puts traffic back on stable on SIGTERM: give it the time (others: the default 30 s)
-        "termination_grace_period": int(cluster["deploy_grace_s"]) if deployer else None,
-        "container_resources": k8s.V1ResourceRequirements(**kind_settings["resources"]),
-        "node_selector": kind_settings["node_selector"] or None,
-        "tolerations": [k8s.V1Toleration(**t) for t in kind_settings["tolerations"]] or None,
+        "termination_grace_period": cluster.deploy_grace_s if deployer else None,
+        "container_resources": k8s.V1ResourceRequirements(**kind_settings.resources),
+        "node_selector": kind_settings.node_selector or None,
+        "tolerations": [k8s.V1Toleration(**t) for t in kind_settings.tolerations] or None,
         "env_from": [
             k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=name))
-            for name in cluster["env_from_secrets"]
+            for name in cluster.env_from_secrets
         ],
         "security_context": k8s.V1PodSecurityContext(
             run_as_non_root=True,
-            run_as_user=cluster["run_as_user"],
-            run_as_group=cluster["run_as_user"],
-            fs_group=cluster["run_as_user"],
+            run_as_user=cluster.run_as_user,
+            run_as_group=cluster.run_as_user,
+            fs_group=cluster.run_as_user,
             seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault"),
         ),
         "container_security_context": k8s.V1SecurityContext(
@@ -364,8 +332,8 @@ def _pod_kwargs(task_id: str, module: str, kind: str) -> dict[str, Any]:
         "volume_mounts": [k8s.V1VolumeMount(name="scratch", mount_path="/tmp")],
         "labels": {"app.kubernetes.io/part-of": "llm-pipeline", STEP_LABEL: task_id.replace("_", "-"),
                    **({DEPLOYER_LABEL: "true"} if deployer else {})},
-        "on_finish_action": cluster["on_finish_action"],
-        "startup_timeout_seconds": cluster["startup_timeout_s"],
+        "on_finish_action": cluster.on_finish_action,
+        "startup_timeout_seconds": cluster.startup_timeout_s,
         "do_xcom_push": True,
         "skip_on_exit_code": GATE_REJECTED_EXIT_CODE,
         "get_logs": True,
@@ -379,14 +347,14 @@ def scheduling(task_id: str) -> dict[str, Any]:
     """A task's time limit, pool and priority weight (params.yaml ``pipeline.tasks``)."""
     import datetime as dt
 
-    settings = pipeline_params()["pipeline"]["tasks"].get(task_id, {})
-    kwargs: dict[str, Any] = {}
-    if "timeout_min" in settings:
-        kwargs["execution_timeout"] = dt.timedelta(minutes=float(settings["timeout_min"]))
-    if "pool" in settings:
-        kwargs["pool"] = settings["pool"]
-    if "priority" in settings:
-        kwargs["priority_weight"] = int(settings["priority"])
+    settings = pipeline_params().pipeline.tasks.get(task_id)
+    if settings is None:  # a task params.yaml gives no settings of its own
+        return {}
+    kwargs: dict[str, Any] = {"execution_timeout": dt.timedelta(minutes=settings.timeout_min)}
+    if settings.pool is not None:
+        kwargs["pool"] = settings.pool
+    if settings.priority is not None:
+        kwargs["priority_weight"] = settings.priority
     return kwargs
 
 
@@ -459,10 +427,10 @@ def distributed_step(
         from k8s_job import TorchrunJobOperator
         from kubernetes.client import models as k8s
 
-        cluster = pipeline_params()["launcher"]["kubernetes"]
-        training = cluster["training"]
+        cluster = pipeline_params().launcher.kubernetes
+        training = cluster.training
         kwargs = _pod_kwargs(task_id, module, kind)
-        resources = {key: dict(value) for key, value in cluster["kinds"][kind]["resources"].items()}
+        resources = {key: dict(value) for key, value in cluster.kinds[kind].resources.items()}
         for bound in resources.values():  # one GPU per process of a node
             if "nvidia.com/gpu" in bound:
                 bound["nvidia.com/gpu"] = str(procs_per_node)
@@ -475,14 +443,14 @@ def distributed_step(
             nodes=nodes,
             procs_per_node=procs_per_node,
             max_restarts=max_restarts,
-            rdzv_port=training["rdzv_port"],
-            queue_name=training["queue_name"],
-            priority_class=training["priority_class"],
-            admission_timeout_s=training["admission_timeout_s"],
-            shm_size=training["shm_size"],
-            job_poll_interval=training["poll_interval_s"],
-            ttl_seconds_after_finished=training["ttl_after_finished_s"],
-            active_deadline_seconds=training["active_deadline_s"],
+            rdzv_port=training.rdzv_port,
+            queue_name=training.queue_name,
+            priority_class=training.priority_class,
+            admission_timeout_s=training.admission_timeout_s,
+            shm_size=training.shm_size,
+            job_poll_interval=training.poll_interval_s,
+            ttl_seconds_after_finished=training.ttl_after_finished_s,
+            active_deadline_seconds=training.active_deadline_s,
             **{**kwargs, **scheduling(task_id), **operator_kwargs},
         ), sources)
     return downstream_of_what_it_reads(LocalTorchrunOperator(

@@ -1,35 +1,30 @@
-"""params.yaml as the DAGs see it: read once at parse time (a small YAML file, no network)."""
+"""params.yaml as the DAGs see it: ``tasks.config``'s typed settings, read and checked once at
+parse time (a small YAML file, no network)."""
 
 from __future__ import annotations
 
-import os
-from functools import lru_cache
+import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+# Airflow's processes have the repository root (/opt/airflow in the image) on PYTHONPATH; a
+# plugin run as a script (`python plugins/cluster.py base`) has only its own folder
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tasks.config import REPO_ROOT, Settings, load, params_path
 
-
-def params_path() -> Path:
-    return Path(os.environ.get("PIPELINE_PARAMS", REPO_ROOT / "params.yaml"))
-
-
-@lru_cache(maxsize=4)
-def _load(path: Path) -> dict[str, Any]:
-    # libyaml's loader where PyYAML has it: ~8x faster than the pure-Python one
-    loaded: dict[str, Any] = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    return loaded
+__all__ = ["REPO_ROOT", "Settings", "params_path", "pipeline_params", "raw_data_asset"]
 
 
-def pipeline_params() -> dict[str, Any]:
-    return _load(params_path())
+def pipeline_params() -> Settings:
+    """The settings of params.yaml (``PIPELINE_PARAMS``), typed: cached per file."""
+    return load()
 
 
 def raw_data_asset() -> Any:
     """The Airflow Asset of the raw data: updated by the ingest DAG, scheduling the retrain DAG."""
     from airflow.sdk import Asset
 
-    pipeline = pipeline_params()["pipeline"]
-    return Asset(name=pipeline["raw_data_asset"], uri=pipeline["raw_data_uri"], group="raw-data")
+    pipeline = pipeline_params().pipeline
+    return Asset(name=pipeline.raw_data_asset, uri=pipeline.raw_data_uri, group="raw-data")

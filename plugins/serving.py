@@ -52,7 +52,8 @@ from typing import Any
 import yaml
 from cluster import DEPLOYER_LABEL, pinned_image
 
-from pipeline_params import pipeline_params
+from pipeline_params import Settings, pipeline_params
+from tasks.config import ServeKubernetes, ServeSettings
 
 TRACKS = ("stable", "canary")
 ANNOTATION = "llm-pipeline/"
@@ -63,8 +64,8 @@ NO_VERSION = "none"  # a header value may not be empty
 DEPLOY_ANNOTATIONS = (f"{ANNOTATION}model-version", f"{ANNOTATION}export-uri")
 
 
-def _labels(settings: dict[str, Any], track: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": settings["name"], "app.kubernetes.io/part-of": "llm-pipeline",
+def _labels(settings: ServeKubernetes, track: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": settings.name, "app.kubernetes.io/part-of": "llm-pipeline",
             "llm-pipeline/track": track}
 
 
@@ -76,14 +77,14 @@ def _hardened() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def track_deployment(params: dict[str, Any], track: str, install: bool = False) -> dict[str, Any]:
+def track_deployment(params: Settings, track: str, install: bool = False) -> dict[str, Any]:
     """A track's Deployment; ``install``: with deploy's initial state (0 replicas, no version)."""
-    cluster, serve = params["launcher"]["kubernetes"], params["serve"]
-    settings = serve["kubernetes"]
-    kind = cluster["kinds"][settings["kind"]]
+    cluster, serve = params.launcher.kubernetes, params.serve
+    settings = serve.kubernetes
+    kind = cluster.kinds[settings.kind]
     labels = _labels(settings, track)
-    ports = settings["ports"]
-    step_image = pinned_image("launcher.kubernetes.images.cpu", cluster["images"]["cpu"])  # stage, openai
+    ports = settings.ports
+    step_image = pinned_image("launcher.kubernetes.images.cpu", cluster.images["cpu"])  # stage, openai
 
     def from_annotation(name: str) -> dict[str, Any]:
         return {"name": name.upper().replace("-", "_"),
@@ -92,32 +93,32 @@ def track_deployment(params: dict[str, Any], track: str, install: bool = False) 
     stage = {
         "name": "stage",
         "image": step_image,
-        "imagePullPolicy": cluster["image_pull_policy"],
+        "imagePullPolicy": cluster.image_pull_policy,
         "command": ["python", "-m", "tasks.deploy", "stage", "--model-version", "$(MODEL_VERSION)",
                     "--export", "$(EXPORT_URI)", "--repository", "/models",
-                    "--config-variant", settings["config_variant"]],
+                    "--config-variant", settings.config_variant],
         "env": [from_annotation("model-version"), from_annotation("export-uri"),
                 {"name": "PYTHONUNBUFFERED", "value": "1"}],
-        "envFrom": [{"secretRef": {"name": name}} for name in cluster["env_from_secrets"]],
-        "resources": cluster["kinds"]["cpu"]["resources"],
+        "envFrom": [{"secretRef": {"name": name}} for name in cluster.env_from_secrets],
+        "resources": cluster.kinds["cpu"].resources,
         "securityContext": _hardened(),
         "volumeMounts": [{"name": "models", "mountPath": "/models"}, {"name": "scratch", "mountPath": "/tmp"}],
     }
-    load_failures = max(3, int(serve["load_timeout_s"]) // 5)
+    load_failures = max(3, int(serve.load_timeout_s) // 5)
     server = {
         "name": "triton",
-        "image": pinned_image("serve.kubernetes.image", settings["image"]),
-        "imagePullPolicy": cluster["image_pull_policy"],
+        "image": pinned_image("serve.kubernetes.image", settings.image),
+        "imagePullPolicy": cluster.image_pull_policy,
         "command": ["tritonserver"],
         "args": ["--model-repository=/models", "--model-control-mode=explicit",
-                 *(f"--load-model={m}" for m in (serve["triton_model"], serve["generate_model"])),
+                 *(f"--load-model={m}" for m in (serve.triton_model, serve.generate_model)),
                  "--exit-on-error=true", "--strict-readiness=true", f"--http-port={ports['http']}",
                  f"--grpc-port={ports['grpc']}", f"--metrics-port={ports['metrics']}"],
         "ports": [{"name": name, "containerPort": port} for name, port in ports.items() if name != "openai"],
         "startupProbe": _http_get("/v2/health/ready", 5, load_failures),
         "readinessProbe": _http_get("/v2/health/ready", 5, 3),
         "livenessProbe": _http_get("/v2/health/live", 10, 3),
-        "resources": kind["resources"],
+        "resources": kind.resources,
         "securityContext": _hardened(),
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
                          {"name": "shm", "mountPath": "/dev/shm"}, {"name": "scratch", "mountPath": "/tmp"}],
@@ -126,38 +127,38 @@ def track_deployment(params: dict[str, Any], track: str, install: bool = False) 
     openai = {
         "name": "openai",
         "image": step_image,
-        "imagePullPolicy": cluster["image_pull_policy"],
+        "imagePullPolicy": cluster.image_pull_policy,
         "command": ["python", "-m", "tasks.openai_api", "--host", "0.0.0.0", "--port", str(ports["openai"]),
                     "--triton-url", f"http://127.0.0.1:{ports['http']}"],
         "ports": [{"name": "openai", "containerPort": ports["openai"]}],
         "readinessProbe": _http_get("/health", 5, 3, "openai"),
         "livenessProbe": _http_get("/health", 10, 3, "openai"),
-        "resources": cluster["kinds"]["cpu"]["resources"],
+        "resources": cluster.kinds["cpu"].resources,
         "securityContext": _hardened(),
         "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
     }
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the servers never call the Kubernetes API
-        "securityContext": {"runAsNonRoot": True, "runAsUser": cluster["run_as_user"],
-                            "runAsGroup": cluster["run_as_user"], "fsGroup": cluster["run_as_user"],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": cluster.run_as_user,
+                            "runAsGroup": cluster.run_as_user, "fsGroup": cluster.run_as_user,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "initContainers": [stage],
         "containers": [server, openai],
-        "volumes": [{"name": "models", "emptyDir": {"sizeLimit": settings["model_repository_size"]}},
-                    {"name": "scratch", "emptyDir": {"sizeLimit": cluster["scratch_size"]}},
-                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings["shm_size"]}}],
+        "volumes": [{"name": "models", "emptyDir": {"sizeLimit": settings.model_repository_size}},
+                    {"name": "scratch", "emptyDir": {"sizeLimit": cluster.scratch_size}},
+                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}}],
         # above training's class: the scheduler never preempts a Triton pod for a training Job
-        "priorityClassName": settings["priority_class"],
+        "priorityClassName": settings.priority_class,
         "topologySpreadConstraints": spread(labels),
     }
-    if kind["node_selector"]:
-        pod_spec["nodeSelector"] = kind["node_selector"]
-    if kind["tolerations"]:
-        pod_spec["tolerations"] = kind["tolerations"]
+    if kind.node_selector:
+        pod_spec["nodeSelector"] = kind.node_selector
+    if kind.tolerations:
+        pod_spec["tolerations"] = list(kind.tolerations)  # a list: YAML's safe dumper has no tuples
     deployment: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": f"{settings['name']}-{track}", "namespace": cluster["namespace"], "labels": labels},
+        "metadata": {"name": f"{settings.name}-{track}", "namespace": cluster.namespace, "labels": labels},
         "spec": {
             "selector": {"matchLabels": labels},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
@@ -179,52 +180,52 @@ def spread(labels: dict[str, str]) -> list[dict[str, Any]]:
             for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")]
 
 
-def disruption_budget(params: dict[str, Any]) -> dict[str, Any]:
+def disruption_budget(params: Settings) -> dict[str, Any]:
     """The stable track's PodDisruptionBudget: a drain or an autoscaler's scale-down evicts one
     stable pod at a time, so some stay serving (hence fewer than ``replicas``; the canary track,
     0 or 1 pod for minutes, has none). A pod that is not ready may go: it serves nothing."""
-    settings = params["serve"]["kubernetes"]
-    if not 0 < int(settings["max_unavailable"]) < int(settings["replicas"]):
-        raise ValueError(f"serve.kubernetes.max_unavailable {settings['max_unavailable']!r}: expected at least 1 "
-                         f"and fewer than replicas ({settings['replicas']}), so a drain leaves stable pods serving")
+    settings = params.serve.kubernetes
+    if not 0 < settings.max_unavailable < settings.replicas:
+        raise ValueError(f"serve.kubernetes.max_unavailable {settings.max_unavailable!r}: expected at least 1 "
+                         f"and fewer than replicas ({settings.replicas}), so a drain leaves stable pods serving")
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": {"name": f"{settings['name']}-stable", "namespace": params["launcher"]["kubernetes"]["namespace"],
+            "metadata": {"name": f"{settings.name}-stable", "namespace": params.launcher.kubernetes.namespace,
                          "labels": _labels(settings, "stable")},
-            "spec": {"maxUnavailable": int(settings["max_unavailable"]),
+            "spec": {"maxUnavailable": settings.max_unavailable,
                      "selector": {"matchLabels": _labels(settings, "stable")},
                      "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
 
 
-def track_service(params: dict[str, Any], track: str) -> dict[str, Any]:
-    settings = params["serve"]["kubernetes"]
+def track_service(params: Settings, track: str) -> dict[str, Any]:
+    settings = params.serve.kubernetes
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": f"{settings['name']}-{track}", "namespace": params["launcher"]["kubernetes"]["namespace"],
+        "metadata": {"name": f"{settings.name}-{track}", "namespace": params.launcher.kubernetes.namespace,
                      "labels": _labels(settings, track)},
         "spec": {"selector": _labels(settings, track),
-                 "ports": [{"name": name, "port": port, "targetPort": name} for name, port in settings["ports"].items()]},
+                 "ports": [{"name": name, "port": port, "targetPort": name} for name, port in settings.ports.items()]},
     }
 
 
 ROUTED_ACTIONS = ("infer", "generate", "generate_stream")  # as the local router's (tasks/lib/router.py)
 
 
-def public_triton_paths(serve: dict[str, Any]) -> list[str]:
+def public_triton_paths(serve: ServeSettings) -> list[str]:
     """What clients may call of Triton's: each served model's inference paths and metadata,
     the server's health and metadata."""
-    models = (serve["triton_model"], serve["generate_model"])
+    models = (serve.triton_model, serve.generate_model)
     return [*(f"/v2/models/{m}/{a}" for m in models for a in ROUTED_ACTIONS), *(f"/v2/models/{m}" for m in models),
             "/v2", "/v2/health/live", "/v2/health/ready"]
 
 
-def http_route(params: dict[str, Any]) -> dict[str, Any]:
+def http_route(params: Settings) -> dict[str, Any]:
     """The public route: an allowlist, split between the tracks by weight (rules 0: Triton's
     inference, health and metadata paths, exact; 1: the OpenAI front's ``/v1``). Nothing else of
     Triton's (repository control, a version's own paths) matches: the gateway answers 404.
     Deploy's once created (``--install`` only): its weights and state are the live split."""
-    settings = params["serve"]["kubernetes"]
-    names = {track: f"{settings['name']}-{track}" for track in TRACKS}
+    settings = params.serve.kubernetes
+    names = {track: f"{settings.name}-{track}" for track in TRACKS}
 
     def backend(track: str, weight: int, port: int) -> dict[str, Any]:
         stamp = {"set": [{"name": VERSION_HEADER, "value": NO_VERSION}]}
@@ -234,87 +235,87 @@ def http_route(params: dict[str, Any]) -> dict[str, Any]:
     def weighted(matches: list[dict[str, Any]], port: int) -> dict[str, Any]:
         return {"matches": matches, "backendRefs": [backend("stable", 1000, port), backend("canary", 0, port)]}
 
-    triton_paths = [{"path": {"type": "Exact", "value": path}} for path in public_triton_paths(params["serve"])]
+    triton_paths = [{"path": {"type": "Exact", "value": path}} for path in public_triton_paths(params.serve)]
     state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}
     return {
         "apiVersion": "gateway.networking.k8s.io/v1",
         "kind": "HTTPRoute",
-        "metadata": {"name": settings["route"], "namespace": params["launcher"]["kubernetes"]["namespace"],
+        "metadata": {"name": settings.route, "namespace": params.launcher.kubernetes.namespace,
                      "labels": {"app.kubernetes.io/part-of": "llm-pipeline"},
                      "annotations": {f"{ANNOTATION}route": json.dumps(state)}},
         "spec": {
-            "parentRefs": [_gateway_ref(settings, settings["gateway"]["listener"])],
-            "hostnames": [settings["hostname"]],
-            "rules": [weighted(triton_paths, settings["ports"]["http"]),
-                      weighted([{"path": {"type": "PathPrefix", "value": "/v1/"}}], settings["ports"]["openai"])],
+            "parentRefs": [_gateway_ref(settings, settings.gateway.listener)],
+            "hostnames": [settings.hostname],
+            "rules": [weighted(triton_paths, settings.ports["http"]),
+                      weighted([{"path": {"type": "PathPrefix", "value": "/v1/"}}], settings.ports["openai"])],
         },
     }
 
 
-def internal_route(params: dict[str, Any]) -> dict[str, Any]:
+def internal_route(params: Settings) -> dict[str, Any]:
     """Deploy's route, on the gateway's internal listener (not reachable from outside the
     cluster): ``X-Serving-Track: canary|stable`` reaches one track alone, Triton's model paths (a
     version's own included; not its repository control) and the OpenAI front's, for the smoke test before any traffic moves
     and the canary analysis's baseline; through the same gateway hop as the split's requests."""
-    settings = params["serve"]["kubernetes"]
+    settings = params.serve.kubernetes
 
     def rule(prefix: str, track: str, port: int) -> dict[str, Any]:
         header = {"type": "Exact", "name": TRACK_HEADER, "value": track}
         return {"matches": [{"path": {"type": "PathPrefix", "value": prefix}, "headers": [header]}],
-                "backendRefs": [{"name": f"{settings['name']}-{track}", "port": port}]}
+                "backendRefs": [{"name": f"{settings.name}-{track}", "port": port}]}
 
     return {
         "apiVersion": "gateway.networking.k8s.io/v1",
         "kind": "HTTPRoute",
-        "metadata": {"name": f"{settings['route']}-internal", "namespace": params["launcher"]["kubernetes"]["namespace"],
+        "metadata": {"name": f"{settings.route}-internal", "namespace": params.launcher.kubernetes.namespace,
                      "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
         "spec": {
-            "parentRefs": [_gateway_ref(settings, settings["gateway"]["internal_listener"])],
-            "rules": [rule(prefix, track, settings["ports"][port]) for prefix, port in (("/v2/models/", "http"),
+            "parentRefs": [_gateway_ref(settings, settings.gateway.internal_listener)],
+            "rules": [rule(prefix, track, settings.ports[port]) for prefix, port in (("/v2/models/", "http"),
                                                                                         ("/v1/", "openai"))
                       for track in ("canary", "stable")],
         },
     }
 
 
-def _gateway_ref(settings: dict[str, Any], listener: str) -> dict[str, Any]:
-    gateway = settings["gateway"]
-    return {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway["name"],
-            "namespace": gateway["namespace"], "sectionName": listener}
+def _gateway_ref(settings: ServeKubernetes, listener: str) -> dict[str, Any]:
+    gateway = settings.gateway
+    return {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway.name,
+            "namespace": gateway.namespace, "sectionName": listener}
 
 
-def deployer_rbac(params: dict[str, Any]) -> list[dict[str, Any]]:
+def deployer_rbac(params: Settings) -> list[dict[str, Any]]:
     """What the deploy step's service account may do: get and patch these objects and hold the
     deploy lock, nothing else."""
-    cluster, settings = params["launcher"]["kubernetes"], params["serve"]["kubernetes"]
-    name, namespace = "llm-pipeline-deployer", cluster["namespace"]
+    cluster, settings = params.launcher.kubernetes, params.serve.kubernetes
+    name, namespace = "llm-pipeline-deployer", cluster.namespace
     return [
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
          "metadata": {"name": name, "namespace": namespace},
          "rules": [
              {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"],
-              "resourceNames": [f"{settings['name']}-{track}" for track in TRACKS]},
+              "resourceNames": [f"{settings.name}-{track}" for track in TRACKS]},
              {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["httproutes"], "verbs": ["get", "patch"],
-              "resourceNames": [settings["route"]]},
+              "resourceNames": [settings.route]},
              # the deploy lock: deploy creates its Lease when absent (create cannot be limited by name)
              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "update"],
-              "resourceNames": [f"{settings['route']}-deploy"]},
+              "resourceNames": [f"{settings.route}-deploy"]},
              {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
          ]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": {"name": name, "namespace": namespace},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": cluster["deploy_service_account"], "namespace": namespace}]},
+         "subjects": [{"kind": "ServiceAccount", "name": cluster.deploy_service_account, "namespace": namespace}]},
     ]
 
 
-def network_policy(params: dict[str, Any]) -> dict[str, Any]:
+def network_policy(params: Settings) -> dict[str, Any]:
     """Who may connect to a Triton pod, by port. Its HTTP port also serves Triton's repository
     control (load, unload): the gateway's allowlist guards it from clients, this from the pods
     of the cluster. The gateway's proxies reach inference and the OpenAI front, the deploy step's
     pods every port (smoke test, baseline, metrics), Prometheus the metrics port; nothing else."""
-    settings = params["serve"]["kubernetes"]
-    network = settings["network"]
+    settings = params.serve.kubernetes
+    network = settings.network
 
     def namespace(name: str) -> dict[str, Any]:
         return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": name}}}
@@ -324,23 +325,23 @@ def network_policy(params: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"name": settings["name"], "namespace": params["launcher"]["kubernetes"]["namespace"],
+        "metadata": {"name": settings.name, "namespace": params.launcher.kubernetes.namespace,
                      "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
         "spec": {
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": settings["name"],
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": settings.name,
                                             "app.kubernetes.io/part-of": "llm-pipeline"}},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [namespace(network["gateway_proxy_namespace"])], "ports": ports("http", "openai")},
+                {"from": [namespace(network.gateway_proxy_namespace)], "ports": ports("http", "openai")},
                 {"from": [{"podSelector": {"matchLabels": {DEPLOYER_LABEL: "true"}}}],
-                 "ports": ports(*settings["ports"])},
-                {"from": [namespace(network["metrics_namespace"])], "ports": ports("metrics")},
+                 "ports": ports(*settings.ports)},
+                {"from": [namespace(network.metrics_namespace)], "ports": ports("metrics")},
             ],
         },
     }
 
 
-def serving_manifests(params: dict[str, Any] | None = None, install: bool = False) -> list[dict[str, Any]]:
+def serving_manifests(params: Settings | None = None, install: bool = False) -> list[dict[str, Any]]:
     """The serving objects; ``install``: with what deploy owns afterwards, in its initial state
     (see the module docstring)."""
     params = params or pipeline_params()

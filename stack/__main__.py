@@ -47,13 +47,13 @@ def predict(prompt: str, max_tokens: int) -> int:
     one line of error when nothing serves yet."""
     import openai
 
-    from tasks.lib.params import load_params
+    from tasks.config import load
 
     url = f"{client_env()['ROUTER_URL']}/v1"
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
     try:
         with client.completions.with_streaming_response.create(
-                model=load_params()["pipeline"]["model_name"], prompt=prompt, max_tokens=max_tokens, stream=True) as resp:
+                model=load().pipeline.model_name, prompt=prompt, max_tokens=max_tokens, stream=True) as resp:
             print(f"[version {resp.headers.get('X-Model-Version', '?')}] {prompt}", end="", flush=True)
             for chunk in resp.parse():
                 print(chunk.choices[0].text if chunk.choices else "", end="", flush=True)

@@ -26,7 +26,9 @@ from typing import Any
 
 import yaml
 
+from tasks.config import ServeSettings, load
 from tasks.lib.metrics import basic_auth
+from tasks.lib.polling import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUCKETS = ("pipeline", "raw", "dvc", "mlflow")
@@ -39,8 +41,7 @@ def state_dir() -> Path:
 
 
 def ports() -> dict[str, int]:
-    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
-    configured: dict[str, int] = params["stack"]["ports"]
+    configured = load().stack.ports
     return {name: int(os.environ.get(f"STACK_PORT_{name.upper()}", port)) for name, port in configured.items()}
 
 
@@ -114,8 +115,11 @@ PEOPLE_ONLY = frozenset({"PROMETHEUS_USERNAME", "PROMETHEUS_PASSWORD"})
 
 
 def steps_env() -> dict[str, str]:
-    """What the steps get: client_env() without people's logins."""
-    return {key: value for key, value in client_env().items() if key not in PEOPLE_ONLY}
+    """What the steps get: client_env() without people's logins. And the repository on the
+    path: the DAGs and plugins import the step contract and settings (tasks/contract.py,
+    tasks/config.py: standard library only) as Airflow's image does from /opt/airflow."""
+    env = {key: value for key, value in client_env().items() if key not in PEOPLE_ONLY}
+    return {**env, "PYTHONPATH": str(REPO_ROOT)}
 
 
 def triton_repository() -> Path:
@@ -187,13 +191,15 @@ class Server:
                 start_new_session=True,  # own process group: `down` stops its children too
             )
         self.pid_file.write_text(str(proc.pid))
-        deadline = time.monotonic() + self.start_timeout_s
-        while not self.healthy():
+        def healthy() -> bool:
+            if self.healthy():
+                return True
             if proc.poll() is not None:
                 raise StackError(f"{self.name} exited with {proc.returncode}; see {self.log_file}")
-            if time.monotonic() > deadline:
-                raise StackError(f"{self.name} not healthy after {self.start_timeout_s:.0f}s; see {self.log_file}")
-            time.sleep(0.3)
+            return False
+
+        wait_until(healthy, self.start_timeout_s, 0.3, lambda: StackError(
+            f"{self.name} not healthy after {self.start_timeout_s:.0f}s; see {self.log_file}"))
 
     def stop(self) -> None:
         stop_servers([self])
@@ -357,8 +363,6 @@ def ensure_mlflow_pipeline_user(tracking_uri: str, admin_password: str, password
     from mlflow.exceptions import MlflowException, RestException
     from mlflow.server.auth.client import AuthServiceClient
 
-    from tasks.lib.params import load_params
-
     saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
     os.environ.update(MLFLOW_TRACKING_USERNAME=MLFLOW_ADMIN, MLFLOW_TRACKING_PASSWORD=admin_password)
     try:
@@ -379,13 +383,13 @@ def ensure_mlflow_pipeline_user(tracking_uri: str, admin_password: str, password
             raise
         from mlflow import MlflowClient
 
-        params = load_params()
-        experiment = MlflowClient(tracking_uri).get_experiment_by_name(params["train"]["experiment"])
+        settings = load()
+        experiment = MlflowClient(tracking_uri).get_experiment_by_name(settings.train.experiment)
         # and MLflow's Default experiment (0, created with the database): runs started without one
         grants = [("experiment", "0"), *([("experiment", experiment.experiment_id)] if experiment else [])]
         with contextlib.suppress(MlflowException):  # absent: the pipeline creates it, so it manages it
-            MlflowClient(tracking_uri).get_registered_model(params["pipeline"]["model_name"])
-            grants.append(("registered_model", params["pipeline"]["model_name"]))
+            MlflowClient(tracking_uri).get_registered_model(settings.pipeline.model_name)
+            grants.append(("registered_model", settings.pipeline.model_name))
         for resource_type, resource in grants:
             with contextlib.suppress(RestException):  # RESOURCE_ALREADY_EXISTS: granted at an earlier start
                 admin.grant_user_permission(MLFLOW_PIPELINE_USER, resource_type, resource, "MANAGE")
@@ -558,8 +562,8 @@ AIRFLOW_SERVERS = tuple(_airflow_component(c) for c in ("api-server", "scheduler
 def create_airflow_pools(airflow: str | None = None, env: Mapping[str, str] | None = None) -> None:
     """The pools the retrain DAG's steps queue in (params.yaml ``pipeline.pools``), created or
     resized before the scheduler starts: the scheduler never runs a task of a missing pool."""
-    pools = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["pipeline"]["pools"]
-    spec = {name: {"slots": int(pool["slots"]), "description": pool["description"], "include_deferred": False}
+    pools = load().pipeline.pools
+    spec = {name: {"slots": pool.slots, "description": pool.description, "include_deferred": False}
             for name, pool in pools.items()}
     path = state_dir() / "airflow-pools.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -742,23 +746,22 @@ SERVERS = (
 ROUTE_READ_ERRORS = (OSError, ValueError, IndexError, KeyError)  # Triton not answering, a split.conf unreadable
 
 
-def route_versions_ready(client: Any, serve: dict[str, Any], routes: Path | None = None) -> tuple[list[int], bool]:
+def route_versions_ready(client: Any, serve: ServeSettings, routes: Path | None = None) -> tuple[list[int], bool]:
     """The versions the router's saved route (in ``routes``, the local router's folder by default)
     sends traffic to (stable, any canary), and whether Triton (``client``) has each of them READY
     in both models."""
     from tasks.lib.router import saved_route
 
     versions = saved_route(routes or router_dir()).versions()
-    return versions, all(client.model_ready(model, version) for model in (serve["triton_model"], serve["generate_model"])
+    return versions, all(client.model_ready(model, version) for model in (serve.triton_model, serve.generate_model)
                          for version in versions)
 
 
-def serving_client(triton_url: str | None = None) -> tuple[Any, dict[str, Any]]:
+def serving_client(triton_url: str | None = None) -> tuple[Any, ServeSettings]:
     """A client of the stack's Triton (or the one at ``triton_url``) and the ``serve`` settings."""
     from tasks.lib import triton
-    from tasks.lib.params import load_params
 
-    return triton.TritonClient(triton_url or client_env()["TRITON_URL"]), load_params()["serve"]
+    return triton.TritonClient(triton_url or client_env()["TRITON_URL"]), load().serve
 
 
 def reconcile_serving(env: Mapping[str, str] | None = None) -> list[int]:

@@ -31,7 +31,6 @@ export, moves all traffic to it, unloads the rest and makes it ``champion``.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import time
@@ -43,10 +42,11 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import CanarySettings, ServeSettings
 from tasks.lib import canary, storage, triton
 from tasks.lib.errors import GateRejected, StepError, Terminated, absent, first_line, registry_error
 from tasks.lib.model_store import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
-from tasks.lib.params import load_params, step_params
+from tasks.lib.params import load_settings
 from tasks.lib.serving import PromotionFailed, Serving, serving_platform, stage_version
 from tasks.lib.step import log, raise_on_sigterm, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
@@ -79,16 +79,15 @@ def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> Non
                             f"({sample.status} {sample.error})")
 
 
-def warm_up(serving: Serving, version: int, reference: dict[str, Any], params: dict[str, Any]) -> int:
+def warm_up(serving: Serving, version: int, reference: dict[str, Any], params: CanarySettings) -> int:
     """``warmup_streams`` streamed completions straight to the new version at the canary's
     concurrency, after the smoke test and before any traffic moves: its engine decodes batches of
     every size once and its processes are running when the first step measures it (a canary just
     loaded was judged slower than the warm stable on time to first token). Their figures and
     outcomes are discarded: the steps judge. Returns how many completed."""
     url, headers = serving.text_target(version)
-    count = int(params["warmup_streams"])
-    samples = canary.send_text_traffic(url, headers, canary.text_requests(reference), float(count), 1.0,
-                                       int(params["concurrency"]), float(params["text_timeout_s"]), version)
+    samples = canary.send_text_traffic(url, headers, canary.text_requests(reference), float(params.warmup_streams), 1.0,
+                                       params.concurrency, params.text_timeout_s, version)
     return sum(s.ok for s in samples)
 
 
@@ -112,12 +111,12 @@ class StepTraffic:
     text: list[canary.TextSample] = field(default_factory=list)
     text_direct: list[canary.TextSample] = field(default_factory=list)
 
-    def enough(self, version: int, params: dict[str, Any]) -> bool:
-        return (sum(s.version == version for s in self.samples) >= params["min_samples"]
-                and sum(s.version == version for s in self.text) >= params["text_min_samples"])
+    def enough(self, version: int, params: CanarySettings) -> bool:
+        return (sum(s.version == version for s in self.samples) >= params.min_samples
+                and sum(s.version == version for s in self.text) >= params.text_min_samples)
 
 
-def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any], reference: dict[str, Any],
+def step_traffic(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
                  stable: int | None, version: int, weight: float) -> StepTraffic:
     """One canary step's traffic: windows through the router (repeated, up to ``max_windows``,
     until the canary has ``min_samples`` logits requests and ``text_min_samples`` streams) and,
@@ -126,17 +125,17 @@ def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
     inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
     expected = reference["next_tokens"]
     texts = canary.text_requests(reference)
-    routed_url, routed_text_url = serving.url + triton.infer_path(serve["triton_model"]), serving.url + "/v1/completions"
-    rate, duration = float(params["rate_rps"]), float(params["step_duration_s"])
-    concurrency, timeout = int(params["concurrency"]), float(params["request_timeout_s"])
-    text_rate, text_timeout = float(params["text_rps"]), float(params["text_timeout_s"])
-    rate, direct_rps = canary.split_rates(rate, params["min_samples"], weight, stable, duration)
-    text_rate, direct_text_rps = canary.split_rates(text_rate, params["text_min_samples"], weight, stable, duration)
+    routed_url, routed_text_url = serving.url + triton.infer_path(serve.triton_model), serving.url + "/v1/completions"
+    rate, duration = params.rate_rps, params.step_duration_s
+    concurrency, timeout = params.concurrency, params.request_timeout_s
+    text_rate, text_timeout = params.text_rps, params.text_timeout_s
+    rate, direct_rps = canary.split_rates(rate, params.min_samples, weight, stable, duration)
+    text_rate, direct_text_rps = canary.split_rates(text_rate, params.text_min_samples, weight, stable, duration)
     baseline_url, baseline_headers = serving.baseline_target(stable) if stable is not None else ("", {})
     text_url, text_headers = serving.text_target(stable) if stable is not None else ("", {})
     traffic = StepTraffic()
     with ThreadPoolExecutor(max_workers=3) as beside:
-        for _ in range(int(params["max_windows"])):  # a small share may need more than one window
+        for _ in range(params.max_windows):  # a small share may need more than one window
             baseline = beside.submit(canary.send_traffic, baseline_url, baseline_headers, inputs, expected,
                                      direct_rps, duration, concurrency, timeout, version=stable) if direct_rps else None
             text_baseline = beside.submit(canary.send_text_traffic, text_url, text_headers, texts, direct_text_rps,
@@ -152,7 +151,7 @@ def step_traffic(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
     return traffic
 
 
-def analyse_step(serving: Serving, serve: dict[str, Any], params: dict[str, Any], reference: dict[str, Any],
+def analyse_step(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
                  stable: int | None, version: int, weight: float) -> dict[str, Any]:
     """One analysis of a step: its traffic, judged, with Triton's counters over the same time."""
     before = serving.metrics()
@@ -175,7 +174,7 @@ def analyse_step(serving: Serving, serve: dict[str, Any], params: dict[str, Any]
     return result
 
 
-def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Serving, serve: dict[str, Any],
+def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Serving, serve: ServeSettings,
                scratch: Path) -> dict[str, Any]:
     version = int(args.model_version)
     reference = serving.stage(args.export, version, scratch)
@@ -215,7 +214,7 @@ def run_canary(args: argparse.Namespace, params: dict[str, Any], serving: Servin
     return report
 
 
-def walk_steps(serving: Serving, serve: dict[str, Any], params: dict[str, Any], reference: dict[str, Any],
+def walk_steps(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
                stable: int | None, version: int, report: dict[str, Any]) -> tuple[float, str] | None:
     """The smoke test, the warm-up and the traffic steps (their analyses in ``report``): None
     when every step passed, else the weight it failed at and why."""
@@ -224,8 +223,8 @@ def walk_steps(serving: Serving, serve: dict[str, Any], params: dict[str, Any], 
     except StepError as exc:  # before any traffic moved
         return 0.0, f"smoke test: {exc}"
     report["warmup_streams"] = warm_up(serving, version, reference, params)
-    steps = [float(w) for w in params["steps"]] if stable is not None else [100.0]
-    analyses = int(params["latency_analyses"])
+    steps = [float(w) for w in params.steps] if stable is not None else [100.0]
+    analyses = params.latency_analyses
     for weight in steps:
         serving.route(stable, version, weight)
         for analysis in range(1, analyses + 1):
@@ -275,7 +274,7 @@ def back_to_stable(serving: Serving, stable: int | None, version: int, exc: Base
     return exc
 
 
-def save_report(report: dict[str, Any], output: str, dag_run_tag: str) -> None:
+def save_report(report: dict[str, Any], output: str, dag_run_tag: str, experiment: str) -> None:
     with storage.staged_output(output) as out:
         (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
         if report["steps"]:
@@ -283,22 +282,11 @@ def save_report(report: dict[str, Any], output: str, dag_run_tag: str) -> None:
         if dag_run_tag and os.environ.get("MLFLOW_TRACKING_URI"):
             import mlflow
 
-            run_id = find_dag_run(load_params()["train"]["experiment"], dag_run_tag)
+            run_id = find_dag_run(experiment, dag_run_tag)
             if run_id is not None:
                 with mlflow.start_run(run_id=run_id):
                     mlflow.log_artifacts(str(out), "canary")
                     mlflow.set_tag("canary.verdict", report["verdict"])
-
-
-def check_steps(steps: Any) -> None:
-    """Traffic shares that rise and end at 100 (promotion follows the last one)."""
-    try:
-        shares = [float(w) for w in steps] if isinstance(steps, list) else []
-    except (TypeError, ValueError):
-        shares = []
-    if (not shares or any(not 0 < w <= 100 for w in shares) or shares[-1] != 100
-            or any(b <= a for a, b in itertools.pairwise(shares))):
-        raise StepError(f"canary.steps {steps!r}: expected rising traffic shares in (0, 100] ending at 100")
 
 
 def older_than_champion(name: str, version: str) -> str | None:
@@ -318,27 +306,23 @@ def older_than_champion(name: str, version: str) -> str | None:
 
 
 def canary_main(args: argparse.Namespace) -> dict[str, Any]:
-    params = step_params("canary", args.overrides)
-    settings = load_params()
-    serve, name = settings["serve"], settings["pipeline"]["model_name"]
+    # canary.steps (rising, ending at 100: promotion follows the last one), deploy_older_data and
+    # latency_analyses are checked as the settings are read, before any traffic moves
+    settings = load_settings("canary", args.overrides)
+    params, serve, name = settings.canary, settings.serve, settings.pipeline.model_name
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number")
-    check_steps(params["steps"])
-    if not isinstance(params["deploy_older_data"], bool):
-        raise StepError(f"canary.deploy_older_data {params['deploy_older_data']!r}: expected true or false")
-    if not str(params["latency_analyses"]).isdigit() or int(params["latency_analyses"]) < 1:
-        raise StepError(f"canary.latency_analyses {params['latency_analyses']!r}: expected a whole number >= 1")
     serving = serving_platform(settings)
     with serving.lock(), storage.scratch() as scratch:
         # read under the lock: a deploy that held it may just have promoted a newer champion
-        why = None if params["deploy_older_data"] else older_than_champion(name, str(args.model_version))
+        why = None if params.deploy_older_data else older_than_champion(name, str(args.model_version))
         if why:
             raise GateRejected(f"{why}: not deployed (the run's deploy_older_data Param deploys it)",
                                {"verdict": "not deployed", "canary": int(args.model_version), "reason": why})
         report = run_canary(args, params, serving, serve, scratch)
         if report["verdict"] == "promoted":
             report["aliases"] = promote_version(name, str(args.model_version)) if args.promote else {}
-        save_report(report, args.output, args.mlflow_run_tag)
+        save_report(report, args.output, args.mlflow_run_tag, settings.train.experiment)
     if report["verdict"] != "promoted":
         raise StepError(f"canary of version {args.model_version} rolled back at {report['failed_at']:g}%: "
                         f"{report['reason']}; stable version {report['stable']} keeps all traffic")
@@ -360,8 +344,8 @@ def rollback_main(args: argparse.Namespace) -> dict[str, Any]:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    settings = load_params()
-    name = settings["pipeline"]["model_name"]
+    settings = load_settings("canary", args.overrides)
+    name = settings.pipeline.model_name
     target = args.target if args.target.isdigit() else alias_version(name, args.target)
     if target is None:
         raise StepError(f"--target {args.target!r}: models:/{name}@{args.target} does not exist")
@@ -394,7 +378,7 @@ def stage_main(args: argparse.Namespace) -> dict[str, Any]:
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number "
                         "(an empty one: the track's Deployment was never given a version)")
-    serve = load_params()["serve"]
+    serve = load_settings("canary", args.overrides).serve
     with storage.scratch() as scratch:
         stage_version(args.export, int(args.model_version), Path(args.repository), serve, scratch,
                       args.config_variant)

@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from tasks.config import EvaluateSettings
 from tasks.lib import storage, tokens
 from tasks.lib.data import open_split
 from tasks.lib.errors import GateRejected, StepError
 from tasks.lib.model import GPT
 from tasks.lib.model_store import CHAMPION, LoadedModel, load_model_dir, load_registered
-from tasks.lib.params import load_params, step_params
+from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
@@ -81,27 +82,27 @@ def generate(model: GPT, tokenizer: Any, prompt: str, new_tokens: int) -> str:
     return text
 
 
-def measure(loaded: LoadedModel, val: np.ndarray[Any, Any] | None, eval_set: Path, params: dict[str, Any],
+def measure(loaded: LoadedModel, val: np.ndarray[Any, Any] | None, eval_set: Path, params: EvaluateSettings,
             scratch: Path) -> dict[str, Any]:
     tokenizer = tokens.load_tokenizer(loaded.tokenizer_uri, scratch / f"tok-{loaded.description['tokenizer_hash'][:12]}")
     stream, n_bytes = eval_set_stream(eval_set, tokenizer)
-    held_out = stream_metrics(loaded.model, stream, int(params["max_eval_tokens"]), int(params["batch"]))
+    held_out = stream_metrics(loaded.model, stream, params.max_eval_tokens, params.batch)
     # bits per byte over the measured windows' share of the text: comparable across tokenizers
     held_out["bits_per_byte"] = held_out.pop("nats") / math.log(2) / (n_bytes * held_out["tokens"] / len(stream))
     out: dict[str, Any] = {f"eval_{k}": v for k, v in held_out.items()}
     out["tokenizer_hash"] = loaded.description["tokenizer_hash"]
     if val is not None:
-        val_metrics = stream_metrics(loaded.model, val, int(params["max_eval_tokens"]), int(params["batch"]))
+        val_metrics = stream_metrics(loaded.model, val, params.max_eval_tokens, params.batch)
         val_metrics.pop("nats")
         out.update({f"val_{k}": v for k, v in val_metrics.items()})
     out["samples"] = [
-        {"prompt": p, "completion": generate(loaded.model, tokenizer, p, int(params["sample_tokens"]))}
-        for p in params["prompts"]
+        {"prompt": p, "completion": generate(loaded.model, tokenizer, p, params.sample_tokens)}
+        for p in params.prompts
     ]
     return out
 
 
-def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: dict[str, Any]) -> list[str]:
+def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: EvaluateSettings) -> list[str]:
     """Reasons to reject the challenger (empty: it passes). A non-finite figure is a reason by
     itself: every comparison with NaN is false, so it would pass every bound."""
     broken = [f"eval {key.removeprefix('eval_')} is {challenger[key]}: not a finite number"
@@ -109,10 +110,11 @@ def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: d
     if broken:
         return broken
     reasons = []
-    if challenger["eval_perplexity"] > params["max_eval_perplexity"]:
-        reasons.append(f"eval perplexity {challenger['eval_perplexity']:.1f} > max {params['max_eval_perplexity']}")
-    if challenger["eval_accuracy"] < params["min_eval_accuracy"]:
-        reasons.append(f"eval next-token accuracy {challenger['eval_accuracy']:.3f} < min {params['min_eval_accuracy']}")
+    # :g: a bound of 2000 reads "2000", not "2000.0"
+    if challenger["eval_perplexity"] > params.max_eval_perplexity:
+        reasons.append(f"eval perplexity {challenger['eval_perplexity']:.1f} > max {params.max_eval_perplexity:g}")
+    if challenger["eval_accuracy"] < params.min_eval_accuracy:
+        reasons.append(f"eval next-token accuracy {challenger['eval_accuracy']:.3f} < min {params.min_eval_accuracy:g}")
     if champion is None:
         return reasons
     # per-token perplexity compares models of one vocabulary only; across tokenizers (the
@@ -126,19 +128,19 @@ def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: d
                        "(fix or re-evaluate the champion)")
     elif not math.isfinite(challenger.get(metric, float("nan"))):
         reasons.append(f"{label} is {challenger.get(metric)}: not a finite number")
-    elif challenger[metric] > baseline * (1 + params["max_regression"]):
-        reasons.append(f"{label} {challenger[metric]:.4g} regresses more than {params['max_regression']:.0%} "
+    elif challenger[metric] > baseline * (1 + params.max_regression):
+        reasons.append(f"{label} {challenger[metric]:.4g} regresses more than {params.max_regression:.0%} "
                        f"on the champion's {baseline:.4g}")
     return reasons
 
 
-def log_to_mlflow(dag_run_tag: str, report: dict[str, Any], output: str) -> None:
+def log_to_mlflow(dag_run_tag: str, report: dict[str, Any], output: str, experiment: str) -> None:
     """Metrics, report and samples into the DAG run's MLflow run (the one training opened)."""
     if not dag_run_tag or not os.environ.get("MLFLOW_TRACKING_URI"):
         return
     import mlflow
 
-    run_id = find_dag_run(load_params()["train"]["experiment"], dag_run_tag)
+    run_id = find_dag_run(experiment, dag_run_tag)
     if run_id is None:
         log.warning("no MLflow run tagged dag_run=%s: evaluation logged to storage only", dag_run_tag)
         return
@@ -150,9 +152,9 @@ def log_to_mlflow(dag_run_tag: str, report: dict[str, Any], output: str) -> None
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    params = step_params("evaluate", args.overrides)
-    model_name = load_params()["pipeline"]["model_name"]
-    eval_uri = args.eval_set or params["eval_set_uri"]
+    settings = load_settings("evaluate", args.overrides)
+    params, model_name = settings.evaluate, settings.pipeline.model_name
+    eval_uri = args.eval_set or params.eval_set_uri
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         eval_set = storage.download(eval_uri, scratch / "eval.jsonl")
         eval_sha = storage.sha256_file(Path(eval_set))
@@ -178,14 +180,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "eval_set_sha256": eval_sha,
             "challenger": {k: v for k, v in challenger.items() if k != "samples"},
             "champion": None if champion is None else {k: v for k, v in champion.items() if k != "samples"},
-            "gate": {k: params[k] for k in ("max_eval_perplexity", "min_eval_accuracy", "max_regression")},
+            "gate": {k: getattr(params, k) for k in ("max_eval_perplexity", "min_eval_accuracy", "max_regression")},
         }
         (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
         samples = {"challenger": challenger["samples"], "champion": champion["samples"] if champion else None}
         (out / "samples.json").write_text(json.dumps(samples, indent=1, ensure_ascii=False))
     result = {**report, "report_uri": storage.join(args.output, "report.json"),
               "samples_uri": storage.join(args.output, "samples.json")}
-    log_to_mlflow(args.mlflow_run_tag, report, args.output)
+    log_to_mlflow(args.mlflow_run_tag, report, args.output, settings.train.experiment)
     log.info("challenger %s; champion %s", json.dumps(report["challenger"]), json.dumps(report["champion"]))
     if reasons:
         raise GateRejected("; ".join(reasons), result)

@@ -49,11 +49,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from tasks.config import REPO_ROOT, ServeSettings, Settings, TensorRT
 from tasks.lib import hf_checkpoint, storage, tokens, triton
 from tasks.lib.errors import StepError
 from tasks.lib.model import GPT, empty_cache, generate_greedy
 from tasks.lib.model_store import load_version
-from tasks.lib.params import REPO_ROOT, load_params, step_params
+from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
@@ -236,15 +237,17 @@ def check_parity(model: GPT, onnx_path: Path, inputs: list[np.ndarray[Any, Any]]
             "expected_next_tokens": expected_tokens}
 
 
-def tensorrt_profile(seq_len: int, trt: dict[str, Any]) -> dict[str, tuple[int, int]]:
+def tensorrt_profile(seq_len: int, trt: TensorRT) -> dict[str, tuple[int, int]]:
     """(min, opt, max) batch and sequence sizes of the engine's optimization profile."""
-    batch, seq = trt["batch"], trt["seq"]
-    return {"input_ids_min": (int(batch["min"]), int(seq["min"])),
-            "input_ids_opt": (int(batch["opt"]), min(int(seq["opt"]), seq_len)),
-            "input_ids_max": (int(batch["max"]), seq_len)}
+    batch, seq = trt.batch, trt.seq
+    if batch.max is None:
+        raise StepError("export.tensorrt.batch.max: missing (the engine's largest batch)")
+    return {"input_ids_min": (batch.min, seq.min),
+            "input_ids_opt": (batch.opt, min(seq.opt, seq_len)),
+            "input_ids_max": (batch.max, seq_len)}
 
 
-def build_tensorrt(onnx_path: Path, plan_path: Path, seq_len: int, trt_params: dict[str, Any]) -> str:
+def build_tensorrt(onnx_path: Path, plan_path: Path, seq_len: int, trt_params: TensorRT) -> str:
     """An FP16 TensorRT engine from the ONNX file, or why none was built (never faked)."""
     if not torch.cuda.is_available():
         log.info("TensorRT: skipped, no GPU on this machine (the gpu image builds model.plan)")
@@ -262,8 +265,8 @@ def build_tensorrt(onnx_path: Path, plan_path: Path, seq_len: int, trt_params: d
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise StepError(f"{onnx_path.name}: TensorRT cannot parse it: {errors}")
     config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(trt_params["workspace_gb"]) << 30)
-    if trt_params.get("fp16", True):
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(trt_params.workspace_gb) << 30)
+    if trt_params.fp16:
         config.set_flag(trt.BuilderFlag.FP16)
     profile = builder.create_optimization_profile()
     shapes = tensorrt_profile(seq_len, trt_params)
@@ -273,14 +276,14 @@ def build_tensorrt(onnx_path: Path, plan_path: Path, seq_len: int, trt_params: d
     if engine is None:
         raise StepError(f"{onnx_path.name}: TensorRT engine build failed")
     plan_path.write_bytes(bytes(engine))
-    return "built: fp16" if trt_params.get("fp16", True) else "built: fp32"
+    return "built: fp16" if trt_params.fp16 else "built: fp32"
 
 
 def write_repository(out: Path, version: str, onnx_path: Path, decoder_path: Path, tokenizer_path: Path,
-                     shape: dict[str, int], serve: dict[str, Any]) -> dict[str, Any]:
+                     shape: dict[str, int], serve: ServeSettings) -> dict[str, Any]:
     """The Triton repository fragment of this version and every backend's configuration."""
-    logits_name, generate_name = serve["triton_model"], serve["generate_model"]
-    served = triton.logits_model_config(logits_name, serve["backend"], serve)
+    logits_name, generate_name = serve.triton_model, serve.generate_model
+    served = triton.logits_model_config(logits_name, serve.backend, serve)
     generate = triton.generate_model_config(generate_name, serve)
     logits_dir = out / "triton" / logits_name / version
     generate_dir = out / "triton" / generate_name / version
@@ -344,7 +347,7 @@ def kept_export(output: str, name: str, version: str) -> dict[str, Any] | None:
 
 
 def log_to_registry(name: str, version: str, dag_run_tag: str, output: str, out: Path | None,
-                    result: dict[str, Any]) -> None:
+                    result: dict[str, Any], settings: Settings) -> None:
     """The ONNX file and configs into the DAG run's MLflow run (``out``: the export's files; None
     when they were logged by the export that wrote them), the export's figures as tags of the
     model version: the registry says what was deployed and from where."""
@@ -361,24 +364,23 @@ def log_to_registry(name: str, version: str, dag_run_tag: str, output: str, out:
         client.set_model_version_tag(name, version, key, value)
     if out is None:
         return
-    run_id = find_dag_run(load_params()["train"]["experiment"], dag_run_tag) if dag_run_tag else None
+    run_id = find_dag_run(settings.train.experiment, dag_run_tag) if dag_run_tag else None
     if run_id is None:
         log.warning("no MLflow run tagged dag_run=%s: export artifacts stay in %s", dag_run_tag, output)
         return
     with mlflow.start_run(run_id=run_id):
         mlflow.log_artifacts(str(out / "configs"), "export/configs")
         mlflow.log_artifact(str(out / "parity.json"), "export")
-        logits_model = load_params()["serve"]["triton_model"]
+        logits_model = settings.serve.triton_model
         mlflow.log_artifact(str(out / "triton" / logits_model / version / "model.onnx"), "export")
-        generate_model = load_params()["serve"]["generate_model"]
+        generate_model = settings.serve.generate_model
         mlflow.log_artifact(str(out / "triton" / generate_model / version / "decoder.onnx"), "export")
         mlflow.log_metric("export.parity_max_abs_logit_diff", result["parity"]["max_abs_logit_diff"])
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    params = step_params("export", args.overrides)
-    settings = load_params()
-    serve, name = settings["serve"], settings["pipeline"]["model_name"]
+    settings = load_settings("export", args.overrides)
+    params, serve, name = settings.export, settings.serve, settings.pipeline.model_name
     version = str(args.model_version)
     if not version.isdigit():
         raise StepError(f"--model-version {version!r}: expected a registry version number")
@@ -386,43 +388,43 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if kept is not None:
         log.info("%s: version %s is exported there already: kept as it is (it may be serving)", args.output, version)
         if args.mlflow:
-            log_to_registry(name, version, args.mlflow_run_tag, args.output, None, kept)
+            log_to_registry(name, version, args.mlflow_run_tag, args.output, None, kept, settings)
         return kept
     # write_once: should another attempt commit first (a zombie and its retry), its output stays
     with storage.scratch() as scratch, storage.staged_output(args.output, write_once=True) as out:
         loaded = load_version(name, version)
         tokenizer_path = storage.download(loaded.tokenizer_uri, scratch / "tokenizer.json")
         tokenizer = tokens.load_tokenizer(str(tokenizer_path), scratch)  # a local path: not copied again
-        eval_text = storage.download(args.eval_set or settings["evaluate"]["eval_set_uri"], scratch / "eval.jsonl")
+        eval_text = storage.download(args.eval_set or settings.evaluate.eval_set_uri, scratch / "eval.jsonl")
         onnx_path = scratch / "model.onnx"
-        export_onnx(loaded.model, onnx_path, int(params["opset"]), int(serve["max_batch_size"]))
-        prompts = list(settings["evaluate"]["prompts"])
-        inputs = parity_inputs(loaded.model, tokenizer, eval_text, prompts, int(params["parity_windows"]))
-        atol = float(params["parity_atol"])
+        export_onnx(loaded.model, onnx_path, params.opset, serve.max_batch_size)
+        prompts = list(settings.evaluate.prompts)
+        inputs = parity_inputs(loaded.model, tokenizer, eval_text, prompts, params.parity_windows)
+        atol = params.parity_atol
         parity = check_parity(loaded.model, onnx_path, inputs, atol)
         log.info("ONNX parity: max |logit diff| %.3g over %d inputs, all greedy next tokens equal",
                  parity["max_abs_logit_diff"], parity["inputs"])
         decoder_path = scratch / "decoder.onnx"
-        export_decoder(loaded.model, decoder_path, int(params["opset"]))
+        export_decoder(loaded.model, decoder_path, params.opset)
         decoder = check_decoder(loaded.model, decoder_path, tokenizer, prompts, inputs[len(prompts):], atol,
-                                int(params["parity_new_tokens"]))
+                                params.parity_new_tokens)
         log.info("decoder.onnx parity: max |logit diff| %.3g (KV cache, %d windows), greedy continuations of %d "
                  "prompts identical to PyTorch's (%d tokens)", decoder["max_abs_logit_diff"], decoder["windows"],
                  len(prompts), decoder["greedy_tokens_compared"])
         hf = write_hf_checkpoint(loaded.model, Path(tokenizer_path), out / "hf", inputs, atol)
-        tensorrt = build_tensorrt(onnx_path, out / "model.plan", loaded.model.config.seq_len, params["tensorrt"])
+        tensorrt = build_tensorrt(onnx_path, out / "model.plan", loaded.model.config.seq_len, params.tensorrt)
         write_repository(out, version, onnx_path, decoder_path, Path(tokenizer_path), decoder.pop("shape"), serve)
         generations = decoder.pop("generations")
         parity |= {"decoder": decoder, "hf_checkpoint": hf}
         reference = {"inputs": [ids.tolist() for ids in inputs], "next_tokens": parity.pop("expected_next_tokens"),
                      "tokenizer_hash": loaded.description["tokenizer_hash"], "generations": generations}
         (out / "parity.json").write_text(json.dumps({**parity, "reference": reference}))
-        result = {"model_name": name, "version": version, "export_uri": args.output, "opset": int(params["opset"]),
+        result = {"model_name": name, "version": version, "export_uri": args.output, "opset": params.opset,
                   "onnx_sha256": storage.sha256_file(onnx_path), "onnx_bytes": onnx_path.stat().st_size,
-                  "backend": serve["backend"], "tensorrt": tensorrt, "parity": parity}
+                  "backend": serve.backend, "tensorrt": tensorrt, "parity": parity}
         (out / RESULT_FILE).write_text(json.dumps(result))
         if args.mlflow:
-            log_to_registry(name, version, args.mlflow_run_tag, args.output, out, result)
+            log_to_registry(name, version, args.mlflow_run_tag, args.output, out, result, settings)
     return result
 
 

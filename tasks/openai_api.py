@@ -339,18 +339,18 @@ def app(triton_url: str, model: str, served_name: str, timeout_s: float) -> web.
 
 
 def main() -> None:
-    from tasks.lib.params import load_params
+    from tasks.lib.params import load_settings
 
-    settings = load_params()
+    settings = load_settings()
     parser = argparse.ArgumentParser(prog="python -m tasks.openai_api", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--triton-url", required=True, help="Triton's HTTP endpoint (its generate extension)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve = settings["serve"]
-    timeout = float(serve["generate"]["request_timeout_s"]) + 30
-    web.run_app(app(args.triton_url, serve["generate_model"], settings["pipeline"]["model_name"], timeout),
+    serve = settings.serve
+    timeout = serve.generate.request_timeout_s + 30
+    web.run_app(app(args.triton_url, serve.generate_model, settings.pipeline.model_name, timeout),
                 host=args.host, port=args.port, access_log=None, print=None)
 
 

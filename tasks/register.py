@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import REPO_ROOT
 from tasks.lib import storage
 from tasks.lib.errors import StepError
 from tasks.lib.model_store import CHALLENGER, load_model_dir, log_model
-from tasks.lib.params import REPO_ROOT, load_params
+from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
@@ -132,8 +133,8 @@ def version_tags(
 def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.overrides:
         raise StepError(f"--set {' '.join(args.overrides)}: the register step has no settings")
-    settings = load_params()
-    name = settings["pipeline"]["model_name"]
+    settings = load_settings()
+    name = settings.pipeline.model_name
     lineage = parse_tags(args.lineage)
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         raise StepError("MLFLOW_TRACKING_URI is not set: the registry is an MLflow server")
@@ -152,7 +153,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise StepError(f"{args.evaluation}: the evaluation gate did not pass; refusing to register")
     with storage.scratch() as scratch:
         loaded = load_model_dir(args.model, scratch)
-        run_id = training_run(args.mlflow_run_tag, settings["train"]["experiment"])
+        run_id = training_run(args.mlflow_run_tag, settings.train.experiment)
         with mlflow.start_run(run_id=run_id):
             model_uri = log_model(loaded.model, loaded.description, model_signature(loaded.model.config.vocab_size))
         version = mlflow.register_model(model_uri, name, tags=version_tags(lineage, args.mlflow_run_tag, loaded.description, report))

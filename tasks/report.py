@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tasks.config import ServeSettings, Settings
 from tasks.lib import metrics, storage
 from tasks.lib.errors import StepError
-from tasks.lib.params import load_params
+from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
@@ -88,10 +89,10 @@ def outcome(states: dict[str, str], results: dict[str, Any], errors: dict[str, s
     return "incomplete", f"not finished: {', '.join(pending) or 'unknown'}"
 
 
-def endpoint() -> str:
+def endpoint(serve: ServeSettings) -> str:
     if os.environ.get("ROUTER_URL"):
         return os.environ["ROUTER_URL"].rstrip("/")
-    return f"http://{load_params()['serve']['kubernetes']['hostname']}"
+    return f"http://{serve.kubernetes.hostname}"
 
 
 def query_command(url: str, model: str) -> str:
@@ -100,15 +101,14 @@ def query_command(url: str, model: str) -> str:
     return f"curl -sN {url}/v1/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
 
 
-def build_report(args: argparse.Namespace, states: dict[str, str], results: dict[str, Any],
+def build_report(args: argparse.Namespace, settings: Settings, states: dict[str, str], results: dict[str, Any],
                  errors: dict[str, str] | None = None) -> dict[str, Any]:
     verdict, line = outcome(states, results, errors)
     snap, val, merged = results.get("snapshot") or {}, results.get("validate") or {}, results.get("tokenize_merge") or {}
     tokenizer = results.get("tokenizer") or {}
     train, evaluation = results.get("train") or {}, results.get("evaluate") or {}
     registered, deploy = results.get("register") or {}, results.get("deploy") or {}
-    settings = load_params()
-    url = endpoint()
+    url = endpoint(settings.serve)
     return {
         "dag_id": args.dag_id,
         "run_id": args.run_id,
@@ -128,8 +128,8 @@ def build_report(args: argparse.Namespace, states: dict[str, str], results: dict
                        "samples_uri": evaluation.get("samples_uri")},
         "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
         "canary": {k: deploy.get(k) for k in ("verdict", "stable", "canary", "aliases", "steps", "report_uri")},
-        "serving": {"endpoint": f"{url}/v1", "model": settings["pipeline"]["model_name"],
-                    "query": query_command(url, settings["pipeline"]["model_name"]),
+        "serving": {"endpoint": f"{url}/v1", "model": settings.pipeline.model_name,
+                    "query": query_command(url, settings.pipeline.model_name),
                     "predict": 'make predict PROMPT="Return the number of"'},
     }
 
@@ -250,16 +250,16 @@ def optional_file(uri: str | None, scratch: Path, name: str) -> Path | None:
     return storage.download(uri, scratch / name)
 
 
-def write(args: argparse.Namespace) -> dict[str, Any]:
+def write(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     states, results, errors = run_states(args.states), parse_results(args.result), parse_errors(args.error)
     # a rolled-back canary fails its task (no XCom): its report is in the step's output
     deploy_report = storage.join(args.deploy_output, "report.json")
     if results.get("deploy") is None and storage.exists(deploy_report):
         results["deploy"] = {**storage.read_json(deploy_report), "report_uri": deploy_report}
-    report = build_report(args, states, results, errors)
+    report = build_report(args, settings, states, results, errors)
     lines = summary_lines(report)
     mlflow_on = bool(args.mlflow_run_tag and os.environ.get("MLFLOW_TRACKING_URI"))
-    run_id = find_dag_run(load_params()["train"]["experiment"], args.mlflow_run_tag) if mlflow_on else None
+    run_id = find_dag_run(settings.train.experiment, args.mlflow_run_tag) if mlflow_on else None
     mlflow_url = None
     if run_id:
         import mlflow
@@ -345,9 +345,9 @@ def newest_report(root: str) -> str | None:
     return max(written, key=lambda u: written[u])
 
 
-def show(args: argparse.Namespace) -> dict[str, Any]:
-    pipeline = load_params()["pipeline"]
-    root = args.root or storage.join(pipeline["artifact_root"], pipeline["dag_id"])
+def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+    pipeline = settings.pipeline
+    root = args.root or storage.join(pipeline.artifact_root, pipeline.dag_id)
     uri = newest_report(root)
     if uri is None:
         raise StepError(f"{root}: no run report yet (run the DAG first)")
@@ -360,7 +360,8 @@ def show(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    return write(args) if args.command == "write" else show(args)
+    settings = load_settings()
+    return write(args, settings) if args.command == "write" else show(args, settings)
 
 
 def parser() -> argparse.ArgumentParser:

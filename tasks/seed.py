@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.lib import records, storage
-from tasks.lib.params import step_params
+from tasks.lib.params import load_settings
 from tasks.lib.step import Progress, log, run_step, step_parser
 
 MIN_DOC_CHARS = 80
@@ -110,18 +110,18 @@ def write_jsonl(uri: str, name: str, rows: list[dict[str, Any]]) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    params = step_params("seed", args.overrides)
-    output = args.output or params["output"]
-    end = dt.date.fromisoformat(args.end_date or params["end_date"])
-    days = records.interval_days(end + dt.timedelta(days=1), int(params["days"]))
-    heldout_uri = args.heldout_output or params["heldout_output"]
+    params = load_settings("seed", args.overrides).seed
+    output = args.output or params.output
+    end = dt.date.fromisoformat(args.end_date or params.end_date)
+    days = records.interval_days(end + dt.timedelta(days=1), params.days)
+    heldout_uri = args.heldout_output or params.heldout_output
     existing = [day for day in days if storage.exists(storage.join(records.partition_uri(output, day), storage.SUCCESS_MARKER))]
     heldout_exists = storage.exists(storage.join(heldout_uri, storage.SUCCESS_MARKER))
     result = {"output_uri": output, "days": [d.isoformat() for d in days], "heldout_uri": storage.join(heldout_uri, HELDOUT_FILE)}
     if len(existing) == len(days) and heldout_exists:
         log.info("all %d partitions and the held-out set exist: raw data is immutable, nothing written", len(days))
         return {**result, "written": 0}
-    by_day, heldout = build_partitions(days, int(params["max_documents"]), int(params["heldout_every"]))
+    by_day, heldout = build_partitions(days, params.max_documents, params.heldout_every)
     written = 0
     for day in days:
         if day not in existing:

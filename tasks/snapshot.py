@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import REPO_ROOT, SnapshotSettings
 from tasks.lib import records, storage
 from tasks.lib.dvc_registry import Registry
 from tasks.lib.errors import StepError
-from tasks.lib.params import REPO_ROOT, load_params, step_params
+from tasks.lib.params import load_settings
 from tasks.lib.step import Progress, log, run_step, step_parser
 
 RUN_ID_FILE = "_RUN_ID"  # in the DAG run's storage folder: the run id it belongs to
@@ -104,11 +105,10 @@ def _read_only_mount(path: Path) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
-def registry() -> Registry:
-    params = step_params("snapshot")
-    path = registry_dir(params["registry_dir"])
-    git_remote = os.environ.get("DVC_REGISTRY_GIT_REMOTE", params["registry_git_remote"])
-    return Registry(path, params["registry_remote"], git_remote)
+def registry(params: SnapshotSettings) -> Registry:
+    path = registry_dir(params.registry_dir)
+    git_remote = os.environ.get("DVC_REGISTRY_GIT_REMOTE", params.registry_git_remote)
+    return Registry(path, params.registry_remote, git_remote)
 
 
 def claim_run_folder(output: str, run_id: str) -> None:
@@ -130,17 +130,18 @@ def claim_run_folder(output: str, run_id: str) -> None:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.run_id:
         claim_run_folder(args.output, args.run_id)
-    params = step_params("snapshot", args.overrides)
+    settings = load_settings("snapshot", args.overrides)
+    params = settings.snapshot
     end = dt.date.fromisoformat(args.end_date)
     logical = dt.date.fromisoformat(args.logical_date) if args.logical_date else end
-    days = records.interval_days(end, args.lookback_days or int(load_params()["pipeline"]["lookback_days"]))
+    days = records.interval_days(end, args.lookback_days or settings.pipeline.lookback_days)
     log.info("snapshot of %s for %s..%s", args.source, days[0], days[-1])
     with storage.scratch() as scratch, storage.staged_output(args.output) as out_dir:
-        result, partitions = collect(args.source, days, int(params["max_record_bytes"]), scratch / "dedup")
+        result, partitions = collect(args.source, days, params.max_record_bytes, scratch / "dedup")
         stats = write_snapshot(result, out_dir)
-        tag = data_tag(params["tag_prefix"], logical, len(days), stats["content_hash"])
+        tag = data_tag(params.tag_prefix, logical, len(days), stats["content_hash"])
         stats.update(source=args.source, days=[d.isoformat() for d in days], tag=tag, partitions=partitions)
-        version = registry().commit_snapshot(tag, out_dir / "snapshot.jsonl", stats)
+        version = registry(params).commit_snapshot(tag, out_dir / "snapshot.jsonl", stats)
         stats["commit"] = version.commit
         (out_dir / "stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
     log.info(

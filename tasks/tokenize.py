@@ -34,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import TokenizeSettings
 from tasks.lib import storage, tokens
 from tasks.lib.errors import StepError
-from tasks.lib.params import load_params, step_params
+from tasks.lib.params import load_settings
 from tasks.lib.step import Progress, log, run_step, step_parser
 
 
@@ -69,9 +70,9 @@ def store_tokenizer(tokenizer: Any, store: str) -> tuple[str, str]:
     return uri, digest
 
 
-def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
+def prepare(args: argparse.Namespace, params: TokenizeSettings, model_name: str) -> dict[str, Any]:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
-        production = champion(load_params()["pipeline"]["model_name"])
+        production = champion(model_name)
         existing = args.tokenizer or (production[1] if production else None)
         if existing:
             source = "explicit" if args.tokenizer else "champion"
@@ -83,13 +84,13 @@ def prepare(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
             count = sum(1 for _ in tokens.read_jsonl(snapshot))
             started = time.perf_counter()
             tokenizer = tokens.train_tokenizer(
-                (r["text"] for r in tokens.read_jsonl(snapshot)), int(params["vocab_size"]), count
+                (r["text"] for r in tokens.read_jsonl(snapshot)), params.vocab_size, count
             )
             log.info(
                 "trained a byte-level BPE (vocab %d) on %d documents in %.1fs",
                 tokenizer.get_vocab_size(), count, time.perf_counter() - started,
             )
-        uri, digest = store_tokenizer(tokenizer, params["tokenizer_store"])
+        uri, digest = store_tokenizer(tokenizer, params.tokenizer_store)
         info = {
             "tokenizer_uri": uri,
             "tokenizer_hash": digest,
@@ -137,18 +138,18 @@ def encoded_batches(tokenizer: Any, batches: Iterator[list[dict[str, Any]]]) -> 
             yield records, encoding.result()
 
 
-def encode(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
+def encode(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         tokenizer = tokens.load_tokenizer(args.tokenizer, scratch)
         dtype = tokens.token_dtype(tokenizer.get_vocab_size())
         eos = tokenizer.token_to_id(tokens.EOS)
         lines, start, end = shard_lines(args.snapshot, args.shard_index, args.num_shards, scratch)
-        batches = tokens.record_batches(lines, int(params["batch_bytes"]), args.snapshot, first_line=start + 1)
+        batches = tokens.record_batches(lines, params.batch_bytes, args.snapshot, first_line=start + 1)
         files = {split: (out / f"{split}.bin").open("wb") for split in tokens.SPLITS}
         lengths = {split: array("q") for split in tokens.SPLITS}  # 8 bytes a document, not a Python int's 36
         progress = Progress(f"encode shard {args.shard_index}/{args.num_shards}", None, "tokens")
         started = time.perf_counter()
-        val_fraction = float(params["val_fraction"])
+        val_fraction = params.val_fraction
         for chunk, encoded in encoded_batches(tokenizer, batches):
             # one array per split and batch: per-document arrays cost ~15% of the throughput
             batch_ids: dict[str, list[int]] = {split: [] for split in tokens.SPLITS}
@@ -183,7 +184,7 @@ def encode(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
     return {"shard_uri": args.output, **stats}
 
 
-def merge(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
+def merge(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]:
     shard_uris = [storage.join(args.shards, f"{i:05d}") for i in range(args.num_shards)]
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         local = [storage.download_tree(uri, scratch / f"{i:05d}") for i, uri in enumerate(shard_uris)]
@@ -218,7 +219,7 @@ def merge(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
             "tokenizer_uri": args.tokenizer,
             "tokenizer_hash": tokens.tokenizer_hash(tokenizer.to_str()),
             "snapshot_uri": args.snapshot,
-            "val_fraction": float(params["val_fraction"]),
+            "val_fraction": params.val_fraction,
             "splits": splits,
         }
         (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
@@ -238,11 +239,13 @@ def merge(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    params = step_params("tokenize", args.overrides)
+    settings = load_settings("tokenize", args.overrides)
     if not storage.exists(args.snapshot):
         raise StepError(f"{args.snapshot}: snapshot not found")
-    handler = {"prepare": prepare, "encode": encode, "merge": merge}[args.command]
-    result: dict[str, Any] = handler(args, params)
+    if args.command == "prepare":
+        return prepare(args, settings.tokenize, settings.pipeline.model_name)
+    handler = {"encode": encode, "merge": merge}[args.command]
+    result: dict[str, Any] = handler(args, settings.tokenize)
     return result
 
 

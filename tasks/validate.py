@@ -19,9 +19,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tasks.config import ValidateSettings
 from tasks.lib import storage
 from tasks.lib.errors import StepError
-from tasks.lib.params import step_params
+from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 
 SNAPSHOT_COLUMNS = ["id", "text", "source", "created_at", "content_hash", "copies"]
@@ -32,28 +33,28 @@ BROKEN_CHARS_RE = "[\ufffd\x00-\x08\x0b-\x1f\x7f]"
 ISO_TIMESTAMP_RE = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}"
 
 
-def build_suite(gx: Any, params: dict[str, Any]) -> Any:
+def build_suite(gx: Any, params: ValidateSettings) -> Any:
     """The data contract of a snapshot."""
     e = gx.expectations
-    max_copies_mean = 1.0 / (1.0 - float(params["max_duplicate_ratio"]))
+    max_copies_mean = 1.0 / (1.0 - params.max_duplicate_ratio)
     suite = gx.ExpectationSuite(name="snapshot_contract")
     for expectation in [
         e.ExpectTableColumnsToMatchSet(column_set=SNAPSHOT_COLUMNS, exact_match=True),
-        e.ExpectTableRowCountToBeBetween(min_value=params["min_records"], max_value=params["max_records"]),
+        e.ExpectTableRowCountToBeBetween(min_value=params.min_records, max_value=params.max_records),
         *[e.ExpectColumnValuesToNotBeNull(column=c) for c in ("id", "text", "source", "created_at")],
         e.ExpectColumnValuesToBeUnique(column="id"),
         e.ExpectColumnValueLengthsToBeBetween(
-            column="text", min_value=params["min_text_chars"], max_value=params["max_text_chars"],
-            mostly=params["text_length_mostly"],
+            column="text", min_value=params.min_text_chars, max_value=params.max_text_chars,
+            mostly=params.text_length_mostly,
         ),
         # mean copies per kept record = records_in / records; duplicate ratio = 1 - 1/mean
         e.ExpectColumnMeanToBeBetween(column="copies", min_value=1.0, max_value=max_copies_mean),
         e.ExpectColumnValuesToNotMatchRegex(
-            column="text", regex=BROKEN_CHARS_RE, mostly=1.0 - float(params["max_broken_text_ratio"])
+            column="text", regex=BROKEN_CHARS_RE, mostly=1.0 - params.max_broken_text_ratio
         ),
         e.ExpectColumnValuesToMatchRegex(column="created_at", regex=ISO_TIMESTAMP_RE),
         e.ExpectColumnValuesToNotMatchRegex(
-            column="text", regex=EMAIL_RE, mostly=1.0 - float(params["max_email_ratio"])
+            column="text", regex=EMAIL_RE, mostly=1.0 - params.max_email_ratio
         ),
     ]:
         suite.add_expectation(expectation)
@@ -90,7 +91,7 @@ def failure_line(failed: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def run_suite(database: Path, params: dict[str, Any], docs_dir: Path) -> tuple[bool, list[dict[str, Any]]]:
+def run_suite(database: Path, params: ValidateSettings, docs_dir: Path) -> tuple[bool, list[dict[str, Any]]]:
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     import great_expectations as gx  # 8-11 s to import: only this step pays for it
 
@@ -126,7 +127,7 @@ def run_suite(database: Path, params: dict[str, Any], docs_dir: Path) -> tuple[b
     return bool(outcome.success), results
 
 
-def check_partitions(partitions: dict[str, dict[str, int]], params: dict[str, Any]) -> list[dict[str, Any]]:
+def check_partitions(partitions: dict[str, dict[str, int]], params: ValidateSettings) -> list[dict[str, Any]]:
     """Each day of the window on its own (a bad day among good ones passes the window's
     totals): not empty, within ``partition_min_share``..``partition_max_share`` of an even share
     of the window's records, at most ``partition_max_repeated_ratio`` of its records repeating a
@@ -146,13 +147,13 @@ def check_partitions(partitions: dict[str, dict[str, int]], params: dict[str, An
             fail(day, "not_empty", 0, "no records")
             continue
         share = records / even if even else 0.0
-        if not params["partition_min_share"] <= share <= params["partition_max_share"]:
+        if not params.partition_min_share <= share <= params.partition_max_share:
             fail(day, "share", round(share, 3), f"{records} records, {share:.2f}x an even share of the window "
-                 f"(bounds {params['partition_min_share']}..{params['partition_max_share']})")
+                 f"(bounds {params.partition_min_share}..{params.partition_max_share})")
         repeated = counts["repeated"] / records
-        if repeated > params["partition_max_repeated_ratio"]:
+        if repeated > params.partition_max_repeated_ratio:
             fail(day, "repeated_ratio", round(repeated, 3), f"{repeated:.0%} of its {records} records repeat "
-                 f"earlier texts (max {params['partition_max_repeated_ratio']:.0%})")
+                 f"earlier texts (max {params.partition_max_repeated_ratio:.0%})")
     return failed
 
 
@@ -226,7 +227,7 @@ def load_snapshot(uri: str, scratch: Path) -> tuple[Path, int]:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    params = step_params("validate", args.overrides)
+    params = load_settings("validate", args.overrides).validate
     with storage.staged_output(args.output) as out_dir, storage.scratch() as scratch:
         database, records = load_snapshot(args.snapshot, scratch)
         success, results = run_suite(database, params, out_dir / "report")

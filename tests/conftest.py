@@ -42,6 +42,14 @@ for path in (REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "dags"):
 
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the real stack is an integration test, marked or not (make test-fast
+    leaves them out, so the fast tier never starts a server)."""
+    for item in items:
+        if "stack_env" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("integration"):
+            item.add_marker(pytest.mark.integration)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     shutil.rmtree(SESSION_DIR, ignore_errors=True)
 

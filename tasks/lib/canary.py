@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tasks.config import CanarySettings
 from tasks.lib import step, triton
 
 T = TypeVar("T")
@@ -209,7 +210,7 @@ def summarize_text(samples: list[TextSample], version: int | None) -> dict[str, 
 
 
 def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int | None, canary: int, weight: float,
-               params: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+               params: CanarySettings) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The text endpoint's checks for one step: enough streams, their error rate, text equal to
     the reference, and time to first token and inter-token latency against stable's (the same
     Mann-Whitney rule as the logits latency)."""
@@ -217,13 +218,13 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
     checks: list[dict[str, Any]] = []
     check = _recorder(checks)
 
-    n, wanted = canary_stats["streams"], int(params["text_min_samples"])
+    n, wanted = canary_stats["streams"], params.text_min_samples
     check("text_samples", n >= wanted, n, wanted, f"{n} canary streams at {weight:g}%")
-    check("stream_error_rate", canary_stats["error_rate"] <= params["max_error_rate"], canary_stats["error_rate"],
-          params["max_error_rate"], f"{canary_stats['errors']} of {n} canary streams failed or were cut"
+    check("stream_error_rate", canary_stats["error_rate"] <= params.max_error_rate, canary_stats["error_rate"],
+          params.max_error_rate, f"{canary_stats['errors']} of {n} canary streams failed or were cut"
           + (f" (first: {canary_stats['first_error']})" if canary_stats["first_error"] else ""))
-    check("text_agreement", canary_stats["text_agreement"] >= params["min_text_agreement"],
-          canary_stats["text_agreement"], params["min_text_agreement"],
+    check("text_agreement", canary_stats["text_agreement"] >= params.min_text_agreement,
+          canary_stats["text_agreement"], params.min_text_agreement,
           f"{canary_stats['text_agreement']:.0%} of canary greedy completions equal the export's PyTorch reference")
     tests: dict[str, dict[str, float]] = {}
     for key, label in (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency")):
@@ -232,7 +233,7 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
                   if s.version == stable and s.ok and math.isfinite(getattr(s, key))]
         if len(mine) >= wanted and len(theirs) >= wanted:
             tests[key] = judge_latency(check, key.removesuffix("_ms"), label, mine, theirs,
-                                       params["text_max_latency_ratio"], params["latency_alpha"])
+                                       params.text_max_latency_ratio, params.latency_alpha)
         elif stable is not None and len(theirs) < wanted:  # (a canary short of samples fails text_samples)
             check(f"stable_{key.removesuffix('_ms')}_samples", False, len(theirs), wanted,
                   f"{len(theirs)} stable streams with a {label} at {weight:g}%: no baseline to compare with")
@@ -309,7 +310,7 @@ def judge_latency(check: Callable[[str, bool, float, float, str], None], name: s
 
 
 def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, canary: int, weight: float,
-               params: dict[str, Any], text: list[TextSample] | None = None,
+               params: CanarySettings, text: list[TextSample] | None = None,
                text_direct: list[TextSample] | None = None) -> dict[str, Any]:
     """One step's summary and checks (``passed`` False when any failed): ``samples`` came through
     the router, ``direct`` went straight to stable in the same window (see :func:`split_rates`);
@@ -322,20 +323,20 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
     checks: list[dict[str, Any]] = []
     check = _recorder(checks)
     n = canary_stats["requests"]
-    check("canary_samples", n >= params["min_samples"], n, params["min_samples"],
+    check("canary_samples", n >= params.min_samples, n, params.min_samples,
           f"{n} canary requests at {weight:g}%")
-    check("error_rate", canary_stats["error_rate"] <= params["max_error_rate"], canary_stats["error_rate"],
-          params["max_error_rate"], f"{canary_stats['errors']} of {n} canary requests failed")
+    check("error_rate", canary_stats["error_rate"] <= params.max_error_rate, canary_stats["error_rate"],
+          params.max_error_rate, f"{canary_stats['errors']} of {n} canary requests failed")
     check("finite_logits", canary_stats["non_finite"] == 0, canary_stats["non_finite"], 0,
           f"{canary_stats['non_finite']} canary responses had NaN/inf logits")
-    check("next_token_agreement", canary_stats["agreement"] >= params["min_agreement"], canary_stats["agreement"],
-          params["min_agreement"], f"{canary_stats['agreement']:.1%} of canary next tokens equal the export reference")
+    check("next_token_agreement", canary_stats["agreement"] >= params.min_agreement, canary_stats["agreement"],
+          params.min_agreement, f"{canary_stats['agreement']:.1%} of canary next tokens equal the export reference")
     latency: dict[str, float] = {}
-    if len(canary_ms) >= params["min_samples"] and len(baseline_ms) >= params["min_samples"]:
-        latency = judge_latency(check, "latency", "latency", canary_ms, baseline_ms, params["max_latency_ratio"],
-                                params["latency_alpha"])
+    if len(canary_ms) >= params.min_samples and len(baseline_ms) >= params.min_samples:
+        latency = judge_latency(check, "latency", "latency", canary_ms, baseline_ms, params.max_latency_ratio,
+                                params.latency_alpha)
     elif stable is not None:
-        check("stable_samples", False, len(baseline_ms), params["min_samples"],
+        check("stable_samples", False, len(baseline_ms), params.min_samples,
               f"{len(baseline_ms)} stable latencies at {weight:g}%: no baseline to compare the canary with")
     text_report: dict[str, Any] = {}
     if text is not None:

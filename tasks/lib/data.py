@@ -11,7 +11,10 @@ whatever the world size.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -20,7 +23,43 @@ from typing import Any
 import numpy as np
 import torch
 
+from tasks.lib import storage
 from tasks.lib.errors import StepError
+from tasks.lib.parallel import Dist
+
+DATASET_CACHE = Path(tempfile.gettempdir()) / "llm-pipeline-datasets"
+
+
+def local_dataset(uri: str) -> Path:
+    """The dataset folder on local disk (memory-mapping needs files; S3 is downloaded once per
+    node). The node's copy is named by its manifest's hash, so it is only ever reused for the
+    same content (a retry on this node skips the download); a failed download leaves nothing."""
+    if not storage.is_s3(uri):
+        storage.require_complete(uri)
+        return Path(uri)
+    manifest = storage.read_manifest(uri)
+    manifest_text = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    cache = DATASET_CACHE / hashlib.sha256(manifest_text).hexdigest()[:24]
+    if not (cache / storage.SUCCESS_MARKER).exists():
+        # ranks of a node race to the same folder: each downloads aside, the first rename wins
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{cache.name}-", dir=cache.parent))
+        try:
+            storage.download_tree(uri, staging, manifest)
+            (staging / storage.SUCCESS_MARKER).write_bytes(manifest_text)
+            staging.rename(cache)
+        except OSError as exc:
+            if not (cache / storage.SUCCESS_MARKER).exists():
+                raise RuntimeError(f"{uri}: node-local copy failed ({exc})") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # the loser's copy, or a failed download's
+    return cache
+
+
+def drop_local_dataset(dataset_dir: Path, env: Dist) -> None:
+    """After a successful run: the node's copy goes (one process per node, once all are done)."""
+    if DATASET_CACHE in dataset_dir.parents and env.local_rank == 0:
+        shutil.rmtree(dataset_dir, ignore_errors=True)
 
 
 @dataclass(frozen=True)

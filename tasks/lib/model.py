@@ -4,7 +4,7 @@ Pre-norm blocks (RMSNorm), rotary position embeddings (rotate-half, as Llama), c
 ``scaled_dot_product_attention``, a SwiGLU MLP, no biases, and an LM head tied to the token
 embedding: the layout Hugging Face's ``LlamaForCausalLM`` (and so vLLM, TensorRT-LLM,
 llama.cpp, ONNX Runtime GenAI's builder) reads; :mod:`tasks.lib.hf_checkpoint` writes it.
-Sized by the presets in params.yaml ``train.presets``; :mod:`tasks.lib.parallel` wraps it for
+Sized by the presets in params.yaml ``train.presets``; :mod:`tasks.train.engines` wraps it for
 FSDP2 / DDP / DeepSpeed.
 
 Saved models carry :data:`FORMAT_VERSION`. Format 1 (models trained before the Llama layout:

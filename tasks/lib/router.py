@@ -25,12 +25,12 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks.lib.errors import StepError
+from tasks.lib.polling import wait_until
 
 ROUTED_MODELS = ("llm", "llm_generate")
 ROUTED_ACTIONS = "infer|generate|generate_stream"  # the inference paths of each routed model
@@ -70,18 +70,10 @@ class ClientLimits:
 
     @classmethod
     def from_params(cls) -> ClientLimits:
-        from tasks.lib.params import load_params
+        from tasks.lib.params import load_settings
 
-        router = load_params()["serve"].get("router")
-        try:
-            limits = cls(*(int(router[key]) for key in ("rate_per_client", "burst", "connections_per_client",
-                                                         "client_timeout_s")))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StepError(f"serve.router {router!r}: expected whole numbers rate_per_client, burst, "
-                            f"connections_per_client, client_timeout_s ({type(exc).__name__}: {exc})") from None
-        if min(limits.rate_per_client, limits.connections_per_client, limits.client_timeout_s) <= 0 or limits.burst < 0:
-            raise StepError(f"serve.router {router}: rates, connections and timeouts must be positive")
-        return limits
+        router = load_settings().serve.router  # bounds checked there (serve.router)
+        return cls(router.rate_per_client, router.burst, router.connections_per_client, router.client_timeout_s)
 
 
 def nginx_binary() -> str:
@@ -264,15 +256,13 @@ class NginxRouter:
             raise RuntimeError(f"router config rejected by nginx -t: {checked.stderr.strip()[-300:]}")
         old_workers = self.worker_pids()
         subprocess.run([*command, "-s", "reload"], check=True, capture_output=True)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            generation, left = self.live().generation, old_workers & self.worker_pids()
-            if generation == route.generation and not left:
-                return route
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"router did not apply generation {route.generation} in {self.timeout_s:.0f}s "
-                                   f"(old workers left: {sorted(left)})")
-            time.sleep(0.05)
+        def applied() -> bool:  # the new generation served, and no worker of the old config left
+            return self.live().generation == route.generation and not old_workers & self.worker_pids()
+
+        wait_until(applied, self.timeout_s, 0.05, lambda: RuntimeError(
+            f"router did not apply generation {route.generation} in {self.timeout_s:.0f}s "
+            f"(old workers left: {sorted(old_workers & self.worker_pids())})"))
+        return route
 
     def worker_pids(self) -> set[int]:
         """The live children of this router's nginx master; empty where the master is not a

@@ -27,16 +27,17 @@ import itertools
 import json
 import os
 import shutil
-import time
 import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from tasks.config import ServeSettings, Settings
 from tasks.lib import metrics, storage, triton
 from tasks.lib.errors import StepError, Terminated, first_line
 from tasks.lib.kube import KubeApi, KubeError, Lease, LeaseLost
+from tasks.lib.polling import wait_until
 from tasks.lib.router import ROUTE_HEADER, NginxRouter, Route
 from tasks.lib.step import log, stopping
 
@@ -61,14 +62,14 @@ class PromotionFailed(StepError):
         self.restored = restored
 
 
-def stage_version(export_uri: str, version: int, repository: Path, serve: dict[str, Any], scratch: Path,
+def stage_version(export_uri: str, version: int, repository: Path, serve: ServeSettings, scratch: Path,
                   config_variant: str = "") -> dict[str, Any]:
     """Copy the export's repository fragment of ``version`` into a Triton model repository
     (replacing an earlier copy of the same version); ``config_variant`` picks one of the
     export's configs (e.g. ``onnxruntime_onnx.gpu``) instead of the served one. Returns the
     export's parity reference (inputs and next tokens of the PyTorch model)."""
     exported = storage.download_tree(export_uri, scratch / "export")
-    for model in (serve["triton_model"], serve["generate_model"]):
+    for model in (serve.triton_model, serve.generate_model):
         source = exported / "triton" / model / str(version)
         if not source.is_dir():
             raise StepError(f"{export_uri}: holds no {model} version {version}")
@@ -81,7 +82,7 @@ def stage_version(export_uri: str, version: int, repository: Path, serve: dict[s
             shutil.rmtree(target)
         staged.rename(target)
         config = exported / "triton" / model / "config.pbtxt"
-        if config_variant and model == serve["triton_model"]:
+        if config_variant and model == serve.triton_model:
             config = exported / "configs" / f"{model}.{config_variant}.pbtxt"
             if not config.exists():
                 raise StepError(f"{export_uri}: no {config.name} (config variant {config_variant!r})")
@@ -91,9 +92,9 @@ def stage_version(export_uri: str, version: int, repository: Path, serve: dict[s
     return reference
 
 
-def serve_versions(client: triton.TritonClient, repository: Path, serve: dict[str, Any], versions: list[int]) -> None:
+def serve_versions(client: triton.TritonClient, repository: Path, serve: ServeSettings, versions: list[int]) -> None:
     """Make Triton serve exactly ``versions`` of both models from ``repository`` (none: unload them)."""
-    models = (serve["triton_model"], serve["generate_model"])  # generate calls llm: llm first
+    models = (serve.triton_model, serve.generate_model)  # generate calls llm: llm first
     if not versions:
         for model in reversed(models):
             client.unload(model)
@@ -104,7 +105,7 @@ def serve_versions(client: triton.TritonClient, repository: Path, serve: dict[st
             raise StepError(f"{repository / model}: holds no version {', '.join(map(str, missing))} to serve")
         config = json.loads((repository / model / "config.json").read_text())
         client.load(model, triton.with_versions(config, versions))
-        client.wait_ready(model, versions, float(serve["load_timeout_s"]))
+        client.wait_ready(model, versions, serve.load_timeout_s)
 
 
 ROUTE_METRIC = "llm_serving_route_version"  # observability/alerts.yml: LLMServingRouteVersionNotServed
@@ -178,7 +179,7 @@ class Serving(Protocol):
 class LocalServing:
     """One local Triton (explicit model control) behind the local nginx router."""
 
-    def __init__(self, serve: dict[str, Any]) -> None:
+    def __init__(self, serve: ServeSettings) -> None:
         missing = [k for k in ("TRITON_URL", "TRITON_REPOSITORY") if not os.environ.get(k)]
         if missing:
             raise StepError(f"{', '.join(missing)} not set: Triton is started by `python -m stack up`")
@@ -228,11 +229,11 @@ class LocalServing:
         self.serve_versions([stable] if stable is not None else [])
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
-        path = triton.infer_path(self.serve["triton_model"], version)
+        path = triton.infer_path(self.serve.triton_model, version)
         return [(self.client.url + path, {}), (self.router.internal_url + path, {})]
 
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
-        return self.router.internal_url + triton.infer_path(self.serve["triton_model"], stable), {}
+        return self.router.internal_url + triton.infer_path(self.serve.triton_model, stable), {}
 
     def text_target(self, version: int) -> tuple[str, dict[str, str]]:
         # the OpenAI front itself, with the version the router would have picked
@@ -246,7 +247,7 @@ class LocalServing:
         if not url:
             return {}
         with urllib.request.urlopen(url, timeout=10) as resp:
-            return triton.version_counters(resp.read().decode(), self.serve["triton_model"])
+            return triton.version_counters(resp.read().decode(), self.serve.triton_model)
 
 
 # -- cluster ----------------------------------------------------------------------------------
@@ -340,25 +341,25 @@ def deployment_rolled_out(deployment: dict[str, Any]) -> bool:
 class KubernetesServing:
     """A Triton Deployment per track behind a Gateway API HTTPRoute (``plugins/serving.py``)."""
 
-    def __init__(self, serve: dict[str, Any], namespace: str, api: KubeApi | None = None) -> None:
+    def __init__(self, serve: ServeSettings, namespace: str, api: KubeApi | None = None) -> None:
         missing = [k for k in ("ROUTER_URL", "ROUTER_INTERNAL_URL") if not os.environ.get(k)]
         if missing:
             raise StepError(f"{', '.join(missing)} not set: the gateway's public and internal addresses "
                             "(in the pods' Secret)")
-        self.serve, self.cluster = serve, serve["kubernetes"]
+        self.serve, self.cluster = serve, serve.kubernetes
         self.namespace, self.api = namespace, api or KubeApi.in_cluster()
         self.url = os.environ["ROUTER_URL"].rstrip("/")
         self.internal_url = os.environ["ROUTER_INTERNAL_URL"].rstrip("/")  # the track-header rules
-        self.names = {track: f"{self.cluster['name']}-{track}" for track in TRACKS}
+        self.names = {track: f"{self.cluster.name}-{track}" for track in TRACKS}
         self.exports: dict[int, str] = {}
-        self.lease = Lease(self.api, namespace, f"{self.cluster['route']}-deploy", int(self.cluster["lease_duration_s"]))
+        self.lease = Lease(self.api, namespace, f"{self.cluster.route}-deploy", int(self.cluster.lease_duration_s))
 
     def _path(self, kind: str, name: str) -> str:
         group = "/apis/apps/v1" if kind == "deployments" else "/apis/gateway.networking.k8s.io/v1"
         return f"{group}/namespaces/{self.namespace}/{kind}/{name}"
 
     def _route_object(self) -> dict[str, Any]:
-        found: dict[str, Any] = self.api.call("GET", self._path("httproutes", self.cluster["route"]))
+        found: dict[str, Any] = self.api.call("GET", self._path("httproutes", self.cluster.route))
         return found
 
     @contextlib.contextmanager
@@ -395,12 +396,10 @@ class KubernetesServing:
             raise StepError(f"version {version} was not staged by this deploy")
         self.api.call("PATCH", self._path("deployments", self.names[track]),
                       deployment_patch(version, export_uri, replicas, previous), "application/merge-patch+json")
-        deadline = time.monotonic() + float(self.cluster["rollout_timeout_s"])
-        while wait and not deployment_rolled_out(self._track(track)):
-            if time.monotonic() > deadline:
-                raise StepError(f"deployment {self.names[track]} (version {version}) not ready after "
-                                f"{self.cluster['rollout_timeout_s']}s: see its pods' events")
-            time.sleep(5)
+        if wait:
+            wait_until(lambda: deployment_rolled_out(self._track(track)), self.cluster.rollout_timeout_s, 5,
+                       lambda: StepError(f"deployment {self.names[track]} (version {version}) not ready after "
+                                         f"{self.cluster.rollout_timeout_s:g}s: see its pods' events"))
 
     def prepare(self, stable: int | None, canary: int) -> None:
         self._set_track("canary", canary, 1)
@@ -408,15 +407,12 @@ class KubernetesServing:
     def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
         self.lease.check()
         route = Route(stable, canary, float(weight), self.live().generation + 1)
-        self.api.call("PATCH", self._path("httproutes", self.cluster["route"]),
+        self.api.call("PATCH", self._path("httproutes", self.cluster.route),
                       route_patch(self.names, route), "application/json-patch+json")
         publish_route(route)  # what the route now says, accepted yet or not
-        deadline = time.monotonic() + float(self.cluster["route_timeout_s"])
-        while not route_accepted(self._route_object()):
-            if time.monotonic() > deadline:
-                raise StepError(f"httproute {self.cluster['route']}: generation not accepted by its gateway "
-                                f"in {self.cluster['route_timeout_s']}s")
-            time.sleep(1)
+        wait_until(lambda: route_accepted(self._route_object()), self.cluster.route_timeout_s, 1,
+                   lambda: StepError(f"httproute {self.cluster.route}: generation not accepted by its gateway "
+                                     f"in {self.cluster.route_timeout_s:g}s"))
 
     def promote(self, version: int) -> None:
         """The canary track carries all traffic while the stable track rolls to ``version``; then
@@ -426,7 +422,7 @@ class KubernetesServing:
         :class:`PromotionFailed` says whether that worked."""
         before = TrackState.of(self._track("stable"))
         try:
-            self._set_track("stable", version, int(self.cluster["replicas"]), previous=before)
+            self._set_track("stable", version, self.cluster.replicas, previous=before)
         except LeaseLost:
             raise
         except (StepError, KubeError, OSError, Terminated) as exc:
@@ -464,37 +460,37 @@ class KubernetesServing:
         self._set_track("canary", None, 0, wait=not stopping.is_set())
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
-        path = triton.infer_path(self.serve["triton_model"], version)
-        direct = f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster['ports']['http']}"
+        path = triton.infer_path(self.serve.triton_model, version)
+        direct = f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster.ports['http']}"
         # the internal route sends requests carrying this header to the canary track alone
         return [(direct + path, {}), (self.internal_url + path, {TRACK_HEADER: "canary"})]
 
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
         # the internal route sends requests carrying this header to the stable track alone
-        return self.internal_url + triton.infer_path(self.serve["triton_model"], stable), {TRACK_HEADER: "stable"}
+        return self.internal_url + triton.infer_path(self.serve.triton_model, stable), {TRACK_HEADER: "stable"}
 
     def text_target(self, version: int) -> tuple[str, dict[str, str]]:
         # the canary track's own Service (its pod's OpenAI front); stable through the internal
         # route's track-header rule, as the logits baseline
         if version != self.live().stable:  # the new version: before the first step moves traffic the route names no canary
-            return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster['ports']['openai']}"
+            return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster.ports['openai']}"
                     "/v1/completions", {})
         return self.internal_url + "/v1/completions", {TRACK_HEADER: "stable"}
 
     def metrics(self) -> dict[int, dict[str, float]]:
         merged: dict[int, dict[str, float]] = {}
         for name in self.names.values():
-            url = f"http://{name}.{self.namespace}.svc:{self.cluster['ports']['metrics']}/metrics"
+            url = f"http://{name}.{self.namespace}.svc:{self.cluster.ports['metrics']}/metrics"
             with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=10) as resp:
-                merged.update(triton.version_counters(resp.read().decode(), self.serve["triton_model"]))
+                merged.update(triton.version_counters(resp.read().decode(), self.serve.triton_model))
         return merged
 
 
-def serving_platform(settings: dict[str, Any]) -> Serving:
+def serving_platform(settings: Settings) -> Serving:
     """``SERVING_PLATFORM``: ``local`` (default) or ``kubernetes`` (set on the cluster's pods)."""
     platform = os.environ.get("SERVING_PLATFORM", "local")
     if platform == "local":
-        return LocalServing(settings["serve"])
+        return LocalServing(settings.serve)
     if platform == "kubernetes":
-        return KubernetesServing(settings["serve"], settings["launcher"]["kubernetes"]["namespace"])
+        return KubernetesServing(settings.serve, settings.launcher.kubernetes.namespace)
     raise StepError(f"SERVING_PLATFORM={platform!r}: expected 'local' or 'kubernetes'")

@@ -1,8 +1,8 @@
 """What every step shares: the CLI skeleton, logging, progress lines and the result JSON.
 
-A step is ``main(args) -> dict``; :func:`run_step` turns it into a process with the contract
-the launcher relies on: exit 0 and a small JSON result, or exit 2 with one ``ERROR`` line
-naming the bad input (exit 1 with a traceback for bugs).
+A step is ``main(args) -> dict``; :func:`run_step` turns it into a process that keeps the step
+contract (``tasks/contract.py``): exit 0 and a small JSON result, or exit 2 with one ``ERROR``
+line naming the bad input (exit 1 with a traceback for bugs).
 """
 
 from __future__ import annotations
@@ -20,17 +20,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from tasks.contract import (
+    BAD_INPUT_EXIT_CODE,
+    BAD_INPUT_FILE_ENV,
+    GATE_REJECTED_EXIT_CODE,
+    POD_RESULT_PATH,
+    RESULT_PATH_ENV,
+    TERMINATED_EXIT_CODE,
+)
 from tasks.lib.errors import GateRejected, StepError, Terminated, first_line
 
 log = logging.getLogger("tasks")
 
-# Where KubernetesPodOperator's xcom sidecar picks the result up (do_xcom_push=True).
-POD_RESULT_PATH = Path("/airflow/xcom/return.json")
-BAD_INPUT_EXIT_CODE = 2
-GATE_REJECTED_EXIT_CODE = 99  # KubernetesPodOperator skip_on_exit_code / LocalStepOperator: skip downstream
-TERMINATED_EXIT_CODE = 128 + signal.SIGTERM  # as a shell reports a process SIGTERM ended: retried
-# set by tasks.lib.torchrun for its workers: where a worker with bad input leaves its error line
-BAD_INPUT_FILE_ENV = "STEP_BAD_INPUT_FILE"
 
 
 def step_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -55,8 +56,8 @@ def configure_logging() -> None:
 
 
 def result_path() -> Path | None:
-    if "STEP_RESULT_PATH" in os.environ:
-        return Path(os.environ["STEP_RESULT_PATH"])
+    if RESULT_PATH_ENV in os.environ:
+        return Path(os.environ[RESULT_PATH_ENV])
     return POD_RESULT_PATH if POD_RESULT_PATH.parent.is_dir() else None
 
 

@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 
-from tasks.lib.step import BAD_INPUT_EXIT_CODE, BAD_INPUT_FILE_ENV
+from tasks.contract import BAD_INPUT_EXIT_CODE, BAD_INPUT_FILE_ENV
 
 
 def with_rendezvous_host(argv: Sequence[str], env: Mapping[str, str]) -> list[str]:

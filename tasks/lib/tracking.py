@@ -7,11 +7,13 @@ tracker only logs locally (plain ``python -m tasks.train`` on a laptop).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from tasks.config import TrainSettings
 from tasks.lib.model import GPTConfig
 from tasks.lib.parallel import Dist
 from tasks.lib.step import log
@@ -33,7 +35,7 @@ RUN_FIGURES = ("final_loss", "tokens_per_s", "mfu", "eval_share", "checkpoint_sh
 
 
 class Tracker:
-    def __init__(self, is_main: bool, params: dict[str, Any], dag_run_tag: str) -> None:
+    def __init__(self, is_main: bool, params: TrainSettings, dag_run_tag: str) -> None:
         self.enabled = is_main and bool(os.environ.get("MLFLOW_TRACKING_URI"))
         self.params, self.dag_run_tag = params, dag_run_tag
         self.run_id: str | None = None
@@ -46,13 +48,15 @@ class Tracker:
             return
         import mlflow
 
-        existing = find_dag_run(self.params["experiment"], self.dag_run_tag) if self.dag_run_tag else None
-        mlflow.set_experiment(self.params["experiment"])
+        existing = find_dag_run(self.params.experiment, self.dag_run_tag) if self.dag_run_tag else None
+        mlflow.set_experiment(self.params.experiment)
         tags = {"dag_run": self.dag_run_tag, "step": "train"} if self.dag_run_tag else {"step": "train"}
         run = mlflow.start_run(run_id=existing, run_name=None if existing else f"train {self.dag_run_tag}".strip(), tags=tags)
         self.run_id = run.info.run_id
         if existing is None:
-            flat = {k: v for k, v in self.params.items() if k != "presets"}
+            # tuples as the lists params.yaml writes: betas logs "[0.9, 0.95]", comparable across runs
+            flat = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self.params).items()
+                    if k != "presets"}
             mlflow.log_params({**flat, **{f"model.{k}": v for k, v in config.to_dict().items()},
                                "world_size": env.world, "device": str(env.device), "dataset": dataset,
                                "model.num_params": config.num_params()})

@@ -1,8 +1,9 @@
 """Triton Inference Server: model configurations from one source, and a small HTTP client.
 
 One function builds each served model's configuration as a dict (Triton's ``ModelConfig`` in
-its protobuf JSON form); :func:`to_pbtxt` writes the same dict as ``config.pbtxt`` for a model
-repository, and the JSON form goes to Triton's load API as a config override (that is how a
+its protobuf JSON form, checked against Triton's own ``model_config.proto``); :func:`to_pbtxt`
+writes it as ``config.pbtxt`` for a model repository, and the JSON form goes to Triton's load API
+as a config override (that is how a
 deploy picks which versions are loaded). Backends:
 
 - ``python``: Triton's python backend running ONNX Runtime on ``model.onnx``
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -29,14 +29,15 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import ServeSettings
 from tasks.lib.errors import StepError
+from tasks.lib.polling import wait_until
 
 BACKENDS = ("python", "onnxruntime_onnx", "tensorrt_plan")
 MODEL_FILES = {"python": "model.onnx", "onnxruntime_onnx": "model.onnx", "tensorrt_plan": "model.plan"}
-ENUM = re.compile(r"^((TYPE|KIND)_[A-Z0-9_]+|REJECT|DELAY)$")
 
 
-def logits_model_config(name: str, backend: str, serve: Mapping[str, Any], gpu: bool = False) -> dict[str, Any]:
+def logits_model_config(name: str, backend: str, serve: ServeSettings, gpu: bool = False) -> dict[str, Any]:
     """``llm``: ``input_ids`` (batch, time) -> ``logits`` (batch, vocab) of the next token and
     ``next_token`` (batch, 1). The vocabulary axis is left dynamic so versions trained with
     different tokenizers can be served side by side under one configuration."""
@@ -46,23 +47,23 @@ def logits_model_config(name: str, backend: str, serve: Mapping[str, Any], gpu: 
         raise StepError("serve.backend tensorrt_plan needs the gpu kind")
     config: dict[str, Any] = {
         "name": name,
-        "max_batch_size": int(serve["max_batch_size"]),
+        "max_batch_size": serve.max_batch_size,
         "input": [{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1]}],
         "output": [
             {"name": "logits", "data_type": "TYPE_FP32", "dims": [-1]},
             {"name": "next_token", "data_type": "TYPE_INT64", "dims": [1]},
         ],
         "dynamic_batching": {
-            "preferred_batch_size": [int(b) for b in serve["preferred_batch_sizes"]],
-            "max_queue_delay_microseconds": int(serve["max_queue_delay_us"]),
+            "preferred_batch_size": list(serve.preferred_batch_sizes),
+            "max_queue_delay_microseconds": serve.max_queue_delay_us,
             # overload is a fast refusal (HTTP 503), not a queue that grows until clients time out
-            "default_queue_policy": {"max_queue_size": int(serve["queue"]["max_size"]), "timeout_action": "REJECT",
-                                     "default_timeout_microseconds": int(serve["queue"]["timeout_ms"]) * 1000},
+            "default_queue_policy": {"max_queue_size": serve.queue.max_size, "timeout_action": "REJECT",
+                                     "default_timeout_microseconds": serve.queue.timeout_ms * 1000},
         },
-        "instance_group": [{"count": int(serve["instances"]), "kind": "KIND_GPU" if gpu else "KIND_CPU"}],
+        "instance_group": [{"count": serve.instances, "kind": "KIND_GPU" if gpu else "KIND_CPU"}],
     }
     if not gpu:  # the ONNX Runtime backend's own parameter; the python backend's model reads it too
-        config["parameters"] = {"intra_op_thread_count": {"string_value": str(int(serve["intra_op_threads"]))}}
+        config["parameters"] = {"intra_op_thread_count": {"string_value": str(serve.intra_op_threads)}}
     if backend == "python":
         config["backend"] = "python"
     else:
@@ -71,11 +72,11 @@ def logits_model_config(name: str, backend: str, serve: Mapping[str, Any], gpu: 
     return config
 
 
-def generate_model_config(name: str, serve: Mapping[str, Any]) -> dict[str, Any]:
+def generate_model_config(name: str, serve: ServeSettings) -> dict[str, Any]:
     """``llm_generate``: text in, text out or streamed (python backend, decoupled): the engine of
     ``tasks/triton_models/llm_generate`` (continuous batching over the KV-cache decoder). Inputs
     follow Triton's LLM backends (``text_input``, ``max_tokens``, ``stream``, sampling scalars)."""
-    generate = serve["generate"]
+    generate = serve.generate
     optional = [("max_tokens", "TYPE_INT32"), ("temperature", "TYPE_FP32"), ("top_k", "TYPE_INT32"),
                 ("top_p", "TYPE_FP32"), ("seed", "TYPE_INT64"), ("stop", "TYPE_STRING"), ("stream", "TYPE_BOOL"),
                 ("ignore_eos", "TYPE_BOOL")]
@@ -92,11 +93,11 @@ def generate_model_config(name: str, serve: Mapping[str, Any]) -> dict[str, Any]
                    {"name": "completion_tokens", "data_type": "TYPE_INT32", "dims": [1]}],
         "instance_group": [{"count": 1, "kind": "KIND_CPU"}],  # the engine batches: one instance
         "parameters": {
-            "max_slots": {"string_value": str(int(serve["max_slots"]))},
-            "max_queue": {"string_value": str(int(generate["max_queue"]))},
-            "default_max_tokens": {"string_value": str(int(generate["max_tokens"]))},
-            "request_timeout_s": {"string_value": str(float(generate["request_timeout_s"]))},
-            "intra_op_thread_count": {"string_value": str(int(serve["intra_op_threads"]))},
+            "max_slots": {"string_value": str(serve.max_slots)},
+            "max_queue": {"string_value": str(generate.max_queue)},
+            "default_max_tokens": {"string_value": str(generate.max_tokens)},
+            "request_timeout_s": {"string_value": str(generate.request_timeout_s)},
+            "intra_op_thread_count": {"string_value": str(serve.intra_op_threads)},
         },
     }
 
@@ -106,33 +107,23 @@ def with_versions(config: Mapping[str, Any], versions: Sequence[int]) -> dict[st
     return {**config, "version_policy": {"specific": {"versions": sorted(int(v) for v in versions)}}}
 
 
-def to_pbtxt(config: Mapping[str, Any], indent: int = 0) -> str:
-    """A ModelConfig dict in protobuf text format (``config.pbtxt``)."""
-    pad = "  " * indent
-    lines = []
-    for key, value in config.items():
-        if key == "parameters":  # a proto map: one entry per key
-            for pkey, pvalue in value.items():
-                lines.append(f"{pad}parameters {{\n{pad}  key: {json.dumps(pkey)}\n{pad}  value {{\n"
-                             f"{to_pbtxt(pvalue, indent + 2)}{pad}  }}\n{pad}}}")
-        elif isinstance(value, Mapping):
-            lines.append(f"{pad}{key} {{\n{to_pbtxt(value, indent + 1)}{pad}}}")
-        elif isinstance(value, list) and value and isinstance(value[0], Mapping):
-            for item in value:
-                lines.append(f"{pad}{key} {{\n{to_pbtxt(item, indent + 1)}{pad}}}")
-        elif isinstance(value, list):
-            lines.append(f"{pad}{key}: [ {', '.join(_scalar(v) for v in value)} ]")
-        else:
-            lines.append(f"{pad}{key}: {_scalar(value)}")
-    return "".join(line + "\n" for line in lines)
+def model_config(config: Mapping[str, Any]) -> Any:
+    """The dict as Triton's own ``ModelConfig`` protobuf (tritonclient ships it): a field Triton
+    does not have, or a value of the wrong type, is refused here rather than by the server."""
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2
+
+    try:
+        return json_format.ParseDict(config, model_config_pb2.ModelConfig())
+    except json_format.ParseError as exc:
+        raise ValueError(f"model config {config.get('name')!r}: {exc}") from None
 
 
-def _scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str) and not ENUM.match(value):
-        return json.dumps(value)
-    return str(value)
+def to_pbtxt(config: Mapping[str, Any]) -> str:
+    """A ModelConfig dict in protobuf text format (``config.pbtxt``), written by protobuf."""
+    from google.protobuf import text_format
+
+    return str(text_format.MessageToString(model_config(config)))
 
 
 class TritonClient:
@@ -164,6 +155,7 @@ class TritonClient:
     def load(self, name: str, config: Mapping[str, Any]) -> None:
         """Load (or reload) ``name`` with this configuration; Triton loads and unloads versions
         to match its version policy, keeping the versions that stay loaded serving."""
+        model_config(config)  # a field Triton does not have: refused here, naming it
         status, body = self._call("POST", f"/v2/repository/models/{name}/load",
                                   {"parameters": {"config": json.dumps(config)}})
         if status != 200:
@@ -175,11 +167,8 @@ class TritonClient:
             raise StepError(f"triton {self.url}: unloading {name} failed ({status}): {_error(body)}")
 
     def wait_ready(self, name: str, versions: Sequence[int], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not all(self.model_ready(name, v) for v in versions):
-            if time.monotonic() > deadline:
-                raise StepError(f"triton {self.url}: {name} versions {list(versions)} not ready after {timeout_s:.0f}s")
-            time.sleep(0.2)
+        wait_until(lambda: all(self.model_ready(name, v) for v in versions), timeout_s, 0.2, lambda: StepError(
+            f"triton {self.url}: {name} versions {list(versions)} not ready after {timeout_s:.0f}s"))
 
     def loaded_versions(self, name: str) -> list[int]:
         status, body = self._call("POST", "/v2/repository/index", {"ready": True})

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from helpers import REPO_ROOT
 
+from tasks.config import load
 from tasks.lib import metrics
-from tasks.lib.params import load_params
 
 
 def copied_sources(dockerfile: str) -> list[str]:
@@ -47,12 +47,12 @@ def test_dockerfiles_copy_existing_paths_and_use_the_locks() -> None:
 
 
 def test_image_kinds_in_params_have_a_dockerfile() -> None:
-    params = load_params()
-    images = params["launcher"]["kubernetes"]["images"]
+    settings = load()
+    images = settings.launcher.kubernetes.images
     assert set(images) == {"cpu", "gpu"}
     assert all(image.split("@")[0].endswith(f"runtime-{kind}:0.1.0") for kind, image in images.items())
     # the Triton pods run the serving image: the stock one lacks what llm_generate imports
-    assert params["serve"]["kubernetes"]["image"].split("@")[0].endswith("/serving:0.1.0")
+    assert settings.serve.kubernetes.image.split("@")[0].endswith("/serving:0.1.0")
     assert (REPO_ROOT / "containers" / "Dockerfile.serving").exists()
 
 
@@ -142,7 +142,7 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("STACK_DIR", str(tmp_path))
     from stack.servers import PEOPLE_ONLY, client_env
 
-    ports = load_params()["stack"]["ports"]
+    ports = load().stack.ports
     services = load_compose()["services"]
     published = {
         "seaweedfs": ["s3"], "mlflow": ["mlflow"], "airflow-apiserver": ["airflow"],
@@ -204,7 +204,7 @@ def test_compose_mlflow_asks_for_logins_and_only_it_holds_the_admin_password() -
 def test_compose_prometheus_is_the_local_config_by_service_name(tmp_path: Path) -> None:
     from stack.servers import prometheus_config, write_metrics_auth
 
-    ports = load_params()["stack"]["ports"]
+    ports = load().stack.ports
     committed = yaml.safe_load((REPO_ROOT / "observability" / "prometheus-compose.yml").read_text())
     targets = {"prometheus": f"127.0.0.1:{ports['prometheus']}", "pushgateway": f"pushgateway:{ports['pushgateway']}",
                "triton": f"triton:{ports['triton_metrics']}",
@@ -223,7 +223,7 @@ def test_compose_prometheus_is_the_local_config_by_service_name(tmp_path: Path) 
 
 
 def test_grafana_is_provisioned_with_prometheus_and_the_dashboard() -> None:
-    ports = load_params()["stack"]["ports"]
+    ports = load().stack.ports
     grafana = load_compose()["services"]["grafana"]
     provisioning = REPO_ROOT / "observability" / "grafana" / "provisioning"
     (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]

@@ -107,7 +107,10 @@ def test_every_steps_arguments_parse_with_its_module(dag: Any) -> None:
     assert {module for module, _ in calls} >= {"tasks.snapshot", "tasks.train", "tasks.deploy", "tasks.report"}
     code = ("import importlib, json, sys\n"
             "for module, argv in json.loads(sys.argv[1]):\n"
-            "    importlib.import_module(module).parser().parse_args(argv)")
+            "    step = importlib.import_module(module)\n"
+            "    if hasattr(step, '__path__'):  # a package (tasks.train): python -m runs its __main__\n"
+            "        step = importlib.import_module(module + '.__main__')\n"
+            "    step.parser().parse_args(argv)")
     proc = subprocess.run([str(RUNTIME_PY), "-c", code, json.dumps(calls)], cwd=REPO_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

@@ -4,6 +4,7 @@ Secrets come from the environment only; the Helm values agree with the other obj
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -65,14 +66,14 @@ def test_only_the_deploy_account_holds_a_token_and_the_serving_role() -> None:
     and patch the Triton Deployments and the route) is bound to it alone."""
     import serving
 
-    params = pipeline_params()["launcher"]["kubernetes"]
+    params = pipeline_params().launcher.kubernetes
     tokens = {o["metadata"]["name"]: o["automountServiceAccountToken"] for o in cluster.base_objects()
               if o["kind"] == "ServiceAccount"}
-    assert tokens == {params["service_account"]: False, params["deploy_service_account"]: True,
-                      params["airflow_service_account"]: True}
+    assert tokens == {params.service_account: False, params.deploy_service_account: True,
+                      params.airflow_service_account: True}
     (binding,) = [o for o in serving.serving_manifests() if o["kind"] == "RoleBinding"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": params["deploy_service_account"],
-                                    "namespace": params["namespace"]}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": params.deploy_service_account,
+                                    "namespace": params.namespace}]
 
 
 def test_the_workers_role_holds_exactly_the_calls_our_operators_make() -> None:
@@ -104,25 +105,31 @@ def test_the_workers_cannot_exec_into_airflows_own_pods() -> None:
     the workers anything; the two namespaces may not be one."""
     import copy
 
+    from tasks.config import SettingsError
+
     settings = pipeline_params()
-    params = settings["launcher"]["kubernetes"]
+    params = settings.launcher.kubernetes
     objects = cluster.base_objects()
-    steps, airflow_ns = params["namespace"], params["airflow_namespace"]
+    steps, airflow_ns = params.namespace, params.airflow_namespace
     assert steps != airflow_ns
     assert {o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"} == {steps, airflow_ns}
     exec_roles = [o for o in objects if o["kind"] == "Role" and ("", "pods/exec", "create") in granted(o["rules"])]
     assert [r["metadata"]["namespace"] for r in exec_roles] == [steps]
-    worker = {"kind": "ServiceAccount", "name": params["airflow_service_account"], "namespace": airflow_ns}
+    worker = {"kind": "ServiceAccount", "name": params.airflow_service_account, "namespace": airflow_ns}
     bound = [o for o in objects if o["kind"] == "RoleBinding" and worker in o["subjects"]]
     assert [b["metadata"]["namespace"] for b in bound] == [steps]
     account = next(o for o in objects if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == worker["name"])
     assert account["metadata"]["namespace"] == airflow_ns
     values = cluster.helm_values()
     assert values["config"]["kubernetes_executor"]["namespace"] == airflow_ns  # worker pods beside Airflow
-    logs_secret = next(o for o in cluster.secrets(ENV) if o["metadata"]["name"] == params["remote_logs"]["conn_secret"])
+    logs_secret = next(o for o in cluster.secrets(ENV) if o["metadata"]["name"] == params.remote_logs.conn_secret)
     assert logs_secret["metadata"]["namespace"] == airflow_ns  # read by the chart's components
-    one = copy.deepcopy(settings)
-    one["launcher"]["kubernetes"]["airflow_namespace"] = steps
+    # refused when params.yaml is read, and by the renderer itself (settings that escaped the check)
+    with pytest.raises(SettingsError, match="must not be the steps' namespace"):
+        dataclasses.replace(params, airflow_namespace=steps)
+    same = copy.copy(params)
+    object.__setattr__(same, "airflow_namespace", steps)
+    one = dataclasses.replace(settings, launcher=dataclasses.replace(settings.launcher, kubernetes=same))
     with pytest.raises(ValueError, match="must differ from namespace"):
         cluster.base_objects(one)
 
@@ -130,8 +137,6 @@ def test_the_workers_cannot_exec_into_airflows_own_pods() -> None:
 def test_every_image_is_pinned_by_digest() -> None:
     """A tag can be moved to other bytes: every image a rendered object names is pinned by digest,
     and a setting holding a tag alone is refused with one line naming it."""
-    import copy
-
     import serving
 
     settings = pipeline_params()
@@ -144,8 +149,9 @@ def test_every_image_is_pinned_by_digest() -> None:
     assert cluster.PINNED_IMAGE.match("registry:5000/team/image" + digest)["repository"] == "registry:5000/team/image"
     for setting, path in (("launcher.kubernetes.airflow_image", ("launcher", "kubernetes", "airflow_image")),
                           ("serve.kubernetes.image", ("serve", "kubernetes", "image"))):
-        moved = copy.deepcopy(settings)
-        moved[path[0]][path[1]][path[2]] = "registry.example.com/x:latest"
+        section = getattr(settings, path[0])
+        kubernetes = dataclasses.replace(getattr(section, path[1]), **{path[2]: "registry.example.com/x:latest"})
+        moved = dataclasses.replace(settings, **{path[0]: dataclasses.replace(section, **{path[1]: kubernetes})})
         render = cluster.helm_values if path[0] == "launcher" else serving.serving_manifests
         with pytest.raises(ValueError, match=f"^{setting} 'registry.example.com/x:latest': pin the image by digest"):
             render(moved)
@@ -155,21 +161,21 @@ def test_every_image_is_pinned_by_digest() -> None:
 
 
 def test_training_jobs_find_their_queue_and_priority_class() -> None:
-    training = pipeline_params()["launcher"]["kubernetes"]["training"]
+    training = pipeline_params().launcher.kubernetes.training
     queue = next(o for o in cluster.base_objects() if o["kind"] == "LocalQueue")
-    assert queue["metadata"]["name"] == training["queue_name"]  # the label k8s_job puts on each Job
-    assert queue["spec"] == {"clusterQueue": training["cluster_queue"]}
+    assert queue["metadata"]["name"] == training.queue_name  # the label k8s_job puts on each Job
+    assert queue["spec"] == {"clusterQueue": training.cluster_queue}
     priority = next(o for o in cluster.base_objects() if o["kind"] == "PriorityClass")
-    assert priority["metadata"]["name"] == training["priority_class"] and priority["value"] == training["priority"]
+    assert priority["metadata"]["name"] == training.priority_class and priority["value"] == training.priority
 
 
 def test_secrets_hold_the_environment_and_refuse_a_missing_variable() -> None:
     objects = {o["metadata"]["name"]: o["stringData"] for o in cluster.secrets(ENV)}
-    cluster_params = pipeline_params()["launcher"]["kubernetes"]
-    assert set(objects) == {*cluster_params["env_from_secrets"], cluster_params["remote_logs"]["conn_secret"]}
+    cluster_params = pipeline_params().launcher.kubernetes
+    assert set(objects) == {*cluster_params.env_from_secrets, cluster_params.remote_logs.conn_secret}
     assert objects["llm-pipeline-storage"] == {k: ENV[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                                                    "AWS_ENDPOINT_URL")}
-    logs = json.loads(objects[cluster_params["remote_logs"]["conn_secret"]]["AIRFLOW_CONN"])
+    logs = json.loads(objects[cluster_params.remote_logs.conn_secret]["AIRFLOW_CONN"])
     assert logs == {"conn_type": "aws", "login": "key-id", "password": "secret",
                     "extra": {"endpoint_url": "http://s3:8333"}}
     without_router = {k: v for k, v in ENV.items() if k != "ROUTER_URL"}
@@ -181,9 +187,9 @@ def test_secrets_hold_the_environment_and_refuse_a_missing_variable() -> None:
 
 def test_helm_values_run_this_image_with_our_policy_and_remote_logs() -> None:
     values = cluster.helm_values()
-    cluster_params = pipeline_params()["launcher"]["kubernetes"]
+    cluster_params = pipeline_params().launcher.kubernetes
     image = values["images"]["airflow"]
-    assert f"{image['repository']}:{image['tag']}@{image['digest']}" == cluster_params["airflow_image"]
+    assert f"{image['repository']}:{image['tag']}@{image['digest']}" == cluster_params.airflow_image
     assert values["executor"] == "KubernetesExecutor"
     import airflow
 
@@ -192,9 +198,9 @@ def test_helm_values_run_this_image_with_our_policy_and_remote_logs() -> None:
     logs = values["config"]["logging"]
     [secret] = values["secret"]
     assert secret["envName"] == f"AIRFLOW_CONN_{logs['remote_log_conn_id'].upper()}"
-    assert secret["secretName"] == cluster_params["remote_logs"]["conn_secret"]
+    assert secret["secretName"] == cluster_params.remote_logs.conn_secret
     assert logs["remote_base_log_folder"].startswith("s3://")
-    assert values["config"]["kubernetes_executor"]["namespace"] == cluster_params["airflow_namespace"]
+    assert values["config"]["kubernetes_executor"]["namespace"] == cluster_params.airflow_namespace
     # the CLI prints the same values as YAML
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "plugins" / "cluster.py"), "helm-values"],
                           capture_output=True, text=True, check=True)

@@ -19,6 +19,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from helpers import REPO_ROOT, validate_objects
 
 import launcher
+from tasks.contract import ERROR_XCOM_KEY
 
 
 def test_mode_comes_from_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,7 +78,7 @@ def test_a_crash_fails_the_task_with_its_last_line(tmp_path: Path) -> None:
     with pytest.raises(AirflowException, match=r"tasks\.seed exited with 1: ValueError: Invalid isoformat"):
         op.execute(context={"ti": ti})
     # no ERROR line: the report is told how it ended, not handed a log line as the error
-    assert ti.pushed[launcher.ERROR_XCOM_KEY].startswith("exit 1; last output: ValueError: Invalid isoformat")
+    assert ti.pushed[ERROR_XCOM_KEY].startswith("exit 1; last output: ValueError: Invalid isoformat")
 
 
 # -- cluster mode ---------------------------------------------------------------------------
@@ -112,17 +113,17 @@ def test_only_the_deploy_pod_carries_an_api_token_and_reaches_triton(cluster_dag
 
     from pipeline_params import pipeline_params
 
-    params = pipeline_params()["launcher"]["kubernetes"]
+    params = pipeline_params().launcher.kubernetes
     deploy = pod_of(cluster_dag.get_task("deploy"))
     assert deploy["metadata"]["labels"][cluster.DEPLOYER_LABEL] == "true"
-    assert deploy["spec"]["serviceAccountName"] == params["deploy_service_account"]
+    assert deploy["spec"]["serviceAccountName"] == params.deploy_service_account
     assert deploy["spec"]["automountServiceAccountToken"] is True
     # on SIGTERM it moves traffic back to stable before it goes: its grace period allows for it
-    assert deploy["spec"]["terminationGracePeriodSeconds"] == params["deploy_grace_s"] > 30
+    assert deploy["spec"]["terminationGracePeriodSeconds"] == params.deploy_grace_s > 30
     for task_id in ("snapshot", "validate", "tokenize_shard", "evaluate", "register", "export", "report"):
         pod = pod_of(cluster_dag.get_task(task_id))
         assert cluster.DEPLOYER_LABEL not in pod["metadata"]["labels"], task_id
-        assert pod["spec"]["serviceAccountName"] == params["service_account"], task_id
+        assert pod["spec"]["serviceAccountName"] == params.service_account, task_id
         assert pod["spec"]["automountServiceAccountToken"] is False, task_id
         assert "terminationGracePeriodSeconds" not in pod["spec"], task_id
 
@@ -246,6 +247,7 @@ def test_local_training_runs_one_torchrun_agent_per_node() -> None:
     assert op.process_env()["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
 
 
+@pytest.mark.torchrun
 def test_bad_input_under_torchrun_fails_once_without_retries(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """torchrun would restart a worker that exits 2 (``--max-restarts``) and then exit 1, which
     Airflow retries: the worker stops its agent, which exits 2 (tasks.lib.torchrun)."""
@@ -360,15 +362,6 @@ def test_a_training_retry_deletes_the_earlier_attempts_job_first(cluster_dag: An
     assert "train-first-run" in jobs
 
 
-def test_exit_codes_are_the_step_contracts() -> None:
-    """One definition each side of the process boundary, kept equal (the launcher cannot import
-    the runtime's modules in a pod world, but the values must agree)."""
-    from tasks.lib import step as step_contract
-
-    assert launcher.BAD_INPUT_EXIT_CODE == step_contract.BAD_INPUT_EXIT_CODE
-    assert launcher.GATE_REJECTED_EXIT_CODE == step_contract.GATE_REJECTED_EXIT_CODE
-
-
 @pytest.mark.parametrize(("exit_code", "retried"), [(2, False), (1, True), (137, True)])
 def test_a_step_pod_that_exits_2_is_not_retried(cluster_dag: Any, dummy_kubeconfig: str, exit_code: int,
                                                  retried: bool) -> None:
@@ -398,7 +391,7 @@ def test_a_step_pod_that_exits_2_is_not_retried(cluster_dag: Any, dummy_kubeconf
     assert isinstance(raised.value, AirflowFailException) is not retried, raised.value
     # the step's line leads the task's error (the alert's text) and is kept for the run report
     assert str(raised.value).startswith("ERROR python -m tasks.validate: s3://raw/x: no records"), raised.value
-    assert ti.pushed == {launcher.ERROR_XCOM_KEY: "ERROR python -m tasks.validate: s3://raw/x: no records"}
+    assert ti.pushed == {ERROR_XCOM_KEY: "ERROR python -m tasks.validate: s3://raw/x: no records"}
 
 
 def test_a_pod_killed_before_its_error_line_is_reported_by_how_it_ended() -> None:

@@ -4,6 +4,7 @@ validated against Kubernetes 1.32 (strict), the HTTPRoute against the Gateway AP
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +63,8 @@ def test_training_never_preempts_serving_and_a_drain_keeps_stable_serving() -> N
     objects = serving.serving_manifests()
     classes = {o["metadata"]["name"]: o for o in by_kind(cluster.base_objects(), "PriorityClass")}  # cluster-scoped
     settings = pipeline_params()
-    serving_class = classes[settings["serve"]["kubernetes"]["priority_class"]]
-    training_class = classes[settings["launcher"]["kubernetes"]["training"]["priority_class"]]
+    serving_class = classes[settings.serve.kubernetes.priority_class]
+    training_class = classes[settings.launcher.kubernetes.training.priority_class]
     assert serving_class["value"] > training_class["value"] and not serving_class["globalDefault"]
     for deployment in by_kind(objects, "Deployment"):
         pod = deployment["spec"]["template"]["spec"]
@@ -80,10 +81,11 @@ def test_training_never_preempts_serving_and_a_drain_keeps_stable_serving() -> N
     selector = budget["spec"]["selector"]["matchLabels"]
     assert selector == stable["spec"]["template"]["metadata"]["labels"]
     assert selector.items() - canary["spec"]["template"]["metadata"]["labels"].items()
-    assert budget["spec"]["maxUnavailable"] == 1 < settings["serve"]["kubernetes"]["replicas"]
+    assert budget["spec"]["maxUnavailable"] == 1 < settings.serve.kubernetes.replicas
     # a budget that would let a drain evict every stable pod is refused when rendering
-    lone = copy.deepcopy(settings)
-    lone["serve"]["kubernetes"]["replicas"] = 1
+    serve = settings.serve
+    lone = dataclasses.replace(settings, serve=dataclasses.replace(
+        serve, kubernetes=dataclasses.replace(serve.kubernetes, replicas=1)))
     with pytest.raises(ValueError, match="max_unavailable 1: expected at least 1 and fewer than replicas"):
         serving.disruption_budget(lone)
 
@@ -133,8 +135,10 @@ def test_public_route_splits_an_allowlist_and_only_the_internal_one_reaches_a_tr
 
 
 def test_cpu_kind_has_no_gpu_request(tmp_path: Path) -> None:
-    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
-    params["serve"]["kubernetes"].update(kind="cpu", config_variant="onnxruntime_onnx.cpu")
+    settings = pipeline_params()
+    serve = dataclasses.replace(settings.serve, kubernetes=dataclasses.replace(
+        settings.serve.kubernetes, kind="cpu", config_variant="onnxruntime_onnx.cpu"))
+    params = dataclasses.replace(settings, serve=serve)
     deployment = serving.track_deployment(params, "stable")
     assert "nvidia.com/gpu" not in deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert "tolerations" not in deployment["spec"]["template"]["spec"]

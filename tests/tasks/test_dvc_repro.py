@@ -12,12 +12,14 @@ import pytest
 import yaml
 from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI
 
+from tasks.config import load
+
 
 def test_dvc_shard_stages_match_the_shard_count() -> None:
     """DVC cannot compute a range: repro.shards is written out, and must name every shard of
     tokenize.num_shards as the merge step reads them (past 10 shards too)."""
-    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
-    assert params["repro"]["shards"] == [f"{i:05d}" for i in range(params["tokenize"]["num_shards"])]
+    settings = load(REPO_ROOT / "params.yaml")
+    assert settings.repro.shards == tuple(f"{i:05d}" for i in range(settings.tokenize.num_shards))
     stages = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
     assert stages["encode"]["do"]["outs"] == ["data/tokenize/shards/${item}"]
     assert "--shard-index ${item}" in stages["encode"]["do"]["cmd"]

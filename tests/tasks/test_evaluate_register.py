@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -18,14 +19,19 @@ from helpers import (
     write_eval_text,
 )
 
+from tasks.config import EvaluateSettings, load
 from tasks.lib import storage
+
+
+def gate_bounds() -> EvaluateSettings:
+    return dataclasses.replace(load().evaluate, max_eval_perplexity=2000.0, min_eval_accuracy=0.05, max_regression=0.05)
 
 
 def test_gate_rejects_non_finite_figures() -> None:
     """NaN compares false with every bound: the gate must name it instead of passing it."""
     from tasks.evaluate import judge
 
-    bounds = {"max_eval_perplexity": 2000, "min_eval_accuracy": 0.05, "max_regression": 0.05}
+    bounds = gate_bounds()
     good = {"eval_perplexity": 300.0, "eval_accuracy": 0.2}
     assert judge(good, None, bounds) == [] and judge(good, {"eval_perplexity": 310.0}, bounds) == []
     for broken in ({"eval_perplexity": float("nan")}, {"eval_perplexity": float("inf")}, {"eval_accuracy": float("nan")}):
@@ -39,7 +45,7 @@ def test_gate_compares_bits_per_byte_when_the_tokenizers_differ() -> None:
     higher per-token perplexity and can still model the text better."""
     from tasks.evaluate import judge
 
-    bounds = {"max_eval_perplexity": 2000, "min_eval_accuracy": 0.05, "max_regression": 0.05}
+    bounds = gate_bounds()
     champion = {"eval_perplexity": 200.0, "eval_bits_per_byte": 2.0, "tokenizer_hash": "aaa"}
     bigger_vocab = {"eval_perplexity": 600.0, "eval_accuracy": 0.2, "eval_bits_per_byte": 1.9, "tokenizer_hash": "bbb"}
     assert judge(bigger_vocab, champion, bounds) == []

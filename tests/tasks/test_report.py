@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tasks import report
+from tasks.config import load
 from tasks.lib.errors import StepError
 
 DONE = {t: "success" for t in report.STEPS}
@@ -30,7 +31,7 @@ RESULTS: dict[str, Any] = {
 
 def build(states: dict[str, str], results: dict[str, Any], errors: dict[str, str] | None = None) -> dict[str, Any]:
     args = argparse.Namespace(dag_id="llm_retrain", run_id="manual__2026-11-22")
-    return report.build_report(args, states, results, errors)
+    return report.build_report(args, load(), states, results, errors)
 
 
 def test_a_promoted_run_says_what_serves_and_how_to_query_it() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import http.client
 import json
 import os
@@ -42,6 +43,7 @@ from helpers import (
 )
 from kube_api import FakeKubeApi, apply_json_patch, kubectl_apply, merge_patch, role_allows
 
+from tasks.config import ServeSettings, load
 from tasks.lib import serving, triton
 from tasks.lib.errors import StepError
 from tasks.lib.router import Route, split_conf
@@ -55,12 +57,12 @@ SMALL = {"vocab_size": 1000, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_hea
 # -- unit: configurations and the router's split --------------------------------------------
 
 
-def serve_params() -> dict[str, Any]:
-    return dict(yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["serve"])
+def serve_settings() -> ServeSettings:
+    return load().serve
 
 
 def test_one_config_source_for_every_backend() -> None:
-    serve = serve_params()
+    serve = serve_settings()
     python = triton.logits_model_config("llm", "python", serve)
     onnx_gpu = triton.logits_model_config("llm", "onnxruntime_onnx", serve, gpu=True)
     plan = triton.logits_model_config("llm", "tensorrt_plan", serve, gpu=True)
@@ -72,7 +74,15 @@ def test_one_config_source_for_every_backend() -> None:
                {k: python[k] for k in ("input", "output", "dynamic_batching", "max_batch_size")}
     text = triton.to_pbtxt(triton.with_versions(onnx_gpu, [3, 2]))
     assert 'platform: "onnxruntime_onnx"' in text and "kind: KIND_GPU" in text and "data_type: TYPE_INT64" in text
-    assert "preferred_batch_size: [ 4, 8, 16 ]" in text and "versions: [ 2, 3 ]" in text
+    # protobuf's text format, read back into Triton's ModelConfig as the server reads it
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    parsed = text_format.Parse(text, model_config_pb2.ModelConfig())
+    assert list(parsed.dynamic_batching.preferred_batch_size) == [4, 8, 16]
+    assert list(parsed.version_policy.specific.versions) == [2, 3]
+    with pytest.raises(ValueError, match=r"model config 'llm'.*max_batchsize"):  # a field Triton does not have
+        triton.to_pbtxt({**onnx_gpu, "max_batchsize": 8})
     with pytest.raises(Exception, match="needs the gpu kind"):
         triton.logits_model_config("llm", "tensorrt_plan", serve)
 
@@ -85,22 +95,28 @@ def test_split_routes_by_weight() -> None:
         Route(2, None, 5.0)
 
 
-@pytest.mark.parametrize("steps", [[10, 50], [50, 10, 100], [0, 100], [10, 150], [], "10,100", [10, "x", 100]])
-def test_canary_steps_must_rise_to_100(steps: Any) -> None:
-    """The trigger form bounds each share; deploy checks the list as a whole before any traffic."""
-    from tasks.deploy import check_steps
-    from tasks.lib.errors import StepError
+RISING = r"canary\.steps .*: expected rising percentages ending at 100"
 
-    check_steps([10, 50, 100])
-    check_steps([100])
-    with pytest.raises(StepError, match="expected rising traffic shares"):
-        check_steps(steps)
+
+@pytest.mark.parametrize(("steps", "refusal"), [
+    ([10, 50], RISING), ([50, 10, 100], RISING), ([0, 100], RISING), ([10, 150], RISING), ([], RISING),
+    ("10,100", r"canary\.steps '10,100': expected list of integer \| number"),
+    ([10, "x", 100], r"canary\.steps\[1\] 'x': expected integer \| number")])
+def test_canary_steps_must_rise_to_100(steps: Any, refusal: str) -> None:
+    """The trigger form bounds each share; deploy checks the list as a whole (its ``--set``, as the
+    DAG passes it, read into the settings) before any traffic."""
+    from tasks.lib.params import load_settings
+
+    assert load_settings("canary", ["steps=[10, 50, 100]"]).canary.steps == (10, 50, 100)
+    assert load_settings("canary", ["steps=[100]"]).canary.steps == (100,)
+    with pytest.raises(StepError, match=refusal):
+        load_settings("canary", [f"steps={json.dumps(steps)}"])
 
 
 def test_tensorrt_is_skipped_visibly_without_a_gpu(tmp_path: Path) -> None:
     from tasks.export import build_tensorrt, tensorrt_profile
 
-    trt = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["export"]["tensorrt"]
+    trt = load().export.tensorrt
     assert tensorrt_profile(128, trt) == {"input_ids_min": (1, 1), "input_ids_opt": (8, 128), "input_ids_max": (16, 128)}
     assert build_tensorrt(tmp_path / "m.onnx", tmp_path / "m.plan", 128, trt) == "skipped: no GPU"
     assert not (tmp_path / "m.plan").exists()
@@ -125,8 +141,7 @@ def test_a_router_reload_outwaits_the_longest_stream() -> None:
     engine's timeout); a route change waits for them, and nginx ends them past that."""
     from tasks.lib.router import OLD_WORKERS_TIMEOUT_S, NginxRouter, nginx_conf
 
-    generate = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["serve"]["generate"]
-    assert float(generate["request_timeout_s"]) < OLD_WORKERS_TIMEOUT_S
+    assert serve_settings().generate.request_timeout_s < OLD_WORKERS_TIMEOUT_S
     assert NginxRouter(Path("."), "http://x", "http://y").timeout_s > OLD_WORKERS_TIMEOUT_S
     assert f"worker_shutdown_timeout {OLD_WORKERS_TIMEOUT_S}s;" in nginx_conf(Path("."), 1, 2, 3, 4)
 
@@ -262,8 +277,9 @@ def cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[F
 
     monkeypatch.setenv("ROUTER_URL", "http://gateway.example")
     monkeypatch.setenv("ROUTER_INTERNAL_URL", "http://gateway-internal.example")
-    serve = serve_params()
-    serve["kubernetes"].update(rollout_timeout_s=1, route_timeout_s=5, lease_duration_s=30)
+    serve = serve_settings()
+    serve = dataclasses.replace(serve, kubernetes=dataclasses.replace(
+        serve.kubernetes, rollout_timeout_s=1.0, route_timeout_s=5.0, lease_duration_s=30.0))
     rendered = rendered_serving_objects()
     objects = [o for o in rendered if o["kind"] in ("Deployment", "HTTPRoute")]
     with FakeKubeApi(NAMESPACE, objects) as fake:

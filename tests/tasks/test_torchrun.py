@@ -13,6 +13,8 @@ from helpers import REPO_ROOT, RUNTIME_PY
 from tasks.lib import torchrun
 from tasks.lib.torchrun import preload_allocator, with_rendezvous_host
 
+pytestmark = pytest.mark.torchrun  # real torchrun agents: the slower tier
+
 AGENT = [str(RUNTIME_PY), "-m", "tasks.lib.torchrun", "--standalone", "--nproc-per-node=1", "--max-restarts=2"]
 
 

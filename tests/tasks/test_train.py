@@ -23,10 +23,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result, write_dataset
 
-from tasks.lib import checkpoint, parallel, storage
+from tasks.config import load
+from tasks.contract import TORCHRUN_MODULE, torchrun_args
+from tasks.lib import parallel, storage
 from tasks.lib.model import GPT, GPTConfig
+from tasks.train import checkpoint, engines
+from tasks.train.trainer import TrainState
 
-TORCHRUN = [str(RUNTIME_PY), "-m", "tasks.lib.torchrun"]  # torchrun keeping the step exit codes
+pytestmark = pytest.mark.torchrun
+
 FAST = ["--set", "log_every=5", "--set", "eval_every=10", "--set", "checkpoint_every=10",
         "--set", "warmup_steps=5", "--set", "micro_batch=2", "--set", "eval_batches=2"]
 NO_MLFLOW = {"MLFLOW_TRACKING_URI": ""}
@@ -44,9 +49,9 @@ def start_nodes(nodes: int, args: list[str], logs: Path, env: dict[str, str] | N
     logs.mkdir(parents=True, exist_ok=True)
     return [
         subprocess.Popen(
-            [*TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=test-{port}", "--max-restarts=2",
-             "-m", "tasks.train", *args],
+            [str(RUNTIME_PY), "-m", TORCHRUN_MODULE,
+             *torchrun_args(nodes=nodes, procs_per_node=1, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"test-{port}",
+                            max_restarts=2, module="tasks.train", arguments=args)],
             cwd=REPO_ROOT, stdout=(logs / f"node{i}.log").open("wb"), stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})},
             start_new_session=True,
@@ -108,25 +113,6 @@ def test_same_seed_data_and_world_give_bit_identical_weights(
     assert all(torch.equal(ref[k], new[k]) for k in ref)
 
 
-def test_reshard_after_forward_policy() -> None:
-    """auto: GPUs free every block's weights after its forward but the last one's (the backward
-    starts there); CPUs keep them all (one all-gather per step instead of two over gloo)."""
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert parallel.reshard_after_forward("auto", cuda, 4) == [True, True, True, False]
-    assert parallel.reshard_after_forward("auto", cpu, 4) == [False] * 4
-    assert parallel.reshard_after_forward(True, cpu, 3) == [True] * 3
-    assert parallel.reshard_after_forward(False, cuda, 3) == [False] * 3
-
-
-def test_precision_policy() -> None:
-    """auto: bf16 autocast on CUDA only (CPUs with AMX gain, AVX2 ones lose ~19x: asked for, not
-    guessed); weights gathered in bf16 on GPUs only (gloo's collectives stay fp32)."""
-    cpu = torch.device("cpu")
-    assert not parallel.use_bf16(cpu, "auto") and parallel.use_bf16(cpu, "bf16")
-    assert not parallel.use_bf16(torch.device("cuda"), "fp32")
-    assert not parallel.bf16_weights(cpu, "bf16")
-
-
 def test_bf16_autocast_on_cpus_keeps_fp32_weights(
     reference: tuple[Path, dict[str, Any]], dataset: Path, tmp_path: Path
 ) -> None:
@@ -139,16 +125,6 @@ def test_bf16_autocast_on_cpus_keeps_fp32_weights(
     assert abs(result["final_loss"] - reference[1]["final_loss"]) < 0.1, (result["final_loss"], reference[1]["final_loss"])
     assert "bf16" in result["peak_source"]
     assert {w.dtype for w in weights(result["model_uri"]).values()} == {torch.float32}
-
-
-def test_fsdp2_units_per_block_on_gpus_or_where_blocks_free_their_weights() -> None:
-    """CPUs keeping the weights shard the whole model as one unit (one all-gather and one
-    reduce-scatter a step); a block that frees its weights needs a unit of its own; GPUs overlap
-    per-block collectives with compute."""
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert not parallel.per_block_units([False] * 4, cpu)
-    assert parallel.per_block_units([True, True, True, False], cpu)
-    assert parallel.per_block_units([False] * 4, cuda)
 
 
 def test_freeing_weights_after_forward_changes_communication_not_the_math(
@@ -212,10 +188,12 @@ def test_a_save_returns_before_its_write_and_holds_the_state_of_its_step(
     monkeypatch.setattr(checkpoint, "_writer", HeldWriter)
     size = 2048 if device == "cuda" else 4  # on a GPU: big enough for the background copy to take time
     model = torch.nn.Linear(size, size).to(device)
-    engine = parallel.Engine("single", model, torch.optim.AdamW(model.parameters()))
-    saver = checkpoint.Checkpointer(str(tmp_path), keep_last=2, async_save=True, rank=0)
+    engine = engines.Engine(model, load().train, parallel.Dist(0, 1, 0, torch.device(device)),
+                            lambda m: torch.optim.AdamW(m.parameters()))
+    saver = checkpoint.Checkpointer(checkpoint.CheckpointStore(str(tmp_path), keep_last=2, rank=0),
+                                    checkpoint.DCPFormat(async_save=True))
     at_save = {k: v.cpu().clone() for k, v in model.state_dict().items()}
-    saver.save(engine, {**checkpoint.TRAINER_FIELDS, "step": 1})  # returns with the write held
+    saver.save(engine, TrainState(step=1).state_dict())  # returns with the write held
     saver.before_update()  # as the loop does before its next optimizer step
     with torch.no_grad():
         model.weight.add_(1.0)  # the next optimizer step
@@ -314,7 +292,7 @@ def test_retention_keeps_last_two_and_best(reference: tuple[Path, dict[str, Any]
         ("vocab", [], "token id 200 >= model vocab 100 (dtype/vocab mismatch)"),
         ("ok", ["--set", "grad_accum=100000"], "sequences exceeds the"),
         ("ok", ["--set", "preset=gpu-1b", "--set", "micro_batch=64"], "needs ~"),
-        ("ok", ["--set", "preset=nope"], "train.preset 'nope': unknown"),
+        ("ok", ["--set", "preset=nope"], "train.preset 'nope': expected one of cpu-tiny,"),
         ("ok", ["--set", "reshard_after_forward=sometimes"], "train.reshard_after_forward 'sometimes': expected"),
         ("ok", ["--set", "precision=half"], "train.precision 'half': expected one of auto, bf16, fp32"),
         ("ok", ["--set", "precision=bf16", "--set", "engine=deepspeed"], "train.precision bf16 on CPUs: use engine"),
@@ -344,7 +322,7 @@ def test_node_local_dataset_copy_is_content_keyed_and_leaves_nothing(stack_env: 
     """An S3 dataset is copied once per node under its manifest's hash; a failed copy leaves no
     staging folder, a successful run removes its copy."""
     from tasks.lib import storage
-    from tasks.train import DATASET_CACHE, local_dataset
+    from tasks.lib.data import DATASET_CACHE, local_dataset
 
     uri = f"s3://pipeline/tests/{time.time_ns()}/dataset"
     with storage.staged_output(uri) as out:

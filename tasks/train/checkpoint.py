@@ -18,6 +18,11 @@ run-scoped checkpoint URI (S3 through fsspec, or a local folder).
   rank writes to a node-local folder and uploads its own files, then rank 0 writes the same
   ``.metadata`` completion marker, so listing, resume and retention are shared. It resumes on
   the same world size (ZeRO partitions are per rank).
+
+Three parts: :class:`CheckpointStore` (where checkpoints live: listing, completion, retention),
+a :class:`CheckpointFormat` per engine kind (:class:`DCPFormat`, :class:`DeepSpeedFormat`: how
+the state is written and read back; the engine names its own), and :class:`Checkpointer`, which
+the trainer calls (cadence bookkeeping: what each save cost the loop).
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ import json
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -41,14 +47,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tasks.lib import storage
-from tasks.lib.parallel import Engine
 from tasks.lib.step import log
 
-# what the training loop keeps besides model and optimizer (DCP needs the keys to load them)
-TRAINER_FIELDS: dict[str, Any] = {
-    "step": 0, "samples_seen": 0, "loss": None, "val_loss": None, "best_val_loss": None,
-    "initialized_from": None,  # the model training started from (train.init_from), kept for lineage
-}
+if TYPE_CHECKING:
+    from tasks.train.engines import Engine
+
 STEP_RE = re.compile(r"/step-(\d{8})/")
 METADATA = ".metadata"
 META_JSON = "trainer.json"
@@ -94,6 +97,60 @@ def step_uri(root: str, step: int) -> str:
     return storage.join(root, f"step-{step:08d}")
 
 
+class CheckpointStore:
+    """The checkpoints of one run under ``root``: which are complete, and which to keep."""
+
+    def __init__(self, root: str, keep_last: int, rank: int) -> None:
+        self.root, self.keep_last, self.rank = root, keep_last, rank
+
+    def latest(self) -> CheckpointInfo | None:
+        complete = list_complete(self.root)
+        return complete[-1] if complete else None
+
+    def info(self, trainer: dict[str, Any]) -> CheckpointInfo:
+        return CheckpointInfo(step_uri(self.root, trainer["step"]), trainer["step"], dict(trainer))
+
+    def finish(self, info: CheckpointInfo) -> None:
+        """After the format wrote it: the trainer record, then retention (rank 0)."""
+        if self.rank != 0:
+            return
+        storage.write_bytes(storage.join(info.uri, META_JSON), json.dumps(info.trainer, sort_keys=True).encode())
+        log.info("checkpoint step %d complete: %s", info.step, info.uri)
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """The last ``keep_last`` complete checkpoints, plus the best by validation loss."""
+        complete = list_complete(self.root)
+        keep = {c.step for c in complete[-self.keep_last :]}
+        scored = [c for c in complete if c.trainer.get("val_loss") is not None]
+        if scored:
+            keep.add(min(scored, key=lambda c: c.trainer["val_loss"]).step)
+        newest = complete[-1].step if complete else -1
+        on_disk = {int(m.group(1)) for f in storage.list_files(self.root) if (m := STEP_RE.search(f))}
+        for step in sorted(on_disk - keep):
+            if step < newest:  # never touch one that may still be being written
+                storage.delete_tree(step_uri(self.root, step))
+
+
+class CheckpointFormat(Protocol):
+    """How an engine's training state is written into a checkpoint folder and read back."""
+
+    def save(self, engine: Engine, info: CheckpointInfo, store: CheckpointStore,
+             completed: Callable[[], None]) -> Future[None] | None:
+        """Write it; the store's ``finish`` once complete. None: complete on return; else the
+        background half, which calls ``completed`` when the checkpoint is complete."""
+
+    def before_update(self) -> float:
+        """Before the optimizer changes the weights: wait for the last save's copy of them;
+        the seconds waited."""
+
+    def load(self, engine: Engine, info: CheckpointInfo, trainer: dict[str, Any]) -> dict[str, Any]:
+        """Restore the engine from ``info``; the trainer state saved with it (``trainer``: its keys)."""
+
+    def close(self) -> None:
+        """Free buffers and threads (after the last save completed)."""
+
+
 class PinnedStager(AsyncStager):
     """DCP's AsyncStager: copies a save's tensors into CPU buffers that the first save allocates
     and every later save reuses (a GPU save used to allocate and fill fresh pageable memory: 0.73 s
@@ -136,46 +193,27 @@ class PinnedStager(AsyncStager):
         self._buffers = None
 
 
-class Checkpointer:
-    def __init__(self, root: str, keep_last: int, async_save: bool, rank: int) -> None:
-        self.root, self.keep_last, self.rank, self.async_save = root, keep_last, rank, async_save
+class DCPFormat:
+    """torch.distributed.checkpoint: model, optimizer and trainer state in one sharded save,
+    resharded on load. Asynchronous by default (see the module's doc)."""
+
+    def __init__(self, async_save: bool) -> None:
+        self.async_save = async_save
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self._stager = PinnedStager() if async_save else None
         self._staging: Future[None] | None = None  # the copy of the last save, when in the background
-        # the background half of an asynchronous save: its write, then _finish (one at a time)
+        # the background half of an asynchronous save: its write, then the store's finish
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending: Future[None] | None = None
-        self.blocking_seconds = 0.0  # time the training loop waited on checkpoints
-        self.stalls: list[float] = []  # per save: seconds the loop waited
-        self.save_seconds: list[float] = []  # per save: from its start until it was complete
 
-    def latest(self) -> CheckpointInfo | None:
-        complete = list_complete(self.root)
-        return complete[-1] if complete else None
-
-    def save(self, engine: Engine, trainer: dict[str, Any]) -> None:
-        self.before_update()  # (the loop has already waited for it)
-        started = time.perf_counter()
-        self.wait()  # one save in flight at a time
-        info = CheckpointInfo(step_uri(self.root, trainer["step"]), trainer["step"], dict(trainer))
-        if engine.deepspeed is not None:
-            self._save_deepspeed(engine, info)
-        else:
-            self._save_dcp(engine, info, started)
-        stall = time.perf_counter() - started
-        self.stalls.append(stall)
-        self.blocking_seconds += stall
-        if self._pending is None:  # saved in the loop: complete when the stall ended
-            self.save_seconds.append(stall)
-
-    def _save_dcp(self, engine: Engine, info: CheckpointInfo, started: float) -> None:
+    def save(self, engine: Engine, info: CheckpointInfo, store: CheckpointStore,
+             completed: Callable[[], None]) -> Future[None] | None:
         model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
         # the trainer state (step, data position) travels inside the checkpoint: complete together
         state = {"model": model_sd, "optim": optim_sd, "trainer": dict(info.trainer)}
         if not self.async_save:
             dcp.save(state, storage_writer=_writer(info.uri))
-            self._finish(info)
-            return
+            store.finish(info)
+            return None
         # every tensor is copied to the stager's CPU buffers before the next optimizer update may
         # change the weights in place (a test holds the write back): in the loop on a CPU, in
         # the background on a GPU (an AsyncSaveResponse then; the loop calls before_update)
@@ -188,44 +226,115 @@ class Checkpointer:
 
         def complete() -> None:
             written.result()
-            self._finish(info)
-            self.save_seconds.append(time.perf_counter() - started)
+            store.finish(info)
+            completed()
 
-        self._pending = self._background.submit(complete)
+        return self._background.submit(complete)
 
-    def _deepspeed_dir(self) -> Path:
-        """Where DeepSpeed writes: the checkpoint folder itself, or a node-local stage for S3."""
-        if not storage.is_s3(self.root):
-            return Path(self.root)
-        digest = hashlib.sha256(self.root.encode()).hexdigest()[:16]
+    def before_update(self) -> float:
+        if self._staging is None:
+            return 0.0
+        started = time.perf_counter()
+        staging, self._staging = self._staging, None
+        staging.result()
+        return time.perf_counter() - started
+
+    def load(self, engine: Engine, info: CheckpointInfo, trainer: dict[str, Any]) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer)}
+        dcp.load(state, storage_reader=_reader(info.uri))
+        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded: dict[str, Any] = state["trainer"]
+        return loaded
+
+    def close(self) -> None:
+        self._background.shutdown()
+        if self._stager is not None:
+            self._stager.close()
+
+
+class DeepSpeedFormat:
+    """ZeRO's partitioned files (``engine.save_checkpoint``), staged on local disk for S3: each
+    rank uploads the partitions it wrote, rank 0 the shared states and the ``.metadata`` marker.
+    Synchronous; resumes on the same world size."""
+
+    def _local_dir(self, info: CheckpointInfo) -> Path:
+        """Where DeepSpeed writes (its tag's parent): the checkpoints' folder itself, or a
+        node-local stage for S3 (named by that folder: the same for a save and its load)."""
+        root = info.uri.rsplit("/", 1)[0]
+        if not storage.is_s3(root):
+            return Path(root)
+        digest = hashlib.sha256(root.encode()).hexdigest()[:16]
         return Path(tempfile.gettempdir()) / "llm-pipeline-deepspeed" / digest
 
-    def _save_deepspeed(self, engine: Engine, info: CheckpointInfo) -> None:
-        local_root, tag = self._deepspeed_dir(), f"step-{info.step:08d}"
-        engine.deepspeed.save_checkpoint(str(local_root), tag=tag, client_state={"trainer": info.trainer})
-        if storage.is_s3(self.root):
+    def save(self, engine: Engine, info: CheckpointInfo, store: CheckpointStore,
+             completed: Callable[[], None]) -> Future[None] | None:
+        local_root, tag = self._local_dir(info), f"step-{info.step:08d}"
+        engine.model.save_checkpoint(str(local_root), tag=tag, client_state={"trainer": info.trainer})  # type: ignore[operator]
+        if storage.is_s3(info.uri):
             # each rank uploads the partitions it wrote; rank 0 also the shared model states
-            mine = re.compile(rf"zero_pp_rank_{self.rank}_|^mp_rank_" if self.rank == 0 else rf"zero_pp_rank_{self.rank}_")
+            rank = store.rank
+            mine = re.compile(rf"zero_pp_rank_{rank}_|^mp_rank_" if rank == 0 else rf"zero_pp_rank_{rank}_")
             for path in sorted((local_root / tag).iterdir()):
                 if mine.search(path.name):
                     storage.upload(path, storage.join(info.uri, path.name))
         if dist.is_initialized():
             dist.barrier()
-        if self.rank == 0:
+        if store.rank == 0:
             storage.write_bytes(storage.join(info.uri, METADATA), json.dumps({"format": "deepspeed", "tag": tag}).encode())
-        self._finish(info)
+        store.finish(info)
+        return None
+
+    def before_update(self) -> float:
+        return 0.0
+
+    def load(self, engine: Engine, info: CheckpointInfo, trainer: dict[str, Any]) -> dict[str, Any]:
+        local_root, tag = self._local_dir(info), f"step-{info.step:08d}"
+        if storage.is_s3(info.uri):
+            for uri in storage.list_files(info.uri):
+                storage.download(uri, local_root / tag / uri.rsplit("/", 1)[1])
+        _, client_state = engine.model.load_checkpoint(str(local_root), tag=tag)  # type: ignore[operator]
+        if client_state is None:
+            raise RuntimeError(f"{info.uri}: DeepSpeed could not load this checkpoint")
+        loaded: dict[str, Any] = client_state["trainer"]
+        return loaded
+
+    def close(self) -> None:
+        pass
+
+
+class Checkpointer:
+    """What the trainer calls: save at its cadence, wait before an update, resume, and what
+    each save cost the loop (``stalls``) and took until complete (``save_seconds``)."""
+
+    def __init__(self, store: CheckpointStore, checkpoint_format: CheckpointFormat) -> None:
+        self.store, self.format = store, checkpoint_format
+        self._pending: Future[None] | None = None  # the background half of the last save
+        self.blocking_seconds = 0.0  # time the training loop waited on checkpoints
+        self.stalls: list[float] = []  # per save: seconds the loop waited
+        self.save_seconds: list[float] = []  # per save: from its start until it was complete
+
+    def save(self, engine: Engine, trainer: dict[str, Any]) -> None:
+        self.before_update()  # (the loop has already waited for it)
+        started = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        pending = self.format.save(engine, self.store.info(trainer), self.store,
+                                   lambda: self.save_seconds.append(time.perf_counter() - started))
+        stall = time.perf_counter() - started
+        self.stalls.append(stall)
+        self.blocking_seconds += stall
+        if pending is None:  # saved in the loop: complete when the stall ended
+            self.save_seconds.append(stall)
+            return
+        self._pending = pending
 
     def before_update(self) -> None:
         """Before the optimizer changes the weights: the last save's copy of them must be done
         (only a background copy can still be running). Its wait counts as that save's stall."""
-        if self._staging is None:
-            return
-        started = time.perf_counter()
-        staging, self._staging = self._staging, None
-        staging.result()
-        waited = time.perf_counter() - started
-        self.stalls[-1] += waited
-        self.blocking_seconds += waited
+        waited = self.format.before_update()
+        if waited:
+            self.stalls[-1] += waited
+            self.blocking_seconds += waited
 
     def wait(self) -> None:
         """Until the save in flight is complete; raises what it raised. (Its callers first wait
@@ -234,6 +343,12 @@ class Checkpointer:
             pending, self._pending = self._pending, None
             pending.result()
 
+    def load(self, info: CheckpointInfo, engine: Engine, trainer: dict[str, Any]) -> dict[str, Any]:
+        """The trainer state saved at ``info`` (``trainer`` gives its keys); the engine restored."""
+        loaded = self.format.load(engine, info, trainer)
+        log.info("resumed from %s (step %d, %d samples seen)", info.uri, loaded["step"], loaded["samples_seen"])
+        return loaded
+
     def close(self) -> None:
         """At the end of training: the last save must be complete before the run ends, so the
         wait counts as blocking time."""
@@ -241,52 +356,7 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()
         self.blocking_seconds += time.perf_counter() - started
-        self._background.shutdown()
-        if self._stager is not None:
-            self._stager.close()
-
-    def _finish(self, info: CheckpointInfo) -> None:
-        if self.rank != 0:
-            return
-        storage.write_bytes(storage.join(info.uri, META_JSON), json.dumps(info.trainer, sort_keys=True).encode())
-        log.info("checkpoint step %d complete: %s", info.step, info.uri)
-        self._apply_retention()
-
-    def _apply_retention(self) -> None:
-        complete = list_complete(self.root)
-        keep = {c.step for c in complete[-self.keep_last :]}
-        scored = [c for c in complete if c.trainer.get("val_loss") is not None]
-        if scored:
-            keep.add(min(scored, key=lambda c: c.trainer["val_loss"]).step)
-        newest = complete[-1].step if complete else -1
-        on_disk = {int(m.group(1)) for f in storage.list_files(self.root) if (m := STEP_RE.search(f))}
-        for step in sorted(on_disk - keep):
-            if step < newest:  # never touch one that may still be being written
-                storage.delete_tree(step_uri(self.root, step))
-
-    def load(self, info: CheckpointInfo, engine: Engine) -> dict[str, Any]:
-        if engine.deepspeed is not None:
-            return self._load_deepspeed(info, engine)
-        model, optimizer = engine.model, engine.optimizer
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "trainer": dict(TRAINER_FIELDS)}
-        dcp.load(state, storage_reader=_reader(info.uri))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        trainer: dict[str, Any] = state["trainer"]
-        log.info("resumed from %s (step %d, %d samples seen)", info.uri, trainer["step"], trainer["samples_seen"])
-        return trainer
-
-    def _load_deepspeed(self, info: CheckpointInfo, engine: Engine) -> dict[str, Any]:
-        local_root, tag = self._deepspeed_dir(), f"step-{info.step:08d}"
-        if storage.is_s3(self.root):
-            for uri in storage.list_files(info.uri):
-                storage.download(uri, local_root / tag / uri.rsplit("/", 1)[1])
-        _, client_state = engine.deepspeed.load_checkpoint(str(local_root), tag=tag)
-        if client_state is None:
-            raise RuntimeError(f"{info.uri}: DeepSpeed could not load this checkpoint")
-        trainer: dict[str, Any] = client_state["trainer"]
-        log.info("resumed from %s (step %d, %d samples seen)", info.uri, trainer["step"], trainer["samples_seen"])
-        return trainer
+        self.format.close()
 
 
 def load_model_weights(uri: str, model: torch.nn.Module) -> None:
@@ -294,4 +364,3 @@ def load_model_weights(uri: str, model: torch.nn.Module) -> None:
     state = {"model": model.state_dict()}
     dcp.load(state, storage_reader=_reader(uri), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     model.load_state_dict(state["model"])
-
