@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from tasks.config import Settings, SettingsError, load, params_path, read_yaml
+from tasks.config import Settings, SettingsError, load, params_path
 from tasks.lib.errors import StepError
 
-__all__ = ["Settings", "load_params", "load_settings", "params_path"]
+__all__ = ["Settings", "load_settings", "params_path"]
 
 
 def load_settings(section: str | None = None, overrides: Sequence[str] = ()) -> Settings:
@@ -19,11 +18,3 @@ def load_settings(section: str | None = None, overrides: Sequence[str] = ()) -> 
     except SettingsError as exc:
         raise StepError(str(exc)) from None
 
-
-def load_params() -> dict[str, Any]:
-    """params.yaml as plain data, for what records it whole (checked like :func:`load_settings`)."""
-    load_settings()
-    try:
-        return read_yaml(params_path())
-    except SettingsError as exc:
-        raise StepError(str(exc)) from None

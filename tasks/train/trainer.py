@@ -98,7 +98,11 @@ class Trainer:
         self.state = state or TrainState()
         self.bf16 = parallel.use_bf16(env.device, settings.precision)
         self.global_batch = settings.micro_batch * settings.grad_accum * env.world
-        self.meters = Meters(self.global_batch * config.seq_len, self.state.step, settings.max_steps)
+        self.meters = self._start_meters()
+
+    def _start_meters(self) -> Meters:
+        """Timers from now and from the current step (fit starts its own: the run's time)."""
+        return Meters(self.global_batch * self.config.seq_len, self.state.step, self.settings.max_steps)
 
     def state_dict(self) -> dict[str, Any]:
         return self.state.state_dict()
@@ -182,7 +186,7 @@ class Trainer:
         all three at the last step); the run's figures."""
         settings, state = self.settings, self.state
         peak_before = peak_flops(self.env.device, self.bf16)  # MFU's peak: probed before and after the loop
-        self.meters = Meters(self.global_batch * self.config.seq_len, state.step, settings.max_steps)
+        self.meters = self._start_meters()
         while state.step < settings.max_steps:
             step_loss, grad_norm = self.train_step()
             last = state.step == settings.max_steps

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import run_module
 
-from tasks.lib.params import load_params
+from tasks.config import load
 from tasks.lib.router import nginx_binary
 
 
@@ -22,7 +22,7 @@ def test_compose_init_writes_the_router_config_and_imports_the_pools(
     from airflow.models.pool import Pool
 
     airflow = str(Path(sys.executable).parent / "airflow")
-    pools = load_params()["pipeline"]["pools"]
+    pools = load().pipeline.pools
     for name in pools:  # whatever an earlier test created: compose-init must make them
         if Pool.get_pool(name) is not None:
             Pool.delete_pool(name)
@@ -48,4 +48,4 @@ def test_compose_init_writes_the_router_config_and_imports_the_pools(
     assert (tmp_path / "triton" / "models").is_dir()
     imported = {name: Pool.get_pool(name) for name in pools}
     assert {name: pool.slots if pool else None for name, pool in imported.items()} == {
-        name: int(p["slots"]) for name, p in pools.items()}
+        name: p.slots for name, p in pools.items()}
