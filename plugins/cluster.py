@@ -108,10 +108,7 @@ def _metadata(name: str, namespace: str | None = None) -> dict[str, Any]:
 def namespaces(params: Settings) -> list[dict[str, Any]]:
     """The steps' and Airflow's (see the module docstring). Step pods run as uid 1000 without
     privileges and the chart's as Airflow's uid: "baseline" holds in both; "restricted" only warns."""
-    cluster = params.launcher.kubernetes
-    if cluster.airflow_namespace == cluster.namespace:
-        raise ValueError(f"launcher.kubernetes.airflow_namespace {cluster.airflow_namespace!r}: must differ from "
-                         "namespace (the steps'), or the workers could exec into Airflow's own pods")
+    cluster = params.launcher.kubernetes  # two namespaces: tasks.config refuses one for both
     objects = []
     for name in (cluster.namespace, cluster.airflow_namespace):
         meta = _metadata(name)

@@ -236,7 +236,7 @@ class KubernetesLauncher:
 
     def __post_init__(self) -> None:
         _check(self.namespace != self.airflow_namespace, "airflow_namespace", self.airflow_namespace,
-               "must not be the steps' namespace")
+               "must not be the steps' namespace (the workers could exec into Airflow's own pods)")
         _check(set(self.images) <= set(self.kinds), "images", sorted(self.images), f"kinds are {', '.join(self.kinds)}")
 
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tasks.config import Settings, SettingsError, load, params_path
+from tasks.config import Settings, SettingsError, load
 from tasks.lib.errors import StepError
-
-__all__ = ["Settings", "load_settings", "params_path"]
 
 
 def load_settings(section: str | None = None, overrides: Sequence[str] = ()) -> Settings:
