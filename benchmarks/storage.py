@@ -1,5 +1,6 @@
-"""The storage path, side by side: ``tasks/lib/storage.py`` (boto3) against fsspec/s3fs (already in
-the runtime lock) doing the same work on the same S3 (the local stack's SeaweedFS).
+"""The storage path, side by side on the same S3 (the local stack's SeaweedFS): ``tasks/lib/storage.py``
+as the steps use it (folders through s3fs, small reads through boto3), boto3 one file after another
+(how folders moved before), and plain fsspec/s3fs calls.
 
     .venvs/runtime/bin/python -m stack up && set -a && source .stack/stack.env && set +a
     .venvs/runtime/bin/python benchmarks/storage.py [--rounds 3]
@@ -58,10 +59,27 @@ def timed(work: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def variants(ours: str, theirs: str, folder: Path, tmp: Path, fs: Any) -> dict[str, tuple[Work, Work]]:
-    """Per work: (storage.py's, s3fs's), on an output folder at ``ours`` / ``theirs``."""
+VARIANTS = ("storage.py", "boto3 serial", "s3fs")
+
+
+def variants(ours: str, serial: str, theirs: str, folder: Path, tmp: Path, fs: Any) -> dict[str, tuple[Work, ...]]:
+    """Per work: (storage.py's, boto3 one file at a time, s3fs's), on output folders at ``ours``,
+    ``serial`` and ``theirs``."""
     manifest = storage.manifest_of(folder)
     smalls = [f"small/{i:04d}.json" for i in range(SMALL)]
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+
+    def serial_commit() -> None:
+        for path in files:
+            storage.upload(path, storage.join(serial, path.relative_to(folder).as_posix()))
+        storage.write_bytes(storage.join(serial, storage.SUCCESS_MARKER), json.dumps(manifest).encode())
+
+    def serial_download() -> None:
+        local = tmp / f"serial-{uuid.uuid4().hex}"
+        for name in manifest["files"]:
+            storage.download(storage.join(serial, name), local / name)
+        assert not storage.manifest_mismatches(local, manifest)
+        shutil.rmtree(local)
 
     def fsspec_commit() -> None:
         fs.put(str(folder) + "/", theirs, recursive=True)
@@ -79,11 +97,14 @@ def variants(ours: str, theirs: str, folder: Path, tmp: Path, fs: Any) -> dict[s
         shutil.rmtree(local)
 
     return {
-        "commit a folder (4 x 8 MB + 200 x 4 KB)": (lambda: storage.commit_dir(folder, ours), fsspec_commit),
-        "download it, checked against its manifest": (ours_download, fsspec_download),
+        "commit a folder (4 x 8 MB + 200 x 4 KB)": (lambda: storage.commit_dir(folder, ours), serial_commit,
+                                                    fsspec_commit),
+        "download it, checked against its manifest": (ours_download, serial_download, fsspec_download),
         "read 200 small objects one by one": (lambda: [storage.read_bytes(storage.join(ours, n)) for n in smalls],
+                                              lambda: [storage.read_bytes(storage.join(serial, n)) for n in smalls],
                                               lambda: [fs.cat_file(f"{theirs}/{n}") for n in smalls]),
-        "list the folder": (lambda: storage.list_files(ours), lambda: fs.find(theirs, refresh=True)),
+        "list the folder": (lambda: storage.list_files(ours), lambda: storage.list_files(serial),
+                            lambda: fs.find(theirs, refresh=True)),
     }
 
 
@@ -98,17 +119,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-storage-") as tmp:
         folder = make_folder(Path(tmp))
         for _ in range(args.rounds):
-            ours, theirs = f"s3://pipeline/bench/{uuid.uuid4().hex}/out", f"pipeline/bench/{uuid.uuid4().hex}/out"
-            for name, (mine, other) in variants(ours, theirs, folder, Path(tmp), fs).items():
-                for variant, work in (("storage.py", mine), ("s3fs", other)):
+            ours, serial = (f"s3://pipeline/bench/{uuid.uuid4().hex}/out" for _ in range(2))
+            theirs = f"pipeline/bench/{uuid.uuid4().hex}/out"
+            for name, works in variants(ours, serial, theirs, folder, Path(tmp), fs).items():
+                for variant, work in zip(VARIANTS, works, strict=True):
                     best[name, variant] = min(best.get((name, variant), float("inf")), timed(work))
             storage.delete_tree(ours)
+            storage.delete_tree(serial)
             fs.rm(theirs, recursive=True)
     print(f"\nbest of {args.rounds} rounds, {os.cpu_count()} CPUs, SeaweedFS on 127.0.0.1")
-    print(f"{'work':<44}{'storage.py s':>14}{'s3fs s':>10}{'s3fs / ours':>13}")
+    print(f"{'work':<44}{'storage.py s':>14}{'boto3 serial s':>16}{'s3fs s':>10}{'ours / serial':>15}"
+          f"{'ours / s3fs':>13}")
     for name in dict.fromkeys(name for name, _ in best):
-        ours_s, s3fs_s = best[name, "storage.py"], best[name, "s3fs"]
-        print(f"{name:<44}{ours_s:>14.3f}{s3fs_s:>10.3f}{s3fs_s / ours_s:>13.2f}")
+        ours_s, serial_s, s3fs_s = (best[name, variant] for variant in VARIANTS)
+        print(f"{name:<44}{ours_s:>14.3f}{serial_s:>16.3f}{s3fs_s:>10.3f}{ours_s / serial_s:>15.2f}"
+              f"{ours_s / s3fs_s:>13.2f}")
 
 
 if __name__ == "__main__":

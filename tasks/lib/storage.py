@@ -27,6 +27,9 @@ from typing import Any
 from tasks.lib.errors import StepError
 
 SUCCESS_MARKER = "_SUCCESS"
+# Folder transfers (s3fs): files in flight at once, and the part size of a multipart upload (a
+# file under two parts is sent in one request). Memory: at most FILES_AT_ONCE x 2 parts (128 MB).
+FILES_AT_ONCE, PART_BYTES, MAX_PARTS = 8, 8 << 20, 10_000
 MISSING_CODES = ("404", "NoSuchKey", "NotFound", "NoSuchBucket")
 DENIED_CODES = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")
 
@@ -35,13 +38,17 @@ class StorageUnavailable(RuntimeError):
     """S3 failed to answer (5xx, throttling, a dropped connection): exit 1, the task retries."""
 
 
+class MissingObject(StepError):
+    """No such object or bucket: bad input (exit 2), unless a reader finds its manifest replaced."""
+
+
 def s3_error(uri: str, action: str, exc: Exception) -> Exception:
     """What an S3 failure means for the step: a missing object or a refused credential is bad
     input (exit 2: a retry reads the same nothing); anything else is transient (retried)."""
     response = getattr(exc, "response", None) or {}
     code = str(response.get("Error", {}).get("Code", "")) or type(exc).__name__
     if code in MISSING_CODES:
-        return StepError(f"{uri}: no such {'bucket' if code == 'NoSuchBucket' else 'object'} ({action})")
+        return MissingObject(f"{uri}: no such {'bucket' if code == 'NoSuchBucket' else 'object'} ({action})")
     if code in DENIED_CODES:
         return StepError(f"{uri}: access denied ({code}) on {action}: check the step's S3 credentials")
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
@@ -56,6 +63,31 @@ def s3_call(uri: str, action: str) -> Iterator[None]:
         yield
     except (ClientError, BotoCoreError) as exc:
         raise s3_error(uri, action, exc) from None
+
+
+@contextlib.contextmanager
+def s3fs_call(uri: str, action: str) -> Iterator[None]:
+    """s3fs's failures, classified as :func:`s3_call` classifies boto3's. s3fs turns botocore's
+    errors into OSErrors (``FileNotFoundError``, ``PermissionError``, ``OSError(EREMOTEIO)``)
+    whose cause is the original, so the original decides where there is one."""
+    from aiohttp import ClientError as HTTPError
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except (OSError, BotoCoreError, ClientError, HTTPError) as exc:
+        chain: list[BaseException] = [exc]
+        while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+            chain.append(cause)
+        original = next((e for e in chain if isinstance(e, ClientError | BotoCoreError)), None)
+        if original is not None:
+            raise s3_error(uri, action, original) from None  # type: ignore[arg-type]
+        if isinstance(exc, FileNotFoundError):
+            raise MissingObject(f"{uri}: no such object ({action})") from None
+        if isinstance(exc, PermissionError):
+            raise StepError(f"{uri}: access denied on {action}: check the step's S3 credentials") from None
+        raise StorageUnavailable(f"{uri}: S3 {action} failed ({type(exc).__name__}: {exc}): "
+                                 "transient, the task retries") from None
 
 
 def is_s3(uri: str) -> bool:
@@ -95,6 +127,23 @@ def s3_client() -> Any:
         "s3",
         endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
         config=Config(retries={"max_attempts": 5, "mode": "standard"}, s3={"addressing_style": "path"}),
+    )
+
+
+def s3_filesystem() -> Any:
+    """fsspec's S3 filesystem (s3fs) on :func:`s3_client`'s endpoint and credentials, for moving
+    a folder: it sends the files concurrently (a folder commits 2.4x and downloads 3.9x faster
+    than one boto3 call after another: benchmarks/storage.py), where single small reads stay on
+    boto3 (s3fs was 1.2x slower there). fsspec keeps one instance per process and settings (a
+    forked child builds its own), so the credentials are part of the settings. Attempts per
+    request: botocore's ``AWS_MAX_ATTEMPTS``, default 5."""
+    import s3fs
+
+    return s3fs.S3FileSystem(
+        key=os.environ.get("AWS_ACCESS_KEY_ID") or None, secret=os.environ.get("AWS_SECRET_ACCESS_KEY") or None,
+        client_kwargs={"endpoint_url": os.environ.get("AWS_ENDPOINT_URL") or None},
+        config_kwargs={"s3": {"addressing_style": "path"},
+                       "retries": {"max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS") or 5), "mode": "standard"}},
     )
 
 
@@ -238,12 +287,12 @@ def download_tree(uri: str, local_dir: Path, manifest: dict[str, Any] | None = N
         except StepError:
             reread = None
         if reread != manifest:
-            raise StorageUnavailable(f"{join(uri, differing[0])}: differs from its {SUCCESS_MARKER} manifest, "
+            raise StorageUnavailable(f"{join(uri, differing[0])}: missing or differs from its {SUCCESS_MARKER} manifest, "
                                      "which changed meanwhile (the output is being replaced)")
         differing = _fetch_and_check(uri, names, root, manifest)
         if differing:
-            raise StepError(f"{join(uri, differing[0])}: differs from its {SUCCESS_MARKER} manifest (size or sha256), "
-                            "read twice: a tampered or corrupted output")
+            raise StepError(f"{join(uri, differing[0])}: missing or differs from its {SUCCESS_MARKER} manifest "
+                            "(size or sha256), read twice: a tampered or corrupted output")
     return root
 
 
@@ -251,8 +300,13 @@ def _fetch_and_check(uri: str, names: list[str], root: Path, manifest: dict[str,
     """Download ``names`` into ``root`` (an S3 output; a local one is read in place) and return
     those missing or differing from ``manifest``."""
     if is_s3(uri):
-        for name in names:
-            download(join(uri, name), root / name)
+        root.mkdir(parents=True, exist_ok=True)
+        try:  # ``root`` is the caller's own folder: no other writer
+            with s3fs_call(uri, "download"):  # each file streamed to disk: no part held in memory
+                s3_filesystem().get([join(uri, name) for name in names], [str(root / name) for name in names],
+                                    batch_size=FILES_AT_ONCE, max_concurrency=1)
+        except MissingObject:
+            pass  # a listed file is gone (fsspec has cancelled the other transfers): a mismatch below
     return manifest_mismatches(root, manifest)
 
 
@@ -320,9 +374,13 @@ def commit_dir(local_dir: Path, uri: str, write_once: bool = False) -> None:
     if is_s3(uri):
         if not write_once:
             delete_tree(uri)  # leftovers of an earlier, failed attempt
-        for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
-            upload(path, join(uri, path.relative_to(local_dir).as_posix()))
-        write_bytes(join(uri, SUCCESS_MARKER), manifest)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        largest = max((p.stat().st_size for p in files), default=0)
+        with s3fs_call(uri, "upload"):
+            s3_filesystem().put([str(p) for p in files], [join(uri, p.relative_to(local_dir).as_posix()) for p in files],
+                                batch_size=FILES_AT_ONCE, max_concurrency=1,
+                                chunksize=max(PART_BYTES, -(-largest // MAX_PARTS)))
+        write_bytes(join(uri, SUCCESS_MARKER), manifest)  # last: readers take only a complete output
         return
     (local_dir / SUCCESS_MARKER).write_bytes(manifest)
     final = Path(uri)

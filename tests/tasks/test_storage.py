@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -61,13 +63,15 @@ def test_s3_round_trip_and_commit(stack_env: dict[str, str], tmp_path: Path) -> 
     with storage.staged_output(out) as scratch:
         (scratch / "nested").mkdir()
         (scratch / "nested" / "b.bin").write_bytes(b"\x00\x01" * 1000)
+        big = os.urandom(2 * storage.PART_BYTES + 1)  # sent as a multipart upload, in 3 parts
+        (scratch / "big.bin").write_bytes(big)
     storage.require_complete(out)
     assert storage.read_bytes(storage.join(out, "nested/b.bin")) == b"\x00\x01" * 1000
     assert b"".join(storage.iter_range(storage.join(out, "nested/b.bin"), 11, 21)) == (b"\x00\x01" * 1000)[11:21]
     streamed = list(storage.iter_range(storage.join(out, "nested/b.bin"), 11, 1500, chunk_bytes=100))
     assert b"".join(streamed) == (b"\x00\x01" * 1000)[11:1500] and max(map(len, streamed)) <= 100
     local = storage.download_tree(out, tmp_path / "copy")
-    assert (local / "nested" / "b.bin").stat().st_size == 2000
+    assert (local / "nested" / "b.bin").stat().st_size == 2000 and (local / "big.bin").read_bytes() == big
     # a retry first clears leftovers of the earlier attempt
     storage.s3_client().put_object(Bucket="pipeline", Key=storage.split_s3(out)[1] + "/stale.txt", Body=b"x")
     with storage.staged_output(out) as scratch:
@@ -112,22 +116,102 @@ def test_missing_s3_object_is_bad_input_on_every_read(stack_env: dict[str, str],
         storage.list_files(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x")
 
 
-def test_readers_verify_what_they_read_against_the_manifest(tmp_path: Path) -> None:
-    out = tmp_path / "dataset"
-    with storage.staged_output(str(out)) as scratch:
-        (scratch / "tokens.bin").write_bytes(b"\x01" * 64)
-    assert storage.download_tree(str(out), tmp_path / "copy") == out
-    committed = storage.read_manifest(str(out))
+def commit_files(uri: str, files: dict[str, bytes]) -> None:
+    with storage.staged_output(uri) as scratch:
+        for name, data in files.items():
+            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+            (scratch / name).write_bytes(data)
+
+
+def overwrite(uri: str, data: bytes) -> None:
+    """Change a committed file behind its manifest's back (local or S3)."""
+    if storage.is_s3(uri):
+        bucket, key = storage.split_s3(uri)
+        storage.s3_client().put_object(Bucket=bucket, Key=key, Body=data)
+    else:
+        Path(uri).write_bytes(data)
+
+
+@pytest.fixture(params=["local", "s3"])
+def output_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "dataset")
+    request.getfixturevalue("stack_env")
+    return f"s3://pipeline/tests/{uuid.uuid4().hex}/dataset"
+
+
+def test_readers_verify_what_they_read_against_the_manifest(output_uri: str, tmp_path: Path) -> None:
+    """Local folders are read in place, S3 ones downloaded (s3fs, concurrently): either way
+    what is read is what was committed."""
+    out = output_uri
+    commit_files(out, {"tokens.bin": b"\x01" * 64, "meta/info.json": b"{}"})
+    copy = storage.download_tree(out, tmp_path / "copy")
+    assert (copy / "tokens.bin").read_bytes() == b"\x01" * 64 and (copy / "meta" / "info.json").read_bytes() == b"{}"
+    committed = storage.read_manifest(out)
     # replaced by a retried writer while being read: transient (the task retries and reads the new one)
-    with storage.staged_output(str(out)) as scratch:
-        (scratch / "tokens.bin").write_bytes(b"\x03" * 64)
+    commit_files(out, {"tokens.bin": b"\x03" * 64})
     with pytest.raises(storage.StorageUnavailable, match="which changed meanwhile"):
-        storage.download_tree(str(out), tmp_path / "copy", committed)
-    assert storage.download_tree(str(out), tmp_path / "copy") == out
+        storage.download_tree(out, tmp_path / "copy2", committed)
+    assert (storage.download_tree(out, tmp_path / "copy3") / "tokens.bin").read_bytes() == b"\x03" * 64
     # changed and staying so (same size, other bytes): bad input, named, no retry
-    (out / "tokens.bin").write_bytes(b"\x02" * 64)
-    with pytest.raises(StepError, match=r"tokens.bin: differs from its _SUCCESS manifest .* read twice: a tampered"):
-        storage.download_tree(str(out), tmp_path / "copy")
+    overwrite(storage.join(out, "tokens.bin"), b"\x02" * 64)
+    with pytest.raises(StepError, match=r"tokens.bin: missing or differs from its _SUCCESS manifest .* read twice: a tampered"):
+        storage.download_tree(out, tmp_path / "copy4")
+
+
+@pytest.mark.integration
+def test_a_file_the_manifest_lists_but_s3_lacks_is_bad_input(stack_env: dict[str, str], tmp_path: Path) -> None:
+    out = f"s3://pipeline/tests/{uuid.uuid4().hex}/dataset"
+    commit_files(out, {"a.bin": b"a", "b.bin": b"b"})
+    storage.s3_client().delete_object(Bucket="pipeline", Key=storage.split_s3(out)[1] + "/b.bin")
+    with pytest.raises(StepError, match=r"b.bin: missing or differs from its _SUCCESS manifest .* read twice"):
+        storage.download_tree(out, tmp_path / "copy")
+
+
+@pytest.mark.integration
+def test_folder_transfers_name_a_refused_credential_and_an_unreachable_server(
+        stack_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong secret is bad input (exit 2: a retry sends the same one); a server that does not
+    answer is transient (exit 1: the task retries). Nothing is committed either way."""
+    out = f"s3://pipeline/tests/{uuid.uuid4().hex}/step"
+    commit_files(out, {"a.bin": b"a"})
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(StepError, match="access denied"):
+        storage.download_tree(out, tmp_path / "copy", {"files": {"a.bin": {"bytes": 1, "sha256": "0" * 64}}})
+    with pytest.raises(StepError, match="access denied"):
+        commit_files(out + "-denied", {"a.bin": b"a"})
+    monkeypatch.undo()
+    assert not storage.exists(storage.join(out + "-denied", storage.SUCCESS_MARKER))
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # (the default 5 backs off for ~25 s)
+        with pytest.raises(storage.StorageUnavailable, match="transient, the task retries"):
+            storage.download_tree(out, tmp_path / "copy", {"files": {"a.bin": {"bytes": 1, "sha256": "0" * 64}}})
+
+
+def test_s3fs_failures_are_classified_like_boto3s() -> None:
+    """The exceptions s3fs raises (its own translation of botocore's, original as cause)."""
+    from botocore.exceptions import ClientError, EndpointConnectionError
+    from s3fs.errors import translate_boto_error
+
+    def raised_by_s3fs(code: str, status: int) -> BaseException:
+        error = ClientError({"Error": {"Code": code, "Message": code},
+                             "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+        return translate_boto_error(error)
+
+    def classified(exc: BaseException) -> Exception:
+        with pytest.raises(Exception) as caught, storage.s3fs_call("s3://b/k", "download"):
+            raise exc
+        return caught.value
+
+    for code, status in (("NoSuchKey", 404), ("NoSuchBucket", 404), ("AccessDenied", 403), ("InvalidAccessKeyId", 403)):
+        assert isinstance(classified(raised_by_s3fs(code, status)), StepError), code
+    for code, status in (("InternalError", 500), ("ServiceUnavailable", 503), ("SlowDown", 503)):
+        assert isinstance(classified(raised_by_s3fs(code, status)), storage.StorageUnavailable), code
+    assert isinstance(classified(EndpointConnectionError(endpoint_url="http://127.0.0.1:9")), storage.StorageUnavailable)
+    assert isinstance(classified(TimeoutError("read timed out")), storage.StorageUnavailable)
+    assert isinstance(classified(FileNotFoundError("s3://b/k")), storage.MissingObject)
 
 
 @pytest.mark.parametrize("name", ["../escaped.pth", "/tmp/escaped.pth", "a/../../escaped.pth"])
