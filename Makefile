@@ -181,6 +181,7 @@ benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) benchmarks/serve.py
 	$(RT_PY) benchmarks/serve_llm.py
 	$(RT_PY) benchmarks/canary_aa.py
+	$(RT_PY) benchmarks/shadow.py
 
 clean: down
 	rm -rf .stack .airflow

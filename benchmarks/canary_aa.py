@@ -15,9 +15,10 @@ Then ``--rollouts`` deploys with params.yaml's canary settings, each version in 
   model and the reference text are the champion's): its text must fail. (The other model's
   matrices are scaled 10x: random-weight GPTs of any seed otherwise all repeat the last token.)
 
-Per rollout: the verdict, the step and check it failed at, and per step how many analyses it took
-(``canary.latency_analyses``: a step failed on latency alone is measured again on fresh traffic).
-"would roll back with one analysis" counts the A/A rollouts a single analysis would have failed.
+Per rollout: the verdict, the shadow's and each step's, the check it failed at, and per stage how
+many analyses it took (``canary.max_analyses``: an inconclusive stage is measured again on fresh
+traffic). "would roll back with one analysis" counts the A/A rollouts whose first analysis of a
+stage did not pass.
 """
 
 from __future__ import annotations
@@ -68,17 +69,25 @@ def rollout(kind: str, version: str, export: Path, output: Path, env: dict[str, 
     if not (output / "report.json").exists():
         raise SystemExit(f"deploy of version {version} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     report = json.loads((output / "report.json").read_text())
-    steps = [{"weight": s["weight"], "analysis": s.get("analysis", 1), "passed": s["passed"],
-              "failed": [c["check"] for c in s["checks"] if not c["passed"]],
-              "latency_ratio": s["latency_test"].get("median_ratio"),
-              "ttft_ratio": s["text"].get("tests", {}).get("ttft_ms", {}).get("median_ratio"),
-              "itl_ratio": s["text"].get("tests", {}).get("itl_ms", {}).get("median_ratio")} for s in report["steps"]]
+    steps = [{"weight": "shadow", "analysis": s["analysis"], "passed": s["passed"],
+              "failed": [c["check"] for c in s["checks"] if not c["passed"]], "latency_ratio": None,
+              "ttft_ratio": s["paired_tests"].get("ttft_ms", {}).get("median_ratio"),
+              "itl_ratio": s["paired_tests"].get("itl_ms", {}).get("median_ratio")} for s in report.get("shadow", [])]
+    steps += [{"weight": s["weight"], "analysis": s.get("analysis", 1), "passed": s["passed"],
+               "failed": [c["check"] for c in s["checks"] if not c["passed"]],
+               "latency_ratio": s["latency_test"].get("median_ratio"),
+               "ttft_ratio": s["text"].get("tests", {}).get("ttft_ms", {}).get("median_ratio"),
+               "itl_ratio": s["text"].get("tests", {}).get("itl_ms", {}).get("median_ratio")} for s in report["steps"]]
     result = {"kind": kind, "version": version, "verdict": report["verdict"], "reason": report.get("reason", ""),
               "seconds": round(time.monotonic() - started, 1), "steps": steps}
     print(f"{kind:<5} v{version}: {result['verdict']:<11} {result['seconds']:>5.1f} s  "
-          + ", ".join(f"{s['weight']:g}%#{s['analysis']} " + ("pass" if s["passed"] else "/".join(s["failed"]))
+          + ", ".join(f"{stage_name(s['weight'])}#{s['analysis']} " + ("pass" if s["passed"] else "/".join(s["failed"]))
                       for s in steps), flush=True)
     return result
+
+
+def stage_name(weight: float | str) -> str:
+    return weight if isinstance(weight, str) else f"{weight:g}%"
 
 
 def remeasured(result: dict[str, Any]) -> bool:
@@ -129,7 +138,7 @@ def main() -> None:
         args.output.write_text(json.dumps(results, indent=1))
     canary_settings = settings.canary
     print(f"\ncanary steps {list(canary_settings.steps)}, {canary_settings.step_duration_s:g} s windows, "
-          f"latency_analyses {canary_settings.latency_analyses}; cpu-tiny GPT, 2 versions of equal weights "
+          f"shadow {canary_settings.shadow}, max_analyses {canary_settings.max_analyses}; cpu-tiny GPT, 2 versions of equal weights "
           "served in turn")
     header = ("canary", "rollouts", "promoted", "rolled back", "one analysis would roll back", "max latency ratio",
               "max TTFT ratio", "max ITL ratio", "failed on")

@@ -719,6 +719,17 @@ def _asks_for_login(server: str, path: str) -> bool:
         return False
 
 
+def _router_current(url: str) -> bool:
+    """The router answers its route state in this code's form: one started by older code (whose
+    nginx.conf lacks the shadow's mirror: a shadow would get no copies) is not reused, it is
+    restarted on this code's config, its saved route kept."""
+    try:
+        with urllib.request.urlopen(f"{url}/router/state", timeout=2) as resp:
+            return "shadow" in json.loads(resp.read())
+    except (OSError, ValueError):
+        return False
+
+
 SERVERS = (
     Server("seaweedfs", _seaweedfs_command, dict, _s3_healthy, start_timeout_s=60, port="s3"),
     Server(
@@ -733,7 +744,7 @@ SERVERS = (
            lambda: _http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60, port="triton_http"),
     Server("openai-api", _openai_api_command, lambda: {"PYTHONPATH": str(REPO_ROOT)},
            lambda: _http_ok(f"http://127.0.0.1:{ports()['openai_api']}/health"), start_timeout_s=30, port="openai_api"),
-    Server("router", _router_command, dict, lambda: all(_http_ok(f"{client_env()[url]}/router/state")
+    Server("router", _router_command, dict, lambda: all(_router_current(client_env()[url])
                                                         for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")),
            start_timeout_s=20, port="router"),
     Server("pushgateway", _pushgateway_command, dict,

@@ -672,6 +672,10 @@ class ServeSettings:
 
 @dataclasses.dataclass(frozen=True)
 class CanarySettings:
+    shadow: bool
+    """Before any weighted step, mirror live /v1 requests to the new version and compare its answers with stable's."""
+    shadow_min_stable_agreement: float
+    """Share of greedy answers the new version must give exactly as stable does in shadow (0: reported only)."""
     steps: tuple[int | float, ...]
     """Traffic share (%) of the new version at each step (0.1 steps: the routes are per mille); 100 ends the rollout."""
     step_duration_s: float
@@ -706,8 +710,10 @@ class CanarySettings:
     """TTFT and inter-token latency: the Mann-Whitney rule with this ratio."""
     warmup_streams: int
     """Streams straight to the new version before the first step (discarded)."""
-    latency_analyses: int
-    """A step fails on latency only when this many analyses in a row find the canary slower."""
+    clearly_slower_factor: float
+    """Slower by more than a check's ratio times this fails at once; by less, the verdict is inconclusive."""
+    max_analyses: int
+    """Analyses of a step, each on fresh traffic, while its verdict is inconclusive; then it fails."""
     deploy_older_data: bool
     """Deploy a model whose data window ends before the champion's (else: a gate, exit 99)."""
 
@@ -717,8 +723,11 @@ class CanarySettings:
                "expected rising percentages ending at 100")
         _positive(self, "step_duration_s", "rate_rps", "concurrency", "request_timeout_s", "max_latency_ratio",
                   "min_samples", "max_windows", "text_rps", "text_min_samples", "text_timeout_s",
-                  "text_max_latency_ratio", "latency_analyses")
-        _fractions(self, "max_error_rate", "min_agreement", "latency_alpha", "min_text_agreement")
+                  "text_max_latency_ratio", "max_analyses")
+        _check(self.clearly_slower_factor >= 1, "clearly_slower_factor", self.clearly_slower_factor,
+               "expected at least 1 (1: no inconclusive latency band)")
+        _fractions(self, "max_error_rate", "min_agreement", "latency_alpha", "min_text_agreement",
+                   "shadow_min_stable_agreement")
         _at_least_zero(self, "warmup_streams")
 
 

@@ -5,11 +5,16 @@
     python -m tasks.deploy stage --model-version N --export URI --repository DIR   (cluster init container)
 
 canary: version N is loaded beside the stable one (both READY, a smoke inference through
-Triton and through the router), then the traffic steps of params.yaml ``canary.steps`` are
-walked. At each step the router sends that share of real traffic (a bounded load generator
+Triton and through the router). With ``canary.shadow`` it then shadows stable: the router
+mirrors a copy of every ``/v1`` request to N (users get stable's answer only) while a bounded
+generator sends the export's reference prompts, and :func:`canary.judge_shadow` compares the
+two answers to each request (errors, text, TTFT and inter-token latency, paired). Only then
+are the traffic steps of params.yaml ``canary.steps`` walked. At each step the router sends that share of real traffic (a bounded load generator
 replaying held-out text) to N, and :mod:`tasks.lib.canary` compares N with stable on the same
 window: error rate, finite logits, next-token agreement with the export's reference, latency
-(Mann-Whitney U). All pass at 100%: N becomes the only version served, the old one is unloaded,
+(Mann-Whitney U). Each check passes, fails or is inconclusive (too few samples, a latency
+between its "clearly fine" and "clearly bad" ratios): an inconclusive step is analysed again on
+fresh traffic, up to ``canary.max_analyses``, then fails. All pass at 100%: N becomes the only version served, the old one is unloaded,
 and N becomes ``champion`` in the registry. Any check fails: the canary weight goes to 0 and
 the router is reloaded FIRST, only then N is unloaded; the champion alias does not move; the
 report is saved and the step exits 2 with one line naming the failed check (no retry).
@@ -31,12 +36,15 @@ export, moves all traffic to it, unloads the rest and makes it ``champion``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +55,7 @@ from tasks.lib import canary, storage, triton
 from tasks.lib.errors import GateRejected, StepError, Terminated, absent, first_line, registry_error
 from tasks.lib.model_store import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
 from tasks.lib.params import load_settings
+from tasks.lib.polling import wait_until
 from tasks.lib.serving import PromotionFailed, Serving, serving_platform, stage_version
 from tasks.lib.step import log, raise_on_sigterm, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
@@ -174,6 +183,65 @@ def analyse_step(serving: Serving, serve: ServeSettings, params: CanarySettings,
     return result
 
 
+def shadow_traffic(serving: Serving, params: CanarySettings, reference: dict[str, Any], stable: int,
+                   version: int) -> list[dict[str, Any]]:
+    """One shadow window: streamed completions through the router (stable answers them, the
+    router mirrors each to ``version``), each with its own request id; then the front's
+    records of both answers, waited for until every copy has ended (at most a stream's timeout)."""
+    sent = canary.send_text_traffic(serving.url + "/v1/completions", {}, canary.text_requests(reference),
+                                    params.text_rps, params.step_duration_s, params.concurrency,
+                                    params.text_timeout_s, with_ids=True)
+    ids = [s.request_id for s in sent if s.ok]
+    records: list[dict[str, Any]] = []
+
+    def all_recorded() -> bool:
+        nonlocal records
+        records = serving.shadow_records(ids, stable, version)
+        return len({(r["request_id"], r["version"]) for r in records}) >= 2 * len(ids)
+
+    with contextlib.suppress(TimeoutError):  # a copy never recorded counts as a shadow error
+        wait_until(all_recorded, params.text_timeout_s, 0.2, lambda: TimeoutError())
+    return canary.pair_records(sent, records, stable, version)
+
+
+def analyse_shadow(serving: Serving, params: CanarySettings, reference: dict[str, Any], stable: int,
+                   version: int) -> dict[str, Any]:
+    started = time.monotonic()
+    result = canary.judge_shadow(shadow_traffic(serving, params, reference, stable, version), stable, version, params)
+    result["seconds"] = round(time.monotonic() - started, 2)
+    paired = result["paired_tests"]
+    log.info("shadow: %d requests answered by stable %d, copied to %d (%d copies failed); text equal to its "
+             "reference %.0f%%, to stable's %.0f%%; TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms (paired p %s): %s",
+             result["served"], stable, version, result["shadow_errors"], 100 * result["agreement"]["reference"],
+             100 * result["agreement"]["stable_exact"], result["shadow"]["ttft_p50_ms"], result["stable"]["ttft_p50_ms"],
+             result["shadow"]["itl_p50_ms"], result["stable"]["itl_p50_ms"],
+             "/".join(f"{t['p_value']:.2g}" for t in paired.values()) or "-",
+             result["verdict"] if result["passed"] else "; ".join(result["failed"]))
+    return result
+
+
+def analysed(analyse: Callable[[], dict[str, Any]], what: str, params: CanarySettings) -> list[dict[str, Any]]:
+    """A stage's analyses: again on fresh traffic while inconclusive, at most ``max_analyses``."""
+    results: list[dict[str, Any]] = []
+    for analysis in range(1, params.max_analyses + 1):
+        result = analyse()
+        result["analysis"] = analysis
+        results.append(result)
+        if result["verdict"] != canary.INCONCLUSIVE:
+            break
+        if analysis < params.max_analyses:
+            log.info("%s inconclusive (analysis %d of %d: %s): measuring again on fresh traffic", what, analysis,
+                     params.max_analyses, result["failed"][0])
+    return results
+
+
+def why_not(result: dict[str, Any]) -> str:
+    """A stage's last analysis that did not pass, as one reason."""
+    if result["verdict"] == canary.INCONCLUSIVE:
+        return f"still inconclusive after {result['analysis']} analyses: {result['failed'][0]}"
+    return str(result["failed"][0])
+
+
 def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Serving, serve: ServeSettings,
                scratch: Path) -> dict[str, Any]:
     version = int(args.model_version)
@@ -187,8 +255,11 @@ def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Servin
         log.info("a canary of version %s was left at %g%% (an interrupted deploy): rolling it back first",
                  live.canary, live.canary_weight)
         serving.roll_back(live.stable)
+    elif live.shadow is not None:
+        log.info("version %s was left shadowing stable (an interrupted deploy): rolling it back first", live.shadow)
+        serving.roll_back(live.stable)
     stable = live.stable
-    report: dict[str, Any] = {"stable": stable, "canary": version, "steps": [], "verdict": "promoted"}
+    report: dict[str, Any] = {"stable": stable, "canary": version, "shadow": [], "steps": [], "verdict": "promoted"}
     serving.prepare(stable, version)
     try:
         failed = walk_steps(serving, serve, params, reference, stable, version, report)
@@ -216,27 +287,29 @@ def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Servin
 
 def walk_steps(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
                stable: int | None, version: int, report: dict[str, Any]) -> tuple[float, str] | None:
-    """The smoke test, the warm-up and the traffic steps (their analyses in ``report``): None
-    when every step passed, else the weight it failed at and why."""
+    """The smoke test, the warm-up, the shadow stage and the traffic steps (their analyses in
+    ``report``): None when every stage passed, else the weight it failed at (0: in shadow, no
+    user reached the new version) and why."""
     try:
         smoke_test(serving, version, reference)
     except StepError as exc:  # before any traffic moved
         return 0.0, f"smoke test: {exc}"
     report["warmup_streams"] = warm_up(serving, version, reference, params)
+    if params.shadow and stable is not None:
+        serving.route(stable, shadow=version)
+        report["shadow"] = analysed(lambda: analyse_shadow(serving, params, reference, stable, version), "shadow",
+                                    params)
+        serving.route(stable)  # the mirror off before the split moves: a step's copies would double its load
+        if not report["shadow"][-1]["passed"]:
+            return 0.0, f"shadow: {why_not(report['shadow'][-1])}"
     steps = [float(w) for w in params.steps] if stable is not None else [100.0]
-    analyses = params.latency_analyses
     for weight in steps:
         serving.route(stable, version, weight)
-        for analysis in range(1, analyses + 1):
-            result = analyse_step(serving, serve, params, reference, stable, version, weight)
-            result["analysis"] = analysis
-            report["steps"].append(result)
-            if result["passed"] or not canary.only_latency_failed(result) or analysis == analyses:
-                break
-            log.info("canary %g%%: slower than stable on this traffic only (analysis %d of %d): measuring again "
-                     "on fresh traffic", weight, analysis, analyses)
-        if not result["passed"]:
-            return weight, result["failed"][0]
+        results = analysed(partial(analyse_step, serving, serve, params, reference, stable, version, weight),
+                           f"canary {weight:g}%", params)
+        report["steps"] += results
+        if not results[-1]["passed"]:
+            return weight, why_not(results[-1])
     return None
 
 
@@ -277,7 +350,7 @@ def back_to_stable(serving: Serving, stable: int | None, version: int, exc: Base
 def save_report(report: dict[str, Any], output: str, dag_run_tag: str, experiment: str) -> None:
     with storage.staged_output(output) as out:
         (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
-        if report["steps"]:
+        if report["steps"] or report.get("shadow"):
             canary.plot_report(report, out / "canary.png")
         if dag_run_tag and os.environ.get("MLFLOW_TRACKING_URI"):
             import mlflow
@@ -307,7 +380,7 @@ def older_than_champion(name: str, version: str) -> str | None:
 
 def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     # canary.steps (rising, ending at 100: promotion follows the last one), deploy_older_data and
-    # latency_analyses are checked as the settings are read, before any traffic moves
+    # max_analyses are checked as the settings are read, before any traffic moves
     settings = load_settings("canary", args.overrides)
     params, serve, name = settings.canary, settings.serve, settings.pipeline.model_name
     if not str(args.model_version).isdigit():
@@ -324,10 +397,12 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
             report["aliases"] = promote_version(name, str(args.model_version)) if args.promote else {}
         save_report(report, args.output, args.mlflow_run_tag, settings.train.experiment)
     if report["verdict"] != "promoted":
-        raise StepError(f"canary of version {args.model_version} rolled back at {report['failed_at']:g}%: "
+        where = f"at {report['failed_at']:g}%" if report["failed_at"] else "before any user reached it"
+        raise StepError(f"canary of version {args.model_version} rolled back {where}: "
                         f"{report['reason']}; stable version {report['stable']} keeps all traffic")
     summary: dict[str, Any] = {k: report[k] for k in ("verdict", "stable", "canary", "aliases") if k in report}
     return {**summary, "report_uri": storage.join(args.output, "report.json"),
+            "shadow": [{"verdict": s["verdict"], "analysis": s["analysis"]} for s in report.get("shadow", [])],
             "steps": step_summary(report["steps"])}
 
 
@@ -336,6 +411,7 @@ def step_summary(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     summary: dict[float, dict[str, Any]] = {}
     for step in steps:
         summary[step["weight"]] = {"weight": step["weight"], "passed": step["passed"],
+                                   "verdict": step.get("verdict", "pass" if step["passed"] else "fail"),
                                    "analyses": step.get("analysis", 1)}
     return list(summary.values())
 
@@ -363,8 +439,8 @@ def rollback_main(args: argparse.Namespace) -> dict[str, Any]:
         serving.stage(export_uri, version, scratch)
         live = serving.live()
         if live.versions() != [version]:
-            if live.canary is not None and live.canary != version:
-                serving.roll_back(live.stable)  # an interrupted canary: its traffic goes first
+            if (live.canary is not None and live.canary != version) or live.shadow is not None:
+                serving.roll_back(live.stable)  # an interrupted canary or shadow: its traffic goes first
             serving.prepare(live.stable, version)  # the target ready before any traffic moves
             serving.route(live.stable, version, 100.0)
         serving.promote(version)

@@ -15,6 +15,13 @@ Chat: the model is not chat-tuned, so messages are joined by a plain documented 
 (:func:`chat_prompt`): one ``Role: content`` line per message, then ``Assistant:``; the answer
 stops at the next ``\\nUser:`` line.
 
+Shadow records: while deploy shadows stable with a new version, the router marks each ``/v1``
+request and its mirrored copy (``X-Shadow-Record``, one ``X-Request-Id`` for both). This server
+then keeps what each answered (version, status, time to first token, inter-token gaps, the text
+chunks) in a bounded in-memory table (:class:`ShadowRecords`), which deploy reads by request id
+(``POST /shadow/records``, not routed by the router: only deploy reaches it) to pair stable's
+answer with the shadow's. Unmarked requests are not recorded.
+
 Errors follow OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): a bad
 request (malformed JSON, invalid UTF-8, an unknown model, out-of-range values, a prompt that does
 not fit the context: the engine's own one-line reason) is a 400 (404 for an unknown model); a
@@ -27,14 +34,17 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
-from tasks.lib.router import ROUTE_HEADER  # the router's split choice (a client's own header is overwritten there)
+# the router's split choice and shadow marks (a client's own headers are overwritten there)
+from tasks.lib.router import COPY_HEADER, RECORD_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
 
 log = logging.getLogger("openai_api")
 MAX_BODY = 1 << 20
@@ -42,6 +52,7 @@ CHAT_ROLES = ("system", "user", "assistant")
 CHAT_STOP = "\nUser:"
 MAX_STOPS = 4  # OpenAI's limit; chat adds CHAT_STOP to them (the engine takes 5)
 SAMPLING = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+MAX_COPIES = 64  # a shadow's copies generating at once; more are dropped (recorded as failures)
 UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None, "tools": None,
                "functions": None, "top_logprobs": None}
 
@@ -108,18 +119,41 @@ def engine_inputs(body: dict[str, Any], prompt: str, extra_stop: list[str]) -> d
     return inputs
 
 
+class ShadowRecords:
+    """The answers of marked requests, by (request id, version): at most ``capacity``, the
+    oldest dropped first (memory stays bounded however long a shadow runs)."""
+
+    def __init__(self, capacity: int = 8192) -> None:
+        self.capacity = capacity
+        self.table: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+
+    def add(self, request_id: str, version: str, record: dict[str, Any]) -> None:
+        self.table[request_id, version] = {"request_id": request_id, "version": version, **record}
+        while len(self.table) > self.capacity:
+            self.table.popitem(last=False)
+
+    def of(self, request_ids: list[str]) -> list[dict[str, Any]]:
+        wanted = set(request_ids)
+        return [record for (request_id, _), record in self.table.items() if request_id in wanted]
+
+
 class Api:
-    """The aiohttp application's state: one upstream connection pool and the served names."""
+    """The aiohttp application's state: one upstream connection pool, the served names, the
+    shadow records."""
 
     def __init__(self, triton_url: str, model: str, served_name: str, timeout_s: float) -> None:
         self.triton_url, self.model, self.served_name = triton_url.rstrip("/"), model, served_name
         self.timeout = ClientTimeout(total=timeout_s, sock_connect=10)
         self.session: ClientSession | None = None
+        self.records = ShadowRecords()
+        self.copies: set[asyncio.Task[None]] = set()
 
     async def start(self, app: web.Application) -> None:
         self.session = ClientSession(connector=TCPConnector(limit=512), timeout=self.timeout)
 
     async def close(self, app: web.Application) -> None:
+        for copy in self.copies:
+            copy.cancel()
         if self.session is not None:
             await self.session.close()
 
@@ -128,8 +162,8 @@ class Api:
         versioned = f"/versions/{version}" if version.isdigit() else ""
         return f"{self.triton_url}/v2/models/{self.model}{versioned}/{'generate_stream' if stream else 'generate'}"
 
-    async def body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.content.read(MAX_BODY + 1)
+    async def body(self, request: web.Request, raw: bytes | None = None) -> dict[str, Any]:
+        raw = raw if raw is not None else await request.content.read(MAX_BODY + 1)
         if len(raw) > MAX_BODY:
             raise ApiError(413, f"request body larger than {MAX_BODY} bytes")
         try:
@@ -158,9 +192,61 @@ class Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.answer(request, chat=True)
 
-    async def answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def shadow_records(self, request: web.Request) -> web.Response:
+        """``{"ids": [...]}`` -> ``{"records": [...]}``: the recorded answers to those requests."""
         try:
-            body = await self.body(request)
+            ids = (await request.json()).get("ids")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            ids = None
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise ApiError(400, 'expected a JSON object {"ids": [request ids]}', "ids")
+        return web.json_response({"records": self.records.of(ids)})
+
+    async def answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        request_id = request.headers.get(REQUEST_ID_HEADER, "")
+        if not (request.headers.get(RECORD_HEADER) and request_id):
+            return await self.reply(request, chat)
+        if request.headers.get(COPY_HEADER):
+            return await self.start_copy(request, chat, request_id)
+        holder: list[Reply] = []
+        response: web.StreamResponse | None = None
+        try:
+            response = await self.reply(request, chat, holder)
+            return response
+        finally:  # whatever the outcome, also a client gone
+            self.records.add(request_id, request.headers.get(ROUTE_HEADER, ""),
+                             record_of(holder[0] if holder else None, response))
+
+    async def start_copy(self, request: web.Request, chat: bool, request_id: str) -> web.Response:
+        """A shadow's copy: answered 202 at once (the router drops the copy's answer anyway, and
+        a mirror subrequest held open would hold the user's connection), generated in the
+        background to its end, recorded. At most ``MAX_COPIES`` at once: a slow shadow's
+        backlog is dropped, each dropped copy recorded as a failure, never queued."""
+        version = request.headers.get(ROUTE_HEADER, "")
+        raw = await request.content.read(MAX_BODY + 1)
+        if len(self.copies) >= MAX_COPIES:
+            self.records.add(request_id, version, record_of(None, None, f"dropped: {MAX_COPIES} copies in flight"))
+            return web.Response(status=503)
+
+        async def run() -> None:
+            holder: list[Reply] = []
+            response: web.StreamResponse | None = None
+            try:
+                response = await self.reply(request, chat, holder, raw, Discard())
+            finally:
+                self.records.add(request_id, version, record_of(holder[0] if holder else None, response))
+
+        task = asyncio.create_task(run())
+        self.copies.add(task)
+        task.add_done_callback(self.copies.discard)
+        return web.Response(status=202)
+
+    async def reply(self, request: web.Request, chat: bool, holder: list[Reply] | None = None,
+                    raw: bytes | None = None, sink: Discard | None = None) -> web.StreamResponse:
+        """The answer to one request (``holder``: gets its :class:`Reply`; ``raw``: its body,
+        already read; ``sink``: where a stream goes instead of the client)."""
+        try:
+            body = await self.body(request, raw)
             if chat:
                 inputs = engine_inputs(body, chat_prompt(body.get("messages")), [CHAT_STOP])
             else:
@@ -174,10 +260,14 @@ class Api:
             stream = bool(body.get("stream"))
             usage_chunk = stream and bool((body.get("stream_options") or {}).get("include_usage"))
             reply = Reply(chat, self.served_name)
+            if holder is not None:
+                holder.append(reply)
             if stream:
-                return await self.relay_stream(request, inputs, reply, usage_chunk)
+                return await self.relay_stream(request, inputs, reply, usage_chunk, sink)
             return await self.complete(request, inputs, reply)
         except ApiError as exc:
+            if holder is not None and holder:
+                holder[0].error = exc.message
             return exc.response()
 
     async def complete(self, request: web.Request, inputs: dict[str, Any], reply: Reply) -> web.Response:
@@ -190,10 +280,12 @@ class Api:
         except (TimeoutError, ClientError) as exc:
             raise_unreachable(exc)
         reply.add(data)
+        reply.arrivals.append(time.perf_counter())
+        reply.complete = True
         return web.json_response(reply.whole())
 
     async def relay_stream(self, request: web.Request, inputs: dict[str, Any], reply: Reply,
-                           usage_chunk: bool) -> web.StreamResponse:
+                           usage_chunk: bool, sink: Discard | None = None) -> web.StreamResponse:
         assert self.session is not None
         inputs = {**inputs, "stream": True}
         response: web.StreamResponse | None = None
@@ -203,12 +295,14 @@ class Api:
                 first = await anext(events, None)  # an error before any token is an HTTP status, not a stream
                 if first is None or upstream.status != 200 or "error" in first:
                     raise upstream_error(upstream.status, first or {"error": "the engine ended the stream with no answer"})
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                response = sink or web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                               "Cache-Control": "no-cache"})
                 await response.prepare(request)
                 event: dict[str, Any] | None = first
                 while event is not None:
                     if "error" in event:
-                        await send_event(response, ApiError(500, str(event["error"]), kind="server_error").body())
+                        reply.error = str(event["error"])
+                        await send_event(response, ApiError(500, reply.error, kind="server_error").body())
                         break
                     await send_event(response, reply.chunk(event))
                     event = await anext(events, None)
@@ -217,11 +311,13 @@ class Api:
                         await send_event(response, reply.usage_chunk())
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
+                reply.complete = not reply.error
                 return response
         except (TimeoutError, ClientError) as exc:
             if response is None:
                 raise_unreachable(exc)
             log.warning("stream cut: %s", exc)  # the client saw tokens; the cut shows as a missing [DONE]
+            reply.error = f"stream cut ({type(exc).__name__})"
             return response
         except (ConnectionResetError, asyncio.CancelledError):
             # the client went away: closing the upstream call ends the request in Triton, which
@@ -241,6 +337,11 @@ class Reply:
         self.finish_reason: str | None = None
         self.prompt_tokens = self.completion_tokens = 0
         self.sent_role = False
+        # for the shadow records: when it started, when each chunk of text left, what went wrong
+        self.started = time.perf_counter()
+        self.arrivals: list[float] = []
+        self.error = ""
+        self.complete = False
 
     def add(self, event: dict[str, Any]) -> str:
         delta = str(event.get("text_output", ""))
@@ -268,6 +369,8 @@ class Reply:
 
     def chunk(self, event: dict[str, Any]) -> dict[str, Any]:
         delta = self.add(event)
+        if delta:
+            self.arrivals.append(time.perf_counter())
         if self.chat:
             content: dict[str, Any] = {"content": delta}
             if not self.sent_role:
@@ -280,6 +383,34 @@ class Reply:
     def usage_chunk(self) -> dict[str, Any]:
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": self.usage()}
+
+
+class Discard(web.StreamResponse):
+    """Where a shadow's copy streams to: nowhere (its timings and text are recorded)."""
+
+    async def prepare(self, request: web.BaseRequest) -> None:  # type: ignore[override]
+        return None
+
+    async def write(self, data: Any) -> None:
+        return None
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        return None
+
+
+def record_of(reply: Reply | None, response: web.StreamResponse | None, error: str = "") -> dict[str, Any]:
+    """One answer as the shadow comparison reads it: ok (a 200 that ended whole), the time to
+    its first text chunk and the mean gap between chunks (ms, from this server's receipt of the
+    request: the same hop for both answers of a pair), the chunks themselves."""
+    status = response.status if response is not None else 0
+    if reply is None:
+        return {"ok": False, "status": status, "ttft_ms": math.nan, "itl_ms": math.nan, "chunks": [],
+                "error": error or "refused before generation"}
+    arrivals = reply.arrivals
+    ttft = (arrivals[0] - reply.started) * 1000 if arrivals else math.nan
+    itl = (arrivals[-1] - arrivals[0]) * 1000 / (len(arrivals) - 1) if len(arrivals) > 1 else math.nan
+    return {"ok": status == 200 and reply.complete, "status": status, "ttft_ms": ttft, "itl_ms": itl,
+            "chunks": reply.text, "error": reply.error or ("" if reply.complete else "not completed")}
 
 
 async def sse_events(upstream: Any) -> AsyncIterator[dict[str, Any]]:
@@ -335,6 +466,7 @@ def app(triton_url: str, model: str, served_name: str, timeout_s: float) -> web.
     application.router.add_post("/v1/completions", api.completions)
     application.router.add_post("/v1/chat/completions", api.chat_completions)
     application.router.add_get("/health", health)
+    application.router.add_post("/shadow/records", api.shadow_records)
     return application
 
 

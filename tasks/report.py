@@ -72,7 +72,9 @@ def outcome(states: dict[str, str], results: dict[str, Any], errors: dict[str, s
         t for t, s in states.items() if t not in STEPS and s == "failed"]
     deploy = results.get("deploy") or {}
     if states.get("deploy") == "failed" and deploy.get("verdict") == "rolled back":
-        return "rolled back", f"the canary was rolled back at {deploy.get('failed_at', 0):g}%: {deploy.get('reason')}"
+        failed_at = deploy.get("failed_at", 0)
+        where = f"at {failed_at:g}%" if failed_at else "before any user reached it"
+        return "rolled back", f"the canary was rolled back {where}: {deploy.get('reason')}"
     if failed:
         error = (errors or {}).get(failed[0])
         return "failed", f"failed at {failed[0]}: {error}" if error else f"failed at {failed[0]} (its task log has the ERROR line)"
@@ -127,7 +129,8 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
                        "challenger": evaluation.get("challenger"), "champion": evaluation.get("champion"),
                        "samples_uri": evaluation.get("samples_uri")},
         "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
-        "canary": {k: deploy.get(k) for k in ("verdict", "stable", "canary", "aliases", "steps", "report_uri")},
+        "canary": {k: deploy.get(k) for k in ("verdict", "stable", "canary", "aliases", "shadow", "steps",
+                                              "report_uri")},
         "serving": {"endpoint": f"{url}/v1", "model": settings.pipeline.model_name,
                     "query": query_command(url, settings.pipeline.model_name),
                     "predict": 'make predict PROMPT="Return the number of"'},
@@ -139,8 +142,21 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
 
 
 def analyses_note(step: dict[str, Any]) -> str:
-    """" (2 analyses)" for a canary step measured again (a latency verdict confirmed), else ""."""
-    return f" ({step['analyses']} analyses)" if step.get("analyses", 1) > 1 else ""
+    """" (2 analyses)" for a stage measured again (an inconclusive verdict), else ""."""
+    analyses = step.get("analyses", step.get("analysis", 1))
+    return f" ({analyses} analyses)" if analyses > 1 else ""
+
+
+def verdict_of(step: dict[str, Any]) -> str:
+    return str(step.get("verdict") or ("pass" if step.get("passed") else "fail"))
+
+
+def rollout_stages(canary: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(stage, verdict, analyses note) for the shadow (its last analysis) and each step."""
+    shadow = canary.get("shadow") or []
+    stages = [shadow[-1] | {"stage": "shadow"}] if shadow else []
+    stages += [s | {"stage": f"{s['weight']:g}%"} for s in canary.get("steps") or []]
+    return [(s["stage"], verdict_of(s), analyses_note(s)) for s in stages]
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -172,8 +188,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if reg.get("version"):
         lines.append(f"  registered  {reg['model_uri']} (alias challenger: v{reg.get('challenger')}, the newest data window)")
     if canary.get("verdict") and canary["verdict"] != "not deployed":  # (the outcome line says why not)
-        path = " -> ".join(f"{s['weight']:g}%{'' if s['passed'] else ' (failed)'}{analyses_note(s)}"
-                           for s in canary.get("steps") or [])
+        path = " -> ".join(f"{stage}{'' if verdict == 'pass' else f' ({verdict})'}{note}"
+                           for stage, verdict, note in rollout_stages(canary))
         aliases = ", ".join(f"{k} v{v}" for k, v in (canary.get("aliases") or {}).items() if v)
         lines.append(f"  canary      {canary['verdict']} ({path or 'first model: no canary'}){'; ' + aliases if aliases else ''}")
     if report["verdict"] == "success":
@@ -204,8 +220,7 @@ def render_html(report: dict[str, Any], lines: list[str], loss_png: Path | None,
     sample_rows = [(s["prompt"], s["completion"], next((c["completion"] for c in (samples or {}).get("champion") or []
                                                          if c["prompt"] == s["prompt"]), "-"))
                    for s in (samples or {}).get("challenger") or []]
-    canary_rows = [(f"{s['weight']:g}%", ("pass" if s["passed"] else "fail") + analyses_note(s))
-                   for s in report["canary"].get("steps") or []]
+    canary_rows = [(stage, verdict + note) for stage, verdict, note in rollout_stages(report["canary"])]
     links = [f'<li>MLflow run: <a href="{html.escape(mlflow_url)}">{html.escape(mlflow_url)}</a> '
              "(artifacts: validation/ holds the Great Expectations Data Docs, report/ this page)</li>"] if mlflow_url else []
     links += [f"<li>{html.escape(k)}: <code>{html.escape(str(v))}</code></li>" for k, v in (
@@ -223,7 +238,7 @@ overflow-x:auto}}img{{max-width:100%}}.verdict{{font-size:1.3em;font-weight:bold
 <h2>Training loss</h2>{_img(loss_png)}
 <h2>Evaluation (held-out text)</h2>{_table(eval_rows, ("metric", "challenger", "champion"))}
 <h3>Samples (greedy)</h3>{_table(sample_rows, ("prompt", "challenger", "champion"))}
-<h2>Canary</h2>{_table(canary_rows, ("traffic step", "verdict"))}{_img(canary_png) if canary_rows else ""}
+<h2>Canary</h2>{_table(canary_rows, ("stage", "verdict"))}{_img(canary_png) if canary_rows else ""}
 <h2>Links</h2><ul>{''.join(links)}</ul>
 <h2>Tasks</h2>{states}
 </body></html>

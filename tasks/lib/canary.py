@@ -17,6 +17,16 @@ rate, finite outputs and next-token agreement against absolute bounds, and its l
 stable's over the same window with a one-sided Mann-Whitney U test (is the canary slower?)
 plus a minimum effect size (median ratio), so noise alone never fails a canary and a
 slightly-faster-or-slower model never does either.
+
+Each check's verdict is pass, fail or inconclusive (as Argo Rollouts' analysis): too few samples,
+or a latency slower than its "clearly fine" ratio but not past its "clearly bad" one, is
+inconclusive; the step's verdict is the worst of its checks', and deploy analyses an
+inconclusive step again on fresh traffic.
+
+:func:`judge_shadow` judges the shadow stage: the same requests answered by stable (for the
+user) and by the new version (a mirrored copy), paired by request id from the OpenAI front's
+records, compared per request (errors, text, time to first token and inter-token latency by a
+one-sided Wilcoxon signed-rank test on the paired differences).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import math
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +49,8 @@ from tasks.config import CanarySettings
 from tasks.lib import step, triton
 
 T = TypeVar("T")
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+Check = Callable[[str, "bool | str", float, float, str], None]
 
 
 @dataclass
@@ -123,11 +136,21 @@ class TextSample:
     matches: bool  # the text equals the reference continuation of its prompt
     sent_s: float
     error: str = ""
+    request_id: str = ""  # sent in X-Request-Id (the shadow stage pairs its two answers by it)
+    expected: str = ""  # the reference continuation of its prompt
 
 
 def one_stream(url: str, headers: dict[str, str], body: bytes, expected: str, timeout_s: float,
-                version: int | None = None) -> TextSample:
+                version: int | None = None, request_id: str = "") -> TextSample:
     """POST one streamed completion to ``url`` (OpenAI ``/v1/completions``) and time its chunks."""
+    sample = _one_stream(url, {**headers, "X-Request-Id": request_id} if request_id else headers, body, expected,
+                         timeout_s, version)
+    sample.request_id, sample.expected = request_id, expected
+    return sample
+
+
+def _one_stream(url: str, headers: dict[str, str], body: bytes, expected: str, timeout_s: float,
+                version: int | None) -> TextSample:
     parsed = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port or 80, timeout=timeout_s)
     sent = time.monotonic()
@@ -184,14 +207,15 @@ def text_requests(reference: dict[str, Any]) -> list[tuple[bytes, str]]:
 
 def send_text_traffic(url: str, headers: dict[str, str], requests: list[tuple[bytes, str]], rate_rps: float,
                       duration_s: float, concurrency: int, timeout_s: float,
-                      version: int | None = None) -> list[TextSample]:
-    """``rate_rps * duration_s`` streamed completions at a fixed rate (bounded in count and time)."""
+                      version: int | None = None, with_ids: bool = False) -> list[TextSample]:
+    """``rate_rps * duration_s`` streamed completions at a fixed rate (bounded in count and time);
+    ``with_ids``: each with a request id of its own."""
     if not requests or rate_rps <= 0:
         return []
 
     def one(index: int) -> TextSample:
         body, expected = requests[index % len(requests)]
-        return one_stream(url, headers, body, expected, timeout_s, version)
+        return one_stream(url, headers, body, expected, timeout_s, version, uuid.uuid4().hex if with_ids else "")
 
     return at_rate(one, rate_rps, duration_s, concurrency)
 
@@ -219,7 +243,7 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
     check = _recorder(checks)
 
     n, wanted = canary_stats["streams"], params.text_min_samples
-    check("text_samples", n >= wanted, n, wanted, f"{n} canary streams at {weight:g}%")
+    check("text_samples", enough(n, wanted), n, wanted, f"{n} canary streams at {weight:g}%")
     check("stream_error_rate", canary_stats["error_rate"] <= params.max_error_rate, canary_stats["error_rate"],
           params.max_error_rate, f"{canary_stats['errors']} of {n} canary streams failed or were cut"
           + (f" (first: {canary_stats['first_error']})" if canary_stats["first_error"] else ""))
@@ -233,11 +257,100 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
                   if s.version == stable and s.ok and math.isfinite(getattr(s, key))]
         if len(mine) >= wanted and len(theirs) >= wanted:
             tests[key] = judge_latency(check, key.removesuffix("_ms"), label, mine, theirs,
-                                       params.text_max_latency_ratio, params.latency_alpha)
-        elif stable is not None and len(theirs) < wanted:  # (a canary short of samples fails text_samples)
-            check(f"stable_{key.removesuffix('_ms')}_samples", False, len(theirs), wanted,
+                                       params.text_max_latency_ratio, params)
+        elif stable is not None and len(theirs) < wanted:  # (a canary short of samples: text_samples)
+            check(f"stable_{key.removesuffix('_ms')}_samples", INCONCLUSIVE, len(theirs), wanted,
                   f"{len(theirs)} stable streams with a {label} at {weight:g}%: no baseline to compare with")
     return {"canary": canary_stats, "stable": stable_stats, "direct_to_stable": len(direct), "tests": tests}, checks
+
+
+def pair_records(sent: list[TextSample], records: list[dict[str, Any]], stable: int,
+                 shadow: int) -> list[dict[str, Any]]:
+    """Per request sent in the shadow stage: what the user got (``user``), the front's record of
+    stable's answer and of the shadow's copy (None: not recorded), the reference text."""
+    by_key = {(r["request_id"], r["version"]): r for r in records}
+    return [{"request_id": s.request_id, "expected": s.expected, "user": s,
+             "stable": by_key.get((s.request_id, stable)), "shadow": by_key.get((s.request_id, shadow))}
+            for s in sent if s.request_id]
+
+
+def paired_test(shadow_ms: list[float], stable_ms: list[float]) -> dict[str, float]:
+    """One-sided Wilcoxon signed-rank on the per-request differences (shadow - stable): small p
+    means the shadow is slower on the same requests. ``median_ratio``: of the two medians."""
+    from scipy.stats import wilcoxon
+
+    differences = np.asarray(shadow_ms) - np.asarray(stable_ms)
+    p_value = 1.0 if not np.any(differences) else float(wilcoxon(differences, alternative="greater").pvalue)
+    return {"p_value": p_value, "median_difference_ms": float(np.median(differences)),
+            "median_ratio": float(np.median(shadow_ms)) / max(float(np.median(stable_ms)), 1e-9)}
+
+
+def token_agreement(mine: list[str], theirs: list[str]) -> tuple[float, int]:
+    """The share of the longer answer's chunks (tokens) in the two answers' common prefix, and
+    the index of the first differing chunk (the length of the prefix)."""
+    prefix = 0
+    while prefix < min(len(mine), len(theirs)) and mine[prefix] == theirs[prefix]:
+        prefix += 1
+    return prefix / max(len(mine), len(theirs), 1), prefix
+
+
+def judge_shadow(pairs: list[dict[str, Any]], stable: int, shadow: int, params: CanarySettings) -> dict[str, Any]:
+    """The shadow stage's checks on requests whose user got stable's answer: the copies'
+    errors (a copy never recorded counts as one), their text against the new version's own
+    reference, agreement with stable's answer (exact and token by token), and time to first
+    token and inter-token latency compared request by request (:func:`paired_test`)."""
+    served = [p for p in pairs if p["stable"] is not None and p["stable"]["ok"]]
+    copies = [p["shadow"] for p in served if p["shadow"] is not None and p["shadow"]["ok"]]
+    failures = [p["shadow"]["error"] or str(p["shadow"]["status"]) if p["shadow"] else "no answer recorded"
+                for p in served if p["shadow"] is None or not p["shadow"]["ok"]]
+    both = [p for p in served if p["shadow"] is not None and p["shadow"]["ok"]]
+    texts = ["".join(c["chunks"]) for c in copies]
+    same = [token_agreement(p["shadow"]["chunks"], p["stable"]["chunks"]) for p in both]
+    checks: list[dict[str, Any]] = []
+    check = _recorder(checks)
+    wanted = params.text_min_samples
+    check("shadow_samples", enough(len(served), wanted), len(served), wanted,
+          f"{len(served)} requests answered by stable and copied to the shadow")
+    error_rate = _share(len(failures), len(served))
+    check("shadow_error_rate", error_rate <= params.max_error_rate, error_rate, params.max_error_rate,
+          f"{len(failures)} of {len(served)} shadow copies failed" + (f" (first: {failures[0]})" if failures else ""))
+    reference = _share(sum(t == p["expected"] for t, p in zip(texts, both, strict=True)), len(both))
+    check("shadow_text_agreement", reference >= params.min_text_agreement, reference, params.min_text_agreement,
+          f"{reference:.0%} of the shadow's greedy completions equal its export's PyTorch reference")
+    exact = _share(sum(share == 1.0 for share, _ in same), len(same))
+    check("shadow_stable_agreement", exact >= params.shadow_min_stable_agreement, exact,
+          params.shadow_min_stable_agreement, f"{exact:.0%} of the shadow's answers equal stable's to the same request")
+    tests: dict[str, dict[str, float]] = {}
+    for key, label in (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency")):
+        paired = [(p["shadow"][key], p["stable"][key]) for p in both
+                  if math.isfinite(p["shadow"][key]) and math.isfinite(p["stable"][key])]
+        name = f"shadow_{key.removesuffix('_ms')}"
+        if len(paired) < wanted:
+            check(name, INCONCLUSIVE, len(paired), wanted, f"{len(paired)} paired {label}s: too few to compare")
+            continue
+        test = tests[key] = paired_test([a for a, _ in paired], [b for _, b in paired])
+        check(name, latency_verdict(test, params.text_max_latency_ratio, params), test["median_ratio"],
+              params.text_max_latency_ratio,
+              f"median {label} {test['median_ratio']:.2f}x stable's on the same {len(paired)} requests "
+              f"(Wilcoxon signed-rank p={test['p_value']:.2g}, alpha {params.latency_alpha})")
+    users = [p["user"] for p in pairs]
+
+    def side(records: list[dict[str, Any]]) -> dict[str, float]:
+        ttft = np.asarray([r["ttft_ms"] for r in records if math.isfinite(r["ttft_ms"])])
+        itl = np.asarray([r["itl_ms"] for r in records if math.isfinite(r["itl_ms"])])
+        return {"ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
+                "itl_p50_ms": _percentile(itl, 50), "itl_p99_ms": _percentile(itl, 99)}
+
+    return {"stage": "shadow", "weight": 0.0, "stable_version": stable, "shadow_version": shadow,
+            "requests": len(pairs), "served": len(served), "copies_ok": len(copies), "shadow_errors": len(failures),
+            "stable": side([p["stable"] for p in both]), "shadow": side([p["shadow"] for p in both]),
+            "agreement": {"reference": reference, "stable_exact": exact,
+                          "stable_tokens": float(np.mean([a for a, _ in same])) if same else math.nan,
+                          "first_divergence_median": float(np.median([i for _, i in same])) if same else math.nan},
+            "users": {"requests": len(users), "errors": sum(not u.ok for u in users),
+                      "ttft_p50_ms": _percentile(np.asarray([u.ttft_ms for u in users if u.ok and math.isfinite(u.ttft_ms)]),
+                                                 50)},
+            "paired_tests": tests, "checks": checks, **verdict_of(checks)}
 
 
 def split_rates(rate: float, wanted: float, weight: float, stable: int | None,
@@ -267,12 +380,31 @@ def _percentile(values: Any, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else math.nan
 
 
-def _recorder(checks: list[dict[str, Any]]) -> Callable[[str, bool, float, float, str], None]:
-    """``check(name, passed, value, limit, detail)`` appending to ``checks``."""
-    def check(name: str, passed: bool, value: float, limit: float, detail: str) -> None:
-        checks.append({"check": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail})
+def _recorder(checks: list[dict[str, Any]]) -> Check:
+    """``check(name, verdict, value, limit, detail)`` appending to ``checks``; ``verdict``: one
+    of PASS, FAIL, INCONCLUSIVE, or a bool (pass or fail)."""
+    def check(name: str, verdict: bool | str, value: float, limit: float, detail: str) -> None:
+        if isinstance(verdict, bool | np.bool_):
+            verdict = PASS if verdict else FAIL
+        checks.append({"check": name, "verdict": verdict, "passed": verdict == PASS, "value": value, "limit": limit,
+                       "detail": detail})
 
     return check
+
+
+def enough(count: int, wanted: int) -> str:
+    """Too few samples tell nothing either way: inconclusive, not failed."""
+    return PASS if count >= wanted else INCONCLUSIVE
+
+
+def verdict_of(checks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The worst of the checks' verdicts, and the reasons of those that did not pass (failed first)."""
+    verdicts = {c["verdict"] for c in checks}
+    verdict = FAIL if FAIL in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASS
+    not_passed = sorted((c for c in checks if c["verdict"] != PASS), key=lambda c: c["verdict"] != FAIL)
+    return {"verdict": verdict, "passed": verdict == PASS,
+            "failed": [f"{c['check']}: {c['detail']} (limit {c['limit']:g})"
+                       + ("" if c["verdict"] == FAIL else ": inconclusive") for c in not_passed]}
 
 
 def summarize(samples: list[Sample], version: int | None) -> dict[str, Any]:
@@ -298,14 +430,22 @@ def latency_test(canary_ms: list[float], baseline_ms: list[float]) -> dict[str, 
             "median_ratio": float(np.median(canary_ms)) / max(float(np.median(baseline_ms)), 1e-9)}
 
 
-def judge_latency(check: Callable[[str, bool, float, float, str], None], name: str, label: str,
-                  canary_ms: list[float], baseline_ms: list[float], max_ratio: float, alpha: float) -> dict[str, float]:
-    """The canary fails ``name`` when it is slower (Mann-Whitney U, p < ``alpha``) **and** its
-    median is over ``max_ratio`` times stable's; returns the test."""
+def latency_verdict(test: dict[str, float], max_ratio: float, params: CanarySettings) -> str:
+    """Pass unless slower (p < alpha) by more than ``max_ratio``; fail past ``max_ratio`` times
+    ``clearly_slower_factor``; inconclusive between the two."""
+    if test["p_value"] >= params.latency_alpha or test["median_ratio"] <= max_ratio:
+        return PASS
+    return FAIL if test["median_ratio"] > max_ratio * params.clearly_slower_factor else INCONCLUSIVE
+
+
+def judge_latency(check: Check, name: str, label: str, canary_ms: list[float], baseline_ms: list[float],
+                  max_ratio: float, params: CanarySettings) -> dict[str, float]:
+    """``name``'s verdict (:func:`latency_verdict`) on the canary's latencies against stable's
+    (Mann-Whitney U); returns the test."""
     test = latency_test(canary_ms, baseline_ms)
-    slower = test["p_value"] < alpha and test["median_ratio"] > max_ratio
-    check(name, not slower, test["median_ratio"], max_ratio,
-          f"median {label} {test['median_ratio']:.2f}x stable's (Mann-Whitney U p={test['p_value']:.2g}, alpha {alpha})")
+    check(name, latency_verdict(test, max_ratio, params), test["median_ratio"], max_ratio,
+          f"median {label} {test['median_ratio']:.2f}x stable's (Mann-Whitney U p={test['p_value']:.2g}, "
+          f"alpha {params.latency_alpha})")
     return test
 
 
@@ -323,7 +463,7 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
     checks: list[dict[str, Any]] = []
     check = _recorder(checks)
     n = canary_stats["requests"]
-    check("canary_samples", n >= params.min_samples, n, params.min_samples,
+    check("canary_samples", enough(n, params.min_samples), n, params.min_samples,
           f"{n} canary requests at {weight:g}%")
     check("error_rate", canary_stats["error_rate"] <= params.max_error_rate, canary_stats["error_rate"],
           params.max_error_rate, f"{canary_stats['errors']} of {n} canary requests failed")
@@ -334,46 +474,64 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
     latency: dict[str, float] = {}
     if len(canary_ms) >= params.min_samples and len(baseline_ms) >= params.min_samples:
         latency = judge_latency(check, "latency", "latency", canary_ms, baseline_ms, params.max_latency_ratio,
-                                params.latency_alpha)
+                                params)
     elif stable is not None:
-        check("stable_samples", False, len(baseline_ms), params.min_samples,
+        check("stable_samples", INCONCLUSIVE, len(baseline_ms), params.min_samples,
               f"{len(baseline_ms)} stable latencies at {weight:g}%: no baseline to compare the canary with")
     text_report: dict[str, Any] = {}
     if text is not None:
         text_report, text_checks = judge_text(text, text_direct or [], stable, canary, weight, params)
         checks += text_checks
-    failed = [c for c in checks if not c["passed"]]
     return {"weight": weight, "canary": canary_stats, "stable": stable_stats, "unrouted": len(unrouted),
             "direct_to_stable": len(direct), "text": text_report,
-            "latency_test": latency, "checks": checks, "passed": not failed,
-            "failed": [f"{c['check']}: {c['detail']} (limit {c['limit']:g})" for c in failed]}
-
-
-LATENCY_CHECKS = frozenset({"latency", "ttft", "itl"})
-
-
-def only_latency_failed(result: dict[str, Any]) -> bool:
-    """The step failed on latency alone: a verdict worth confirming on fresh traffic (a canary's
-    outputs, errors and sample counts are facts; a slower median on one window may be noise)."""
-    failed = {c["check"] for c in result["checks"] if not c["passed"]}
-    return bool(failed) and failed <= LATENCY_CHECKS
+            "latency_test": latency, "checks": checks, **verdict_of(checks)}
 
 
 def plot_report(report: dict[str, Any], path: Any) -> None:
-    """Per step: requests by version, and p50/p99 latency of canary vs stable."""
+    """The shadow (paired TTFT and inter-token latency p50, stable vs the new version, its
+    verdict) and, per step: requests by version, p50/p99 latency of canary vs stable, and the
+    text endpoint's TTFT/ITL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    steps, shadow = report.get("steps") or [], report.get("shadow") or []
+    panels = (1 if shadow else 0) + (3 if steps else 0)
+    fig, grid = plt.subplots(1, max(panels, 1), figsize=(5 * max(panels, 1), 4), squeeze=False)
+    axes: list[Any] = list(grid[0])
+    if shadow:
+        plot_shadow(axes.pop(0), shadow[-1])
+    if steps:
+        plot_steps(axes[0], axes[1], axes[2], report)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_shadow(ax: Any, shadow: dict[str, Any]) -> None:
+    figures = ("ttft_p50_ms", "itl_p50_ms")
+    x = np.arange(len(figures))
+    ax.bar(x - 0.2, [shadow["stable"][f] for f in figures], 0.4, label=f"stable v{shadow['stable_version']}")
+    ax.bar(x + 0.2, [shadow["shadow"][f] for f in figures], 0.4, label=f"shadow v{shadow['shadow_version']}")
+    ax.set_xticks(x, ["TTFT p50", "ITL p50"])
+    ax.set_ylabel("ms (same requests, paired)")
+    agreement = shadow["agreement"]
+    ax.set_title(f"shadow: {shadow['verdict']}; {shadow['served']} pairs, {shadow['shadow_errors']} failed copies\n"
+                 f"text = reference {agreement['reference']:.0%}, = stable's {agreement['stable_exact']:.0%}",
+                 fontsize=9)
+    ax.legend()
+
+
+def plot_steps(left: Any, right: Any, text: Any, report: dict[str, Any]) -> None:
     steps = report["steps"]
     labels = [f"{s['weight']:g}%" + (f" #{s['analysis']}" if s.get("analysis", 1) > 1 else "") for s in steps]
     x = np.arange(len(steps))
-    fig, (left, right, text) = plt.subplots(1, 3, figsize=(15, 4))
     left.bar(x - 0.2, [s["stable"]["requests"] for s in steps], 0.4, label=f"stable v{report['stable']}")
     left.bar(x + 0.2, [s["canary"]["requests"] for s in steps], 0.4, label=f"canary v{report['canary']}")
     left.set_xticks(x, labels)
-    left.set_title("requests per version")
+    left.set_title("requests per version; " + ", ".join(f"{lab} {s.get('verdict', '')}"
+                                                        for lab, s in zip(labels, steps, strict=True)), fontsize=9)
     left.legend()
     for who, style in (("stable", "-"), ("canary", "--")):
         right.plot(x, [s[who]["p50_ms"] for s in steps], style, marker="o", label=f"{who} p50")
@@ -391,9 +549,6 @@ def plot_report(report: dict[str, Any], path: Any) -> None:
     text.set_ylabel("ms")
     text.set_title("text endpoint (streamed completions)")
     text.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def sent_span(samples: list[Sample], since: float) -> list[float]:

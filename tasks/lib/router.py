@@ -36,6 +36,12 @@ ROUTED_MODELS = ("llm", "llm_generate")
 ROUTED_ACTIONS = "infer|generate|generate_stream"  # the inference paths of each routed model
 TEMP_KINDS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")  # nginx's temp folders, kept in the prefix
 ROUTE_HEADER = "X-Route-Version"  # the router tells the OpenAI front which version its split picked
+# While a version shadows stable, the router marks each ``/v1`` request and its mirrored copy with
+# these (the front records both answers under the request id: :mod:`tasks.openai_api`); a
+# client's own values are overwritten
+RECORD_HEADER, REQUEST_ID_HEADER = "X-Shadow-Record", "X-Request-Id"
+COPY_HEADER = "X-Shadow-Copy"  # on the copy only: the front answers 202 at once and generates it in the background
+SHADOW_LOCATION = "/_shadow"
 # how long a reload waits for the old workers, and how long nginx lets them finish what they
 # answer: a stream in flight finishes on its old worker, and one may last the engine's
 # serve.generate.request_timeout_s (60 s; a test checks it stays below)
@@ -48,6 +54,7 @@ class Route:
     canary: int | None = None
     canary_weight: float = 0.0  # percent of requests to the canary
     generation: int = 0  # bumped by every change, reported live by the router
+    shadow: int | None = None  # gets a copy of every /v1 request; its answers go to no client
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.canary_weight <= 100.0:
@@ -56,7 +63,7 @@ class Route:
             raise ValueError("a canary weight without a canary version")
 
     def versions(self) -> list[int]:
-        return sorted({v for v in (self.stable, self.canary) if v is not None})
+        return sorted({v for v in (self.stable, self.canary, self.shadow) if v is not None})
 
 
 @dataclass(frozen=True)
@@ -118,10 +125,25 @@ def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: in
         }}
         location /v1/ {{
             if ($model_version = "") {{ return 503; }}
+            include {prefix / 'mirror.conf'};
             {to_triton}
             proxy_set_header {ROUTE_HEADER} $model_version;
+            proxy_set_header {RECORD_HEADER} $shadow_record;
+            proxy_set_header {REQUEST_ID_HEADER} $shadow_request_id;
+            proxy_set_header {COPY_HEADER} "";
             proxy_pass http://openai;
             add_header X-Model-Version $model_version always;
+            add_header {REQUEST_ID_HEADER} $shadow_request_id always;
+        }}
+        location = {SHADOW_LOCATION} {{  # the copy of a /v1 request for the shadow version (nginx mirror)
+            internal;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header {ROUTE_HEADER} $shadow_version;
+            proxy_set_header {RECORD_HEADER} 1;
+            proxy_set_header {COPY_HEADER} 1;
+            proxy_set_header {REQUEST_ID_HEADER} $request_pair_id;
+            proxy_pass http://openai$request_uri;
         }}
         location ~ ^/v2(/health/(live|ready)|/models/({models}))?$ {{
             limit_except GET HEAD {{ deny all; }}
@@ -147,6 +169,9 @@ http {{
     # workers as nobody, who may not reach the prefix folder (a request over 16 KB had failed with 500)
     client_body_buffer_size 16m;
     proxy_max_temp_file_size 0;
+    # a shadow's pair id: the client's own X-Request-Id where it is one (32 hex digits: deploy's
+    # generator reads its pairs by it), else nginx's
+    map $http_x_request_id $request_pair_id {{ "~^[0-9a-f]{{32}}$" $http_x_request_id; default $request_id; }}
     include {prefix / 'split.conf'};
     upstream triton {{ server {triton_host}:{triton_port}; keepalive 32; }}
     upstream openai {{ server {openai_host}:{openai_port}; keepalive 32; }}
@@ -182,6 +207,14 @@ http {{
 """
 
 
+def mirror_conf(route: Route) -> str:
+    """The ``/v1/`` locations' mirror directives: a copy of each request (body included) to the
+    shadow version, or nothing."""
+    if route.shadow is None:
+        return "# no shadow version: nothing mirrored\n"
+    return f"mirror {SHADOW_LOCATION};\nmirror_request_body on;\n"
+
+
 def split_conf(route: Route) -> str:
     lines = ['split_clients "${request_id}" $model_version {']
     if route.canary is not None and route.canary_weight >= 100:
@@ -191,6 +224,11 @@ def split_conf(route: Route) -> str:
             lines.append(f'    {route.canary_weight:g}% "{route.canary}";')
         lines.append(f'    * "{route.stable if route.stable is not None else ""}";')
     lines.append("}")
+    shadowing = route.shadow is not None
+    lines.append(f'map "" $shadow_version {{ default "{route.shadow if shadowing else ""}"; }}')
+    # an empty value sends no header (and drops a client's own): requests are recorded only while shadowing
+    lines.append(f'map "" $shadow_record {{ default "{1 if shadowing else ""}"; }}')
+    lines.append(f'map "" $shadow_request_id {{ default "{"$request_pair_id" if shadowing else ""}"; }}')
     lines.append(f"map \"\" $route_state {{ default '{json.dumps(asdict(route))}'; }}")
     return "\n".join(lines) + "\n"
 
@@ -207,14 +245,17 @@ def saved_route(prefix: Path) -> Route:
 def write_router_config(prefix: Path, listen_port: int, triton_port: int, openai_port: int, internal_port: int,
                         listen_host: str = "127.0.0.1", triton_host: str = "127.0.0.1",
                         openai_host: str = "127.0.0.1") -> Path:
-    """nginx.conf (always) and an empty split (only where none exists yet)."""
+    """nginx.conf, and the saved split and mirror (an empty split where none exists yet)."""
     for kind in TEMP_KINDS:
         (prefix / "tmp" / kind).mkdir(parents=True, exist_ok=True)
     conf = prefix / "nginx.conf"
     conf.write_text(nginx_conf(prefix, listen_port, triton_port, openai_port, internal_port, listen_host, triton_host,
                                openai_host))
-    if not (prefix / "split.conf").exists():
-        (prefix / "split.conf").write_text(split_conf(Route(stable=None)))
+    # the saved route (none yet: no model) written again in this code's form: a split.conf of
+    # older code lacks variables nginx.conf now uses
+    route = saved_route(prefix)
+    (prefix / "split.conf").write_text(split_conf(route))
+    (prefix / "mirror.conf").write_text(mirror_conf(route))
     return conf
 
 
@@ -240,19 +281,21 @@ class NginxRouter:
         except OSError as exc:
             raise RuntimeError(f"router {self.url} not reachable ({exc}): is the stack up?") from None
 
-    def apply(self, stable: int | None, canary: int | None = None, canary_weight: float = 0.0) -> Route:
+    def apply(self, stable: int | None, canary: int | None = None, canary_weight: float = 0.0,
+              shadow: int | None = None) -> Route:
         """Route traffic so, and return once the live router does."""
-        route = Route(stable, canary, float(canary_weight), self.live().generation + 1)
-        target = self.prefix / "split.conf"
-        staged = self.prefix / f".split.conf.{os.getpid()}"
-        staged.write_text(split_conf(route))
-        previous = target.read_text() if target.exists() else None
-        staged.replace(target)
+        route = Route(stable, canary, float(canary_weight), self.live().generation + 1, shadow)
+        files = {"split.conf": split_conf(route), "mirror.conf": mirror_conf(route)}
+        previous = {name: (self.prefix / name).read_text() for name in files if (self.prefix / name).exists()}
+        for name, text in files.items():
+            staged = self.prefix / f".{name}.{os.getpid()}"
+            staged.write_text(text)
+            staged.replace(self.prefix / name)
         command = [nginx_binary(), "-p", str(self.prefix), "-c", str(self.prefix / "nginx.conf")]
         checked = subprocess.run([*command, "-t", "-q"], capture_output=True, text=True)
         if checked.returncode != 0:
-            if previous is not None:
-                target.write_text(previous)  # never leave a config the next reload would refuse
+            for name, text in previous.items():
+                (self.prefix / name).write_text(text)  # never leave a config the next reload would refuse
             raise RuntimeError(f"router config rejected by nginx -t: {checked.stderr.strip()[-300:]}")
         old_workers = self.worker_pids()
         subprocess.run([*command, "-s", "reload"], check=True, capture_output=True)

@@ -38,11 +38,12 @@ from tasks.lib import metrics, storage, triton
 from tasks.lib.errors import StepError, Terminated, first_line
 from tasks.lib.kube import KubeApi, KubeError, Lease, LeaseLost
 from tasks.lib.polling import wait_until
-from tasks.lib.router import ROUTE_HEADER, NginxRouter, Route
+from tasks.lib.router import RECORD_HEADER, ROUTE_HEADER, NginxRouter, Route
 from tasks.lib.step import log, stopping
 
 TRACKS = ("stable", "canary")
 WEIGHTED_RULES = (0, 1)  # of the public HTTPRoute (plugins/serving.py): Triton's allowlist, then /v1
+MIRRORED_RULE = 1  # its /v1 rule: the text endpoint a shadow is judged on
 WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% steps expressible
 ANNOTATION = "llm-pipeline/"
 TRACK_HEADER = "X-Serving-Track"  # rules of the internal HTTPRoute: this header picks one track
@@ -116,7 +117,8 @@ def publish_route(route: Route, env: Mapping[str, str] | None = None) -> None:
     replaced at each change, and again when the stack comes up: a restarted Pushgateway may hold
     an older route, or none): Prometheus compares them with the versions Triton exports counters
     for, and alerts when the route names one Triton does not serve (restarted empty, unloaded)."""
-    tracks = {"stable": route.stable, "canary": route.canary if route.canary_weight > 0 else None}
+    tracks = {"stable": route.stable, "canary": route.canary if route.canary_weight > 0 else None,
+              "shadow": route.shadow}
     series = {f'{ROUTE_METRIC}{{track="{track}",version="{version}"}}': 1.0
               for track, version in tracks.items() if version is not None}
     pushed = metrics.push({"serving": "route"}, series,
@@ -124,6 +126,18 @@ def publish_route(route: Route, env: Mapping[str, str] | None = None) -> None:
     if not pushed and (os.environ if env is None else env).get("PUSHGATEWAY_URL"):
         log.error("the route's versions %s were not pushed: until the next push the alert on versions Triton "
                   "does not serve compares with the previous route", route.versions())
+
+
+def read_shadow_records(front: str, request_ids: list[str]) -> list[dict[str, Any]]:
+    """``POST <front>/shadow/records``: what one OpenAI front recorded of those requests."""
+    request = urllib.request.Request(f"{front}/shadow/records", data=json.dumps({"ids": request_ids}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            records: list[dict[str, Any]] = json.loads(resp.read())["records"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise RuntimeError(f"{front}/shadow/records: the shadow's records could not be read ({exc})") from None
+    return records
 
 
 class Serving(Protocol):
@@ -145,8 +159,15 @@ class Serving(Protocol):
         """Serve ``canary`` beside ``stable`` (both ready, no traffic moved)."""
         ...
 
-    def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
-        """Split traffic so, and return once the router applies it."""
+    def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0,
+              shadow: int | None = None) -> None:
+        """Split traffic so (``shadow``: a copy of each ``/v1`` request goes to that version too,
+        its answer to no client), and return once the router applies it."""
+        ...
+
+    def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
+        """The OpenAI fronts' records of those requests (:class:`tasks.openai_api.ShadowRecords`),
+        each with the ``version`` that answered it."""
         ...
 
     def promote(self, version: int) -> None:
@@ -216,9 +237,18 @@ class LocalServing:
     def prepare(self, stable: int | None, canary: int) -> None:
         self.serve_versions(sorted({v for v in (stable, canary) if v is not None}))
 
-    def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
-        self.router.apply(stable, canary, weight)
-        publish_route(Route(stable, canary, float(weight)))
+    def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0,
+              shadow: int | None = None) -> None:
+        self.router.apply(stable, canary, weight, shadow)
+        publish_route(Route(stable, canary, float(weight), shadow=shadow))
+
+    def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
+        # one front answers for every version here: each record names its version
+        front = os.environ.get("OPENAI_API_URL", "").rstrip("/")
+        if not front:
+            raise StepError("OPENAI_API_URL not set: the OpenAI front is started by `python -m stack up`")
+        return [{**r, "version": int(r["version"]) if str(r["version"]).isdigit() else None}
+                for r in read_shadow_records(front, request_ids)]
 
     def promote(self, version: int) -> None:
         self.route(version)
@@ -296,7 +326,7 @@ class TrackState:
                    int(deployment["spec"].get("replicas", 1)))
 
 
-def route_patch(names: dict[str, str], route: Route) -> list[dict[str, Any]]:
+def route_patch(names: dict[str, str], route: Route, openai_port: int) -> list[dict[str, Any]]:
     """JSON patch of the HTTPRoute: the weighted rule's two backends (tested by name first, so a
     hand-edited route is refused rather than mis-weighted), the version header each backend
     adds to its responses, and the rollout state in annotations."""
@@ -312,8 +342,14 @@ def route_patch(names: dict[str, str], route: Route) -> list[dict[str, Any]]:
             {"op": "replace", "path": f"{backend}/filters/0/responseHeaderModifier/set/0/value",
              "value": NO_VERSION if versions[track] is None else str(versions[track])},
         ]
+    # the /v1 rule mirrors to the canary track while it shadows (Gateway API RequestMirror: the
+    # gateway drops the copy's answer), and marks both requests for the fronts' records
+    shadowing = [{"type": "RequestHeaderModifier", "requestHeaderModifier": {"set": [{"name": RECORD_HEADER, "value": "1"}]}},
+                 {"type": "RequestMirror", "requestMirror": {"backendRef": {"name": names["canary"], "port": openai_port}}}]
+    ops.append({"op": "add", "path": f"/spec/rules/{MIRRORED_RULE}/filters",  # (add: replaces one there)
+                "value": shadowing if route.shadow is not None else []})
     state = {"stable": route.stable, "canary": route.canary, "canary_weight": route.canary_weight,
-             "generation": route.generation}
+             "generation": route.generation, "shadow": route.shadow}
     ops.append({"op": "add", "path": f"/metadata/annotations/{ANNOTATION.rstrip('/')}~1route",
                 "value": json.dumps(state)})
     return ops
@@ -404,11 +440,12 @@ class KubernetesServing:
     def prepare(self, stable: int | None, canary: int) -> None:
         self._set_track("canary", canary, 1)
 
-    def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0) -> None:
+    def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0,
+              shadow: int | None = None) -> None:
         self.lease.check()
-        route = Route(stable, canary, float(weight), self.live().generation + 1)
+        route = Route(stable, canary, float(weight), self.live().generation + 1, shadow)
         self.api.call("PATCH", self._path("httproutes", self.cluster.route),
-                      route_patch(self.names, route), "application/json-patch+json")
+                      route_patch(self.names, route, self.cluster.ports["openai"]), "application/json-patch+json")
         publish_route(route)  # what the route now says, accepted yet or not
         wait_until(lambda: route_accepted(self._route_object()), self.cluster.route_timeout_s, 1,
                    lambda: StepError(f"httproute {self.cluster.route}: generation not accepted by its gateway "
@@ -476,6 +513,14 @@ class KubernetesServing:
             return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster.ports['openai']}"
                     "/v1/completions", {})
         return self.internal_url + "/v1/completions", {TRACK_HEADER: "stable"}
+
+    def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
+        # each track's pod runs its own front and serves one version: the shadow is on the canary track
+        port = self.cluster.ports["openai"]
+        return [{**record, "version": version}
+                for track, version in (("stable", stable), ("canary", shadow))
+                for record in read_shadow_records(f"http://{self.names[track]}.{self.namespace}.svc:{port}",
+                                                  request_ids)]
 
     def metrics(self) -> dict[int, dict[str, float]]:
         merged: dict[int, dict[str, float]] = {}
