@@ -253,3 +253,45 @@ def test_the_steps_get_no_prometheus_login(stack_env: dict[str, str]) -> None:
     assert "PUSHGATEWAY_PASSWORD" in _airflow_env() and not PEOPLE_ONLY & set(_airflow_env())
     printed = run_module("stack", "env").stdout
     assert all(f"export {key}=" in printed for key in PEOPLE_ONLY)
+
+
+def test_a_router_started_by_older_code_is_replaced_by_up(stack_env: dict[str, str], tmp_path: Path) -> None:
+    """A router whose config predates the shadow (its route state has no ``shadow``: its /v1
+    would mirror nothing, and a shadow stage would judge no copies) is restarted on this code's
+    config by `up`, the saved route kept."""
+    import json
+    import subprocess
+    import urllib.request
+
+    from stack.servers import SERVERS
+    from tasks.lib.router import nginx_binary
+
+    router = next(server for server in SERVERS if server.name == "router")
+    router.stop()
+    old_state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}
+    listeners = "\n".join(
+        f"server {{ listen {stack_env[url].split('//')[1]}; location = /router/state "
+        f"{{ default_type application/json; return 200 '{json.dumps(old_state)}'; }} }}"
+        for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL"))
+    (tmp_path / "nginx.conf").write_text(
+        f"daemon off; pid {tmp_path / 'nginx.pid'}; error_log {tmp_path / 'error.log'};\n"
+        f"events {{}}\nhttp {{ access_log off; {listeners} }}\n")
+    old = subprocess.Popen([nginx_binary(), "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    threading.Thread(target=old.wait, daemon=True).start()
+    router.pid_file.write_text(str(old.pid))
+    try:
+        for _ in range(100):  # the old router answers
+            try:
+                urllib.request.urlopen(f"{stack_env['ROUTER_URL']}/router/state", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        proc = run_module("stack", "up")
+        assert proc.returncode == 0, proc.stderr
+        assert old.wait(timeout=15) is not None  # stopped, not reused
+        with urllib.request.urlopen(f"{stack_env['ROUTER_URL']}/router/state", timeout=5) as resp:
+            assert "shadow" in json.loads(resp.read())
+    finally:
+        if old.poll() is None:
+            old.kill()
