@@ -192,16 +192,15 @@ def shadow_traffic(serving: Serving, params: CanarySettings, reference: dict[str
                                     params.text_rps, params.step_duration_s, params.concurrency,
                                     params.text_timeout_s, with_ids=True)
     ids = [s.request_id for s in sent if s.ok]
-    records: list[dict[str, Any]] = []
+    records: dict[tuple[str, int], dict[str, Any]] = {}
 
-    def all_recorded() -> bool:
-        nonlocal records
-        records = serving.shadow_records(ids, stable, version)
-        return len({(r["request_id"], r["version"]) for r in records}) >= 2 * len(ids)
+    def all_recorded() -> bool:  # each read adds what it found (in a cluster, stable's pods answer in turn)
+        records.update({(r["request_id"], r["version"]): r for r in serving.shadow_records(ids, stable, version)})
+        return len(records) >= 2 * len(ids)
 
     with contextlib.suppress(TimeoutError):  # a copy never recorded counts as a shadow error
         wait_until(all_recorded, params.text_timeout_s, 0.2, lambda: TimeoutError())
-    return canary.pair_records(sent, records, stable, version)
+    return canary.pair_records(sent, list(records.values()), stable, version)
 
 
 def analyse_shadow(serving: Serving, params: CanarySettings, reference: dict[str, Any], stable: int,

@@ -15,9 +15,11 @@ Chat: the model is not chat-tuned, so messages are joined by a plain documented 
 (:func:`chat_prompt`): one ``Role: content`` line per message, then ``Assistant:``; the answer
 stops at the next ``\\nUser:`` line.
 
-Shadow records: while deploy shadows stable with a new version, the router marks each ``/v1``
-request and its mirrored copy (``X-Shadow-Record``, one ``X-Request-Id`` for both). This server
-then keeps what each answered (version, status, time to first token, inter-token gaps, the text
+Shadow records: while deploy shadows stable with a new version, the router mirrors each ``/v1``
+request (the copy marked ``X-Shadow-Copy``: answered 202 at once, generated in the background),
+and marks deploy's own requests and their copies for the record (``X-Shadow-Record``, one
+``X-Shadow-Pair`` id for both; in a cluster the HTTPRoute's filters do). This server then keeps
+what each marked request answered (version, status, time to first token, inter-token gaps, the text
 chunks) in a bounded in-memory table (:class:`ShadowRecords`), which deploy reads by request id
 (``POST /shadow/records``, not routed by the router: only deploy reaches it) to pair stable's
 answer with the shadow's. Unmarked requests are not recorded.
@@ -44,7 +46,7 @@ from typing import Any, NoReturn
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 # the router's split choice and shadow marks (a client's own headers are overwritten there)
-from tasks.lib.router import COPY_HEADER, RECORD_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
+from tasks.lib.router import COPY_HEADER, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER
 
 log = logging.getLogger("openai_api")
 MAX_BODY = 1 << 20
@@ -52,7 +54,8 @@ CHAT_ROLES = ("system", "user", "assistant")
 CHAT_STOP = "\nUser:"
 MAX_STOPS = 4  # OpenAI's limit; chat adds CHAT_STOP to them (the engine takes 5)
 SAMPLING = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
-MAX_COPIES = 64  # a shadow's copies generating at once; more are dropped (recorded as failures)
+MAX_COPIES = 64  # a shadow's copies generating at once; more are dropped
+DROPPED = "dropped"  # a recorded copy's error when it was never generated
 UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None, "tools": None,
                "functions": None, "top_logprobs": None}
 
@@ -203,11 +206,12 @@ class Api:
         return web.json_response({"records": self.records.of(ids)})
 
     async def answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        request_id = request.headers.get(REQUEST_ID_HEADER, "")
-        if not (request.headers.get(RECORD_HEADER) and request_id):
-            return await self.reply(request, chat)
+        pair = request.headers.get(PAIR_HEADER, "")
+        request_id = pair if request.headers.get(RECORD_HEADER) and pair else ""
         if request.headers.get(COPY_HEADER):
             return await self.start_copy(request, chat, request_id)
+        if not request_id:
+            return await self.reply(request, chat)
         holder: list[Reply] = []
         response: web.StreamResponse | None = None
         try:
@@ -220,12 +224,14 @@ class Api:
     async def start_copy(self, request: web.Request, chat: bool, request_id: str) -> web.Response:
         """A shadow's copy: answered 202 at once (the router drops the copy's answer anyway, and
         a mirror subrequest held open would hold the user's connection), generated in the
-        background to its end, recorded. At most ``MAX_COPIES`` at once: a slow shadow's
-        backlog is dropped, each dropped copy recorded as a failure, never queued."""
+        background to its end, recorded when ``request_id`` names it. At most ``MAX_COPIES`` at
+        once: a slow shadow's backlog is dropped (recorded as dropped: the shadow's judge reads
+        that as inconclusive, not as the shadow's error), never queued."""
         version = request.headers.get(ROUTE_HEADER, "")
         raw = await request.content.read(MAX_BODY + 1)
         if len(self.copies) >= MAX_COPIES:
-            self.records.add(request_id, version, record_of(None, None, f"dropped: {MAX_COPIES} copies in flight"))
+            if request_id:
+                self.records.add(request_id, version, record_of(None, None, f"{DROPPED}: {MAX_COPIES} copies in flight"))
             return web.Response(status=503)
 
         async def run() -> None:
@@ -234,7 +240,8 @@ class Api:
             try:
                 response = await self.reply(request, chat, holder, raw, Discard())
             finally:
-                self.records.add(request_id, version, record_of(holder[0] if holder else None, response))
+                if request_id:
+                    self.records.add(request_id, version, record_of(holder[0] if holder else None, response))
 
         task = asyncio.create_task(run())
         self.copies.add(task)
@@ -410,7 +417,8 @@ def record_of(reply: Reply | None, response: web.StreamResponse | None, error: s
     ttft = (arrivals[0] - reply.started) * 1000 if arrivals else math.nan
     itl = (arrivals[-1] - arrivals[0]) * 1000 / (len(arrivals) - 1) if len(arrivals) > 1 else math.nan
     return {"ok": status == 200 and reply.complete, "status": status, "ttft_ms": ttft, "itl_ms": itl,
-            "chunks": reply.text, "error": reply.error or ("" if reply.complete else "not completed")}
+            "chunks": [chunk for chunk in reply.text if chunk],
+            "error": reply.error or ("" if reply.complete else "not completed")}
 
 
 async def sse_events(upstream: Any) -> AsyncIterator[dict[str, Any]]:

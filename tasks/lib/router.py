@@ -36,10 +36,11 @@ ROUTED_MODELS = ("llm", "llm_generate")
 ROUTED_ACTIONS = "infer|generate|generate_stream"  # the inference paths of each routed model
 TEMP_KINDS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")  # nginx's temp folders, kept in the prefix
 ROUTE_HEADER = "X-Route-Version"  # the router tells the OpenAI front which version its split picked
-# While a version shadows stable, the router marks each ``/v1`` request and its mirrored copy with
-# these (the front records both answers under the request id: :mod:`tasks.openai_api`); a
-# client's own values are overwritten
-RECORD_HEADER, REQUEST_ID_HEADER = "X-Shadow-Record", "X-Request-Id"
+# While a version shadows stable, a request to the internal listener's /v1 that carries a pair id
+# (deploy's generator: 32 hex digits) is marked for the record, and so is its mirrored copy: the
+# front keeps both answers under the id (:mod:`tasks.openai_api`). Public clients' values are
+# dropped (their requests are mirrored, never recorded)
+RECORD_HEADER, PAIR_HEADER = "X-Shadow-Record", "X-Shadow-Pair"
 COPY_HEADER = "X-Shadow-Copy"  # on the copy only: the front answers 202 at once and generates it in the background
 SHADOW_LOCATION = "/_shadow"
 # how long a reload waits for the old workers, and how long nginx lets them finish what they
@@ -116,7 +117,12 @@ def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: in
             proxy_set_header Connection "";
             proxy_buffering off;
             proxy_read_timeout 300s;"""
-    routed = f"""location = /router/state {{ default_type application/json; return 200 $route_state; }}
+    def routed(internal: bool) -> str:
+        # only deploy's listener passes the record mark and pair id on: public requests are
+        # mirrored while a version shadows, never recorded (their text stays nobody's table)
+        record, pair = ("$shadow_record", "$shadow_pair_id") if internal else ('""', '""')
+        copy_record = "1" if internal else '""'
+        return f"""location = /router/state {{ default_type application/json; return 200 $route_state; }}
         location ~ ^/v2/models/(?<model>{models})/(?<action>{ROUTED_ACTIONS})$ {{
             if ($model_version = "") {{ return 503; }}
             {to_triton}
@@ -128,21 +134,20 @@ def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: in
             include {prefix / 'mirror.conf'};
             {to_triton}
             proxy_set_header {ROUTE_HEADER} $model_version;
-            proxy_set_header {RECORD_HEADER} $shadow_record;
-            proxy_set_header {REQUEST_ID_HEADER} $shadow_request_id;
+            proxy_set_header {RECORD_HEADER} {record};
+            proxy_set_header {PAIR_HEADER} {pair};
             proxy_set_header {COPY_HEADER} "";
             proxy_pass http://openai;
             add_header X-Model-Version $model_version always;
-            add_header {REQUEST_ID_HEADER} $shadow_request_id always;
         }}
         location = {SHADOW_LOCATION} {{  # the copy of a /v1 request for the shadow version (nginx mirror)
             internal;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header {ROUTE_HEADER} $shadow_version;
-            proxy_set_header {RECORD_HEADER} 1;
+            proxy_set_header {RECORD_HEADER} {copy_record};
+            proxy_set_header {PAIR_HEADER} {pair};
             proxy_set_header {COPY_HEADER} 1;
-            proxy_set_header {REQUEST_ID_HEADER} $request_pair_id;
             proxy_pass http://openai$request_uri;
         }}
         location ~ ^/v2(/health/(live|ready)|/models/({models}))?$ {{
@@ -169,9 +174,8 @@ http {{
     # workers as nobody, who may not reach the prefix folder (a request over 16 KB had failed with 500)
     client_body_buffer_size 16m;
     proxy_max_temp_file_size 0;
-    # a shadow's pair id: the client's own X-Request-Id where it is one (32 hex digits: deploy's
-    # generator reads its pairs by it), else nginx's
-    map $http_x_request_id $request_pair_id {{ "~^[0-9a-f]{{32}}$" $http_x_request_id; default $request_id; }}
+    # a shadow's pair id: deploy's generator sends one per request (32 hex digits), read back by it
+    map $http_x_shadow_pair $shadow_pair_id {{ "~^[0-9a-f]{{32}}$" $http_x_shadow_pair; default ""; }}
     include {prefix / 'split.conf'};
     upstream triton {{ server {triton_host}:{triton_port}; keepalive 32; }}
     upstream openai {{ server {openai_host}:{openai_port}; keepalive 32; }}
@@ -192,7 +196,7 @@ http {{
             default_type application/json;
             return 429 '{{"error": "too many requests from this client: at most {limits.rate_per_client} a second (a burst of {limits.burst}) and {limits.connections_per_client} connections"}}';
         }}
-        {routed}
+        {routed(internal=False)}
     }}
     server {{  # internal: deploy's smoke test and stable's baseline, a version by its path
         listen {listen_host}:{internal_port};
@@ -201,7 +205,7 @@ http {{
             proxy_pass http://triton/v2/models/$model/versions/$version/$action;
             add_header X-Model-Version $version always;
         }}
-        {routed}
+        {routed(internal=True)}
     }}
 }}
 """
@@ -228,7 +232,6 @@ def split_conf(route: Route) -> str:
     lines.append(f'map "" $shadow_version {{ default "{route.shadow if shadowing else ""}"; }}')
     # an empty value sends no header (and drops a client's own): requests are recorded only while shadowing
     lines.append(f'map "" $shadow_record {{ default "{1 if shadowing else ""}"; }}')
-    lines.append(f'map "" $shadow_request_id {{ default "{"$request_pair_id" if shadowing else ""}"; }}')
     lines.append(f"map \"\" $route_state {{ default '{json.dumps(asdict(route))}'; }}")
     return "\n".join(lines) + "\n"
 

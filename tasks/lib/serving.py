@@ -38,7 +38,7 @@ from tasks.lib import metrics, storage, triton
 from tasks.lib.errors import StepError, Terminated, first_line
 from tasks.lib.kube import KubeApi, KubeError, Lease, LeaseLost
 from tasks.lib.polling import wait_until
-from tasks.lib.router import RECORD_HEADER, ROUTE_HEADER, NginxRouter, Route
+from tasks.lib.router import COPY_HEADER, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER, NginxRouter, Route
 from tasks.lib.step import log, stopping
 
 TRACKS = ("stable", "canary")
@@ -343,11 +343,15 @@ def route_patch(names: dict[str, str], route: Route, openai_port: int) -> list[d
              "value": NO_VERSION if versions[track] is None else str(versions[track])},
         ]
     # the /v1 rule mirrors to the canary track while it shadows (Gateway API RequestMirror: the
-    # gateway drops the copy's answer), and marks both requests for the fronts' records
-    shadowing = [{"type": "RequestHeaderModifier", "requestHeaderModifier": {"set": [{"name": RECORD_HEADER, "value": "1"}]}},
-                 {"type": "RequestMirror", "requestMirror": {"backendRef": {"name": names["canary"], "port": openai_port}}}]
-    ops.append({"op": "add", "path": f"/spec/rules/{MIRRORED_RULE}/filters",  # (add: replaces one there)
-                "value": shadowing if route.shadow is not None else []})
+    # gateway drops the copy's answer) and marks requests for the fronts' records (those with a
+    # pair id: deploy's); a client's own marks are removed, shadowing or not
+    marks = ({"set": [{"name": RECORD_HEADER, "value": "1"}], "remove": [COPY_HEADER]} if route.shadow is not None
+             else {"remove": [RECORD_HEADER, COPY_HEADER, PAIR_HEADER]})
+    filters: list[dict[str, Any]] = [{"type": "RequestHeaderModifier", "requestHeaderModifier": marks}]
+    if route.shadow is not None:
+        filters.append({"type": "RequestMirror",
+                        "requestMirror": {"backendRef": {"name": names["canary"], "port": openai_port}}})
+    ops.append({"op": "add", "path": f"/spec/rules/{MIRRORED_RULE}/filters", "value": filters})  # (add: replaces)
     state = {"stable": route.stable, "canary": route.canary, "canary_weight": route.canary_weight,
              "generation": route.generation, "shadow": route.shadow}
     ops.append({"op": "add", "path": f"/metadata/annotations/{ANNOTATION.rstrip('/')}~1route",
@@ -515,7 +519,9 @@ class KubernetesServing:
         return self.internal_url + "/v1/completions", {TRACK_HEADER: "stable"}
 
     def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
-        # each track's pod runs its own front and serves one version: the shadow is on the canary track
+        # each track's pod runs its own front and serves one version: the shadow is on the canary
+        # track (one pod). Stable's records are split between its pods, and a read through the
+        # Service reaches one of them: deploy merges what successive reads return
         port = self.cluster.ports["openai"]
         return [{**record, "version": version}
                 for track, version in (("stable", stable), ("canary", shadow))

@@ -236,6 +236,17 @@ def test_the_shadow_is_judged_request_by_request() -> None:
     assert failing["users"]["errors"] == 0  # the copies' errors are not what users saw
     few = judge_shadow(shadow_pairs(4), 3, 4, params)
     assert few["verdict"] == "inconclusive" and few["failed"][0].startswith("shadow_samples: 4 requests")
+    unrecorded = shadow_pairs(40)
+    for pair in unrecorded:  # records lost (a restarted front): nothing known, nothing failed
+        pair["stable"] = pair["shadow"] = None
+    nothing = judge_shadow(unrecorded, 3, 4, params)
+    assert nothing["verdict"] == "inconclusive", nothing["failed"]
+    assert nothing["failed"][0] == ("shadow_samples: 0 requests answered by stable and copied to the shadow (40 of 40 "
+                                    "sent have no record of stable's answer) (limit 6): inconclusive")
+    busy = shadow_pairs(40)
+    for pair in busy[::4]:  # copies the front dropped (too many in flight): not the shadow's errors
+        pair["shadow"] = {**pair["shadow"], "ok": False, "error": "dropped: 64 copies in flight"}
+    assert judge_shadow(busy, 3, 4, params)["verdict"] == "pass"
     lost = shadow_pairs(40)
     for pair in lost[::2]:
         pair["shadow"] = None  # never recorded: a copy that did not come back counts as failed
@@ -252,8 +263,13 @@ def test_a_shadow_route_mirrors_v1_only_and_marks_both_requests(tmp_path: Path) 
     assert '* "2";' in shadowing and Route(2, shadow=3).versions() == [2, 3]
     assert '$shadow_record { default ""; }' in split_conf(Route(2, 3, 10.0))  # no marks, no records
     conf = nginx_conf(tmp_path, 1, 2, 3, 4)
-    v1 = conf.split("location /v1/ {")[1].split("location")[0]
-    assert f"include {tmp_path / 'mirror.conf'};" in v1 and 'proxy_set_header X-Shadow-Copy "";' in v1
+    public, internal = (part.split("location")[0] for part in conf.split("location /v1/ {")[1:])
+    for v1 in (public, internal):
+        assert f"include {tmp_path / 'mirror.conf'};" in v1 and 'proxy_set_header X-Shadow-Copy "";' in v1
+    # deploy's requests (internal, with a pair id) are recorded; public clients' are mirrored, never recorded
+    assert 'proxy_set_header X-Shadow-Record "";' in public and 'proxy_set_header X-Shadow-Pair "";' in public
+    assert "proxy_set_header X-Shadow-Record $shadow_record;" in internal
+    assert "proxy_set_header X-Shadow-Pair $shadow_pair_id;" in internal
     assert conf.count("include") == 3  # split.conf, and mirror.conf in both listeners' /v1/ (not Triton's paths)
 
 
@@ -290,8 +306,12 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
     assert [f["type"] for f in mirror] == ["RequestHeaderModifier", "RequestMirror"]
     assert mirror[1]["requestMirror"]["backendRef"] == {"name": "triton-canary", "port": 8003}
     assert [b["weight"] for b in shadowing["spec"]["rules"][1]["backendRefs"]] == [1000, 0]
+    assert mirror[0]["requestHeaderModifier"] == {"set": [{"name": "X-Shadow-Record", "value": "1"}],
+                                                  "remove": ["X-Shadow-Copy"]}  # (a client's own copy mark)
     unshadowed = apply_json_patch(shadowing, serving.route_patch(names, Route(4, 5, 10.0, 9), 8003))
-    assert unshadowed["spec"]["rules"][serving.MIRRORED_RULE]["filters"] == []
+    assert unshadowed["spec"]["rules"][serving.MIRRORED_RULE]["filters"] == [  # clients' marks removed
+        {"type": "RequestHeaderModifier",
+         "requestHeaderModifier": {"remove": ["X-Shadow-Record", "X-Shadow-Copy", "X-Shadow-Pair"]}}]
     canary = merge_patch(objects["triton-canary"], serving.deployment_patch(5, "s3://pipeline/runs/x/export", 1))
     assert canary["spec"]["replicas"] == 1
     assert canary["spec"]["template"]["metadata"]["annotations"]["llm-pipeline/model-version"] == "5"
@@ -911,8 +931,9 @@ def test_rollout_promotion_rollbacks_and_restart(
         assert aliases(name)["champion"] == v2 and live_route(env)["stable"] == int(v2)
     assert watch.failures(v2) == 0, watch.answers
 
-    # a deploy terminated mid-canary (SIGTERM: a task killed from the UI, an evicted pod) moves
-    # traffic back to stable and unloads its canary before it exits (143, one line)
+    # a deploy terminated mid-rollout (SIGTERM: a task killed from the UI, an evicted pod; here in
+    # its shadow stage) turns the mirror off, keeps traffic on stable and unloads the new version
+    # before it exits (143, one line)
     v5 = register_gpt(name, tokenizer_uri, seed=5)
     export(v5, tmp_path / "export5", env, eval_text)
     terminated = subprocess.Popen([str(RUNTIME_PY), "-m", "tasks.deploy", *CANARY, "--set", "step_duration_s=30",
@@ -941,12 +962,12 @@ def test_rollout_promotion_rollbacks_and_restart(
     # a deploy killed mid-canary (SIGKILL: nothing runs after) leaves a canary behind; the retry
     # rolls it back and converges
     killed = subprocess.Popen([str(RUNTIME_PY), "-m", "tasks.deploy", *CANARY, "--set", "step_duration_s=30",
-                               "canary", "--model-version", v5, "--export", str(tmp_path / "export5"),
+                               "--set", "shadow=false", "canary", "--model-version", v5, "--export", str(tmp_path / "export5"),
                                "--output", str(tmp_path / "deploy5")],
                               cwd=REPO_ROOT, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while rolling_out(live_route(env)) != int(v5):
+    while live_route(env)["canary"] != int(v5):  # at its first step (no shadow: the SIGTERM above met that)
         assert time.monotonic() < deadline and killed.poll() is None
         time.sleep(0.2)
     killed.send_signal(signal.SIGKILL)
@@ -957,7 +978,7 @@ def test_rollout_promotion_rollbacks_and_restart(
         if len(reads) >= 3 and reads[-1] == reads[-2] == reads[-3]:
             break
         time.sleep(0.1)
-    assert rolling_out(reads[-1]) == int(v5), reads  # left behind (shadowing, or a canary)
+    assert reads[-1]["canary"] == int(v5), reads  # left behind
     proc = deploy(v5, str(tmp_path / "export5"), tmp_path / "deploy5", env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rolling it back first" in proc.stderr

@@ -26,6 +26,7 @@ from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result,
 from tasks.config import load
 from tasks.contract import TORCHRUN_MODULE, torchrun_args
 from tasks.lib import parallel, storage
+from tasks.lib.errors import StepError
 from tasks.lib.model import GPT, GPTConfig
 from tasks.train import checkpoint, engines
 from tasks.train.trainer import TrainState
@@ -336,7 +337,7 @@ def test_node_local_dataset_copy_is_content_keyed_and_leaves_nothing(stack_env: 
     # a dataset whose file vanished: the copy fails, nothing is left behind
     bucket, key = storage.split_s3(storage.join(uri, "index.json"))
     storage.s3_client().delete_object(Bucket=bucket, Key=key)
-    with pytest.raises(Exception, match="no such object"):
+    with pytest.raises(StepError, match=r"index\.json: missing or differs from its _SUCCESS manifest .* read twice"):
         local_dataset(uri)
     assert set(DATASET_CACHE.iterdir()) == before
     # a whole run from S3 removes its node-local copy at the end
