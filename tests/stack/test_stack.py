@@ -4,8 +4,11 @@ session."""
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -95,7 +98,6 @@ def test_mlflow_asks_for_a_login_and_the_pipeline_writes_only_what_it_manages(
     alias moved); the pipeline's user reads everything, writes what it created (its experiments
     and models), and gets a 403 on a model someone else (the admin) created."""
     import json
-    import urllib.request
 
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
@@ -157,7 +159,6 @@ def test_stop_servers_ends_every_group_and_reaps_its_own_children(tmp_path: Path
     """One server obeys SIGTERM, the other ignores it (killed after the grace period); both were
     started by this process, whose exited leaders must be reaped rather than waited on as
     zombies (which made every Airflow component use its whole grace period)."""
-    import subprocess
     import sys
     import time
 
@@ -184,32 +185,44 @@ def test_stop_servers_ends_every_group_and_reaps_its_own_children(tmp_path: Path
             os.killpg(proc.pid, 0)
 
 
-def test_a_pushgateway_started_without_a_login_is_replaced_by_up(stack_env: dict[str, str]) -> None:
-    """A Pushgateway started by older code (no login asked) answers the login's health check too:
-    `up` must not reuse it, or anonymous pushes would go on being taken."""
-    import subprocess
-    import urllib.request
+def replaced_by_up(name: str, command: list[str], answering: str) -> subprocess.Popen[bytes]:
+    """The stack's server ``name`` stopped and ``command`` (as older code started it) put in its
+    place, answering ``answering``; then `stack up`, which must stop it, not reuse it."""
+    from stack.servers import SERVERS
 
-    from stack.servers import SERVERS, _debian_bin
-
-    gateway = next(server for server in SERVERS if server.name == "pushgateway")
-    gateway.stop()
-    url = stack_env["PUSHGATEWAY_URL"]
-    old = subprocess.Popen([_debian_bin("prometheus-pushgateway"), f"--web.listen-address={url.split('//')[1]}",
-                            "--persistence.file="],  # memory only: not the machine's shared file
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = next(server for server in SERVERS if server.name == name)
+    server.stop()
+    old = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     threading.Thread(target=old.wait, daemon=True).start()  # reaped once stopped: up sees it gone at once
-    gateway.pid_file.write_text(str(old.pid))
+    server.pid_file.write_text(str(old.pid))
     try:
-        for _ in range(100):  # listening, anonymous reads answered
+        for _ in range(100):
             try:
-                urllib.request.urlopen(f"{url}/-/ready", timeout=2).close()
+                urllib.request.urlopen(answering, timeout=2).close()
                 break
             except OSError:
                 time.sleep(0.1)
         proc = run_module("stack", "up")
         assert proc.returncode == 0, proc.stderr
         assert old.wait(timeout=15) is not None  # stopped, not reused
+    except BaseException:
+        old.kill()
+        raise
+    return old
+
+
+def test_a_pushgateway_started_without_a_login_is_replaced_by_up(stack_env: dict[str, str]) -> None:
+    """A Pushgateway started by older code (no login asked) answers the login's health check too:
+    `up` must not reuse it, or anonymous pushes would go on being taken."""
+
+    from stack.servers import _debian_bin
+
+    url = stack_env["PUSHGATEWAY_URL"]
+    old = replaced_by_up("pushgateway", [_debian_bin("prometheus-pushgateway"),
+                                         f"--web.listen-address={url.split('//')[1]}",
+                                         "--persistence.file="],  # memory only: not the machine's shared file
+                         f"{url}/-/ready")  # listening, anonymous reads answered
+    try:
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"{url}/-/ready", timeout=5)
         assert refused.value.code == 401
@@ -223,7 +236,6 @@ def test_the_pushgateway_keeps_runs_across_a_restart_in_the_stacks_own_folder(st
     """A run's figures survive the Pushgateway's restart (the alert on no successful retrain reads
     them), in this stack's folder: Debian's default file is shared by every stack on the machine."""
     import json
-    import urllib.request
 
     from stack.servers import SERVERS
 
@@ -260,14 +272,9 @@ def test_a_router_started_by_older_code_is_replaced_by_up(stack_env: dict[str, s
     would mirror nothing, and a shadow stage would judge no copies) is restarted on this code's
     config by `up`, the saved route kept."""
     import json
-    import subprocess
-    import urllib.request
 
-    from stack.servers import SERVERS
     from tasks.lib.router import nginx_binary
 
-    router = next(server for server in SERVERS if server.name == "router")
-    router.stop()
     old_state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}
     listeners = "\n".join(
         f"server {{ listen {stack_env[url].split('//')[1]}; location = /router/state "
@@ -276,20 +283,9 @@ def test_a_router_started_by_older_code_is_replaced_by_up(stack_env: dict[str, s
     (tmp_path / "nginx.conf").write_text(
         f"daemon off; pid {tmp_path / 'nginx.pid'}; error_log {tmp_path / 'error.log'};\n"
         f"events {{}}\nhttp {{ access_log off; {listeners} }}\n")
-    old = subprocess.Popen([nginx_binary(), "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    threading.Thread(target=old.wait, daemon=True).start()
-    router.pid_file.write_text(str(old.pid))
+    old = replaced_by_up("router", [nginx_binary(), "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+                         f"{stack_env['ROUTER_URL']}/router/state")
     try:
-        for _ in range(100):  # the old router answers
-            try:
-                urllib.request.urlopen(f"{stack_env['ROUTER_URL']}/router/state", timeout=2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        proc = run_module("stack", "up")
-        assert proc.returncode == 0, proc.stderr
-        assert old.wait(timeout=15) is not None  # stopped, not reused
         with urllib.request.urlopen(f"{stack_env['ROUTER_URL']}/router/state", timeout=5) as resp:
             assert "shadow" in json.loads(resp.read())
     finally:
