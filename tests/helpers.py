@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The runtime venv; on a machine without one (a GPU machine's image holding torch and the
+# runtime's other packages) the Python running the tests.
 RUNTIME_PY = REPO_ROOT / ".venvs" / "runtime" / "bin" / "python"
+if not RUNTIME_PY.exists() and os.environ.get("TESTS_ON_THIS_PYTHON") == "1":
+    RUNTIME_PY = Path(sys.executable)
 SESSION_DIR = Path(tempfile.mkdtemp(prefix="llm-pipeline-tests-"))
 
 # Ports of the test stack: apart from the defaults (8333, 9333, 5000, ...) of a dev stack.

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import safetensors.torch
@@ -415,3 +416,48 @@ def test_compiled_blocks_train_the_same_model_under_the_same_names(reference: tu
     compiled = train(tmp_path, dataset, 2, 30, "--set", "compile=true")
     assert abs(compiled["final_loss"] - reference[1]["final_loss"]) < 0.02
     assert weights(compiled["model_uri"]).keys() == weights(reference[1]["model_uri"]).keys()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: run on a GPU machine (docs/testing.md)")
+def test_on_a_gpu_a_killed_worker_resumes_the_bf16_compiled_run(tmp_path: Path) -> None:
+    """gpu-125m as a GPU pod trains it: FSDP2 over NCCL, bf16 autocast, compiled blocks, checkpoints
+    staged on a side stream. A worker SIGKILLed once the step-20 checkpoint is complete (written in
+    the background: on a GPU the loop is steps ahead by then, and a worker killed earlier resumes
+    from step 10) is restarted by torchrun, resumes there and ends where an uninterrupted run
+    ends, up to the GPU kernels' own nondeterminism (atomics in the embedding's backward)."""
+    rng = np.random.default_rng(0)
+    vocab = 4096
+    ramp = np.tile(np.arange(vocab, dtype=np.uint16), 300)
+    tokens = np.where(rng.random(ramp.size) < 0.1, rng.integers(0, vocab, ramp.size), ramp).astype(np.uint16)
+    dataset = write_dataset(tmp_path / "dataset", tokens, vocab)
+    gpu = ["--set", "preset=gpu-125m", "--set", "micro_batch=8", "--set", "max_steps=40", "--set", "log_every=5",
+           "--set", "eval_every=10", "--set", "checkpoint_every=10", "--set", "warmup_steps=5", "--set", "eval_batches=2"]
+
+    def run(name: str, kill_after: str | None = None) -> dict[str, Any]:
+        args = ["--dataset", str(dataset), "--checkpoints", str(tmp_path / name / "ckpt"),
+                "--output", str(tmp_path / name / "model"), *gpu]
+        procs = start_nodes(1, args, tmp_path / name / "logs", NO_MLFLOW)
+        log_file = tmp_path / name / "logs" / "node0.log"
+        deadline = time.monotonic() + 600
+        while kill_after and kill_after not in log_file.read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs[0].poll() is None, log_file.read_text()[-3000:]
+            time.sleep(0.2)
+        if kill_after:
+            psutil.Process(procs[0].pid).children(recursive=True)[0].send_signal(signal.SIGKILL)
+        return finish(procs, tmp_path / name / "logs")
+
+    whole, again = run("whole"), run("again")
+    resumed = run("resumed", kill_after="checkpoint step 20 complete")
+    assert whole["precision"] == "bf16" and whole["engine"] == "fsdp2" and whole["resumed_from"] is None
+    assert resumed["resumed_from"] and resumed["resumed_from"].endswith("step-00000020")
+
+    def apart(other: dict[str, Any]) -> tuple[float, float]:
+        ref, new = weights(whole["model_uri"]), weights(other["model_uri"])
+        return abs(other["final_loss"] - whole["final_loss"]), max((ref[k] - new[k]).abs().max().item() for k in ref)
+
+    # the GPU's own nondeterminism: how far a second uninterrupted run ends from the first
+    (noise_loss, noise_weight), (loss_diff, weight_diff) = apart(again), apart(resumed)
+    print(f"gpu resume: final loss {whole['final_loss']:.4f}; an uninterrupted rerun ends {noise_loss:.2e} / "
+          f"{noise_weight:.2e} away (loss / largest weight difference), the resumed run {loss_diff:.2e} / "
+          f"{weight_diff:.2e}; {whole['tokens_per_s']:.0f} tokens/s")
+    assert loss_diff <= 2 * max(noise_loss, 1e-3) and weight_diff <= 2 * max(noise_weight, 1e-3)
