@@ -1,5 +1,6 @@
 """Retrain the language model: snapshot -> validate -> tokenize -> train -> evaluate -> register
--> export -> deploy (a canary on Triton behind the router: promoted to champion, or rolled back)
+-> export -> deploy (a canary on Triton behind the router: promoted to champion, or rolled back;
+with the approval Param it holds for a person: approve_rollout, then deploy_finish)
 -> report (a teardown: the run report, whatever happened before it).
 
 This file only wires steps. Each step is ``python -m tasks.<step>`` run by the launcher in
@@ -12,14 +13,24 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from airflow.providers.standard.operators.hitl import HITLOperator
 from airflow.providers.standard.operators.python import ShortCircuitOperator
 from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param
 from alerts import on_run_failure, on_task_failure
 
-from launcher import distributed_step, mapped_step, result, run_output_uri, shard_arguments, step
+from launcher import (
+    answer,
+    distributed_step,
+    mapped_step,
+    result,
+    run_output_uri,
+    scheduling,
+    shard_arguments,
+    step,
+)
 from pipeline_params import pipeline_params, raw_data_asset
 from tasks.config import TrainSettings, choices
-from tasks.contract import ERROR_XCOM_KEY
+from tasks.contract import DECISIONS, ERROR_XCOM_KEY, ROLL_BACK
 
 params = pipeline_params()
 pipeline, train_params, gate = params.pipeline, params.train, params.evaluate
@@ -33,7 +44,17 @@ pipeline, train_params, gate = params.pipeline, params.train, params.evaluate
 END_DATE = "{{ params.end_date or ((dag_run.data_interval_end or dag_run.run_after) | ds) }}"
 LOGICAL_DATE = "{{ (dag_run.logical_date or dag_run.run_after) | ds }}"
 # the steps whose results the run report gathers (tasks/report.py STEPS)
-REPORTED = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy")
+REPORTED = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy",
+            "deploy_finish")
+# what the person deciding a held rollout reads: deploy's account of the rollout so far (its
+# figures and report), and the evaluation
+APPROVAL_BODY = """{% set ev = ti.xcom_pull(task_ids='evaluate') %}{% set ch = ev['champion'] %}
+{{ ti.xcom_pull(task_ids='deploy')['approval_text'] }}
+
+Evaluation on held-out text: perplexity {{ '%.1f' % ev['challenger']['eval_perplexity'] }}
+{%- if ch %} (champion v{{ ch['registry_version'] }}: {{ '%.1f' % ch['eval_perplexity'] }}){% endif %},
+next-token accuracy {{ '%.3f' % ev['challenger']['eval_accuracy'] }}
+{%- if ch %} ({{ '%.3f' % ch['eval_accuracy'] }}){% endif %}; report `{{ ev['report_uri'] }}`."""
 
 
 def reported_xcoms(option: str, key: str, steps: list[Any]) -> list[str]:
@@ -134,6 +155,12 @@ with DAG(
             params.canary.deploy_older_data, type="boolean", title="Deploy over a newer champion",
             description="Deploy even when the model's data window ends before the champion's (a backfill's "
                         "usually does: it is registered and exported, not deployed).",
+        ),
+        "approval": Param(
+            params.canary.approval.enabled, type="boolean", title="Approve the rollout",
+            description=f"Hold the canary before its {params.canary.approval.hold_before:g}% step until a person "
+                        "answers (Promote, Roll back, Extend) in Airflow's Required Actions; no answer within "
+                        f"{params.canary.approval.timeout_s:g}s rolls it back.",
         ),
         "tokenizer_uri": Param(
             None, type=["null", "string"], title="Tokenizer",
@@ -259,6 +286,7 @@ with DAG(
         [
             "--set", "steps={{ params.canary_steps | tojson }}",  # the parser's, before the sub-command
             "--set", "deploy_older_data={{ params.deploy_older_data | tojson }}",
+            "--set", "approval.enabled={{ params.approval | tojson }}",
             "canary",
             "--model-version", result(register, "version"),
             "--export", result(export, "export_uri"),
@@ -271,6 +299,41 @@ with DAG(
         task_id="deploy_gate", python_callable=lambda params: not params["skip_deploy"],
         ignore_downstream_trigger_rules=False,
     )
+
+    # approval: deploy left the rollout held (its traffic where it is) for a person's decision,
+    # shown in Airflow's Required Actions; the task waits holding no worker slot. No answer
+    # within the timeout: the default, Roll back. deploy_finish carries the answer out.
+    approval_gate = ShortCircuitOperator(
+        task_id="approval_gate", python_callable=lambda ti: ti.xcom_pull(task_ids="deploy")["verdict"] == "held",
+        ignore_downstream_trigger_rules=False,
+    )
+    approve = HITLOperator(
+        task_id="approve_rollout",
+        subject="Roll out version {{ ti.xcom_pull(task_ids='deploy')['canary'] }} of "
+                f"{pipeline.model_name}?",
+        body=APPROVAL_BODY,
+        options=list(DECISIONS),
+        defaults=[ROLL_BACK],
+        response_timeout=dt.timedelta(seconds=params.canary.approval.timeout_s),
+        **scheduling("approve_rollout"),  # its time limit before it waits; the wait: response_timeout
+    )
+    finish = step(
+        "deploy_finish",
+        "tasks.deploy",
+        [
+            "--set", "steps={{ params.canary_steps | tojson }}",
+            "finish",
+            "--model-version", result(register, "version"),
+            "--export", result(export, "export_uri"),
+            "--held", run_output_uri("deploy"),
+            "--answer", answer(approve),
+            "--output", run_output_uri("deploy_finish"),
+            "--mlflow-run-tag", MLFLOW_RUN_TAG,
+        ],
+    )
+    # deploy's teardown: a rollout still held when the run ends (the approval task failed, the
+    # run was stopped or met its deadline while waiting) is rolled back, not left at its weight
+    release = step("release_hold", "tasks.deploy", ["release", "--held", run_output_uri("deploy")])
 
     # the run report: a teardown runs whatever happened upstream and leaves the run's state to
     # the steps (a failed deploy still fails the run)
@@ -287,6 +350,7 @@ with DAG(
             # a failed step pushes no result, only its one-line error (tasks/contract.py)
             *reported_xcoms("--error", ERROR_XCOM_KEY, reported),
             "--deploy-output", run_output_uri("deploy"),
+            "--finish-output", run_output_uri("deploy_finish"),
             "--output", run_output_uri("report"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
         ],
@@ -297,4 +361,6 @@ with DAG(
     validate >> tokenizer  # nothing is tokenized before the snapshot passed validation
     encode >> merge  # merge reads the shards' folder, written by the mapped encode tasks
     export >> deploy_gate >> deploy  # skip_deploy: the export is kept, the canary is not run
+    deploy >> approval_gate >> approve  # (approve's body reads deploy's and evaluate's results)
+    finish >> release.as_teardown(setups=deploy) >> report
     report.as_teardown()  # after everything it reads, whatever happened to it

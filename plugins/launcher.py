@@ -97,6 +97,15 @@ def result(task: BaseOperator, *keys: str, xcom_key: str | None = None) -> StepR
     return StepResult(f"{{{{ ti.xcom_pull(task_ids='{task.task_id}'){path} }}}}", (task,))
 
 
+def answer(task: BaseOperator) -> StepResult:
+    """A human-in-the-loop task's answer as JSON: the options chosen, who answered (null: the
+    timeout chose the defaults) and when (its datetime as text: Jinja's tojson takes no dates)."""
+    pull = f"ti.xcom_pull(task_ids='{task.task_id}')"
+    return StepResult(f"{{{{ {{'chosen_options': {pull}['chosen_options'], 'responded_by': "
+                      f"({pull}['responded_by_user'] or {{}}).get('name'), "
+                      f"'responded_at': {pull}['responded_at'] | string}} | tojson }}}}", (task,))
+
+
 def read_results(arguments: Sequence[Any]) -> tuple[list[Any], list[BaseOperator]]:
     """``arguments`` as plain values (the operators keep no reference to other tasks), and the
     tasks whose results they read, in order, once each."""

@@ -671,6 +671,19 @@ class ServeSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class Approval:
+    enabled: bool
+    """A person approves the rollout before it goes on (the retrain DAG's approval Param; an Airflow HITL task)."""
+    hold_before: int | float
+    """The rollout holds before the step of this weight (one of steps), at the weight before it (0: after shadow)."""
+    timeout_s: float
+    """No answer by then: rolled back."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "hold_before", "timeout_s")
+
+
+@dataclasses.dataclass(frozen=True)
 class CanarySettings:
     shadow: bool
     """Before any weighted step, mirror live /v1 requests to the new version and compare its answers with stable's."""
@@ -716,11 +729,15 @@ class CanarySettings:
     """Analyses of a step, each on fresh traffic, while its verdict is inconclusive; then it fails."""
     deploy_older_data: bool
     """Deploy a model whose data window ends before the champion's (else: a gate, exit 99)."""
+    approval: Approval
+    """A person in the loop: where the rollout holds and how long it waits for an answer."""
 
     def __post_init__(self) -> None:
         _check(bool(self.steps) and self.steps[-1] == 100 and all(0 < s <= 100 for s in self.steps)
                and list(self.steps) == sorted(set(self.steps)), "steps", self.steps,
                "expected rising percentages ending at 100")
+        _check(not self.approval.enabled or self.approval.hold_before in self.steps, "approval.hold_before",
+               self.approval.hold_before, f"expected one of steps {list(self.steps)}")
         _positive(self, "step_duration_s", "rate_rps", "concurrency", "request_timeout_s", "max_latency_ratio",
                   "min_samples", "max_windows", "text_rps", "text_min_samples", "text_timeout_s",
                   "text_max_latency_ratio", "max_analyses")
@@ -769,6 +786,10 @@ class Settings:
                self.serve.kubernetes.kind, "expected one of launcher.kubernetes.kinds")
         _check(len(self.repro.shards) == self.tokenize.num_shards, "repro.shards", self.repro.shards,
                f"expected one per tokenize.num_shards ({self.tokenize.num_shards})")
+        # a run still waiting for its approval when the deadline comes is failed by the scheduler,
+        # its canary left held: the answer's timeout (a rollback) must come first
+        _check(self.canary.approval.timeout_s < 60 * self.pipeline.deadline_min, "canary.approval.timeout_s",
+               self.canary.approval.timeout_s, f"expected under pipeline.deadline_min ({self.pipeline.deadline_min} min)")
 
 
 # -- building the dataclasses from YAML ---------------------------------------------------------

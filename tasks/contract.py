@@ -39,6 +39,11 @@ TORCHRUN_MODULE = "tasks.lib.torchrun"
 # XCom key of a failed step's one-line error (a failed task returns no result): the run report quotes it
 ERROR_XCOM_KEY = "error"
 
+# What a person can answer to a rollout held for approval (the DAG's human-in-the-loop task offers
+# them; ``tasks.deploy finish`` carries the answer out). The first is what a timeout chooses.
+ROLL_BACK, PROMOTE, EXTEND = "Roll back", "Promote", "Extend"
+DECISIONS = (ROLL_BACK, PROMOTE, EXTEND)
+
 
 def torchrun_args(*, nodes: int, procs_per_node: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int,
                   module: str, arguments: Sequence[Any]) -> list[str]:

@@ -1,6 +1,8 @@
 """Deploy an exported version to Triton behind the router: canary, then promote or roll back.
 
     python -m tasks.deploy canary --model-version N --export URI --output URI
+    python -m tasks.deploy finish --model-version N --export URI --held URI --answer JSON --output URI
+    python -m tasks.deploy release --held URI
     python -m tasks.deploy rollback --target previous|VERSION
     python -m tasks.deploy stage --model-version N --export URI --repository DIR   (cluster init container)
 
@@ -18,6 +20,12 @@ fresh traffic, up to ``canary.max_analyses``, then fails. All pass at 100%: N be
 and N becomes ``champion`` in the registry. Any check fails: the canary weight goes to 0 and
 the router is reloaded FIRST, only then N is unloaded; the champion alias does not move; the
 report is saved and the step exits 2 with one line naming the failed check (no retry).
+
+With ``canary.approval.enabled`` (the DAG's approval Param) the walk holds before the step of
+weight ``approval.hold_before``, and at a stage still inconclusive after its analyses: traffic
+stays where it is, the step exits 0 with verdict ``held``, and ``finish`` later carries out a
+person's answer (Promote: the remaining steps, then promotion; Roll back; Extend: the held stage
+analysed once more). ``release`` (the run's teardown) rolls back a hold nobody decided.
 
 The first model ever has no stable to compare with: it is checked on its own at 100%. A version
 trained on an older data window than the champion's (a backfill, a late retry) is not deployed
@@ -51,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from tasks.config import CanarySettings, ServeSettings
+from tasks.contract import DECISIONS, EXTEND, PROMOTE, ROLL_BACK
 from tasks.lib import canary, storage, triton
 from tasks.lib.errors import GateRejected, StepError, Terminated, absent, first_line, registry_error
 from tasks.lib.model_store import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
@@ -59,6 +68,8 @@ from tasks.lib.polling import wait_until
 from tasks.lib.serving import PromotionFailed, Serving, serving_platform, stage_version
 from tasks.lib.step import log, raise_on_sigterm, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
+
+HELD = "held"  # a rollout waiting for a person's decision
 
 
 def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> None:
@@ -241,6 +252,16 @@ def why_not(result: dict[str, Any]) -> str:
     return str(result["failed"][0])
 
 
+@dataclass(frozen=True)
+class Stop:
+    """Where a rollout stopped short of promotion: failed (rolled back next), or held for a
+    person's decision (its traffic left where it is)."""
+
+    weight: float
+    reason: str
+    held: bool = False
+
+
 def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Serving, serve: ServeSettings,
                scratch: Path) -> dict[str, Any]:
     version = int(args.model_version)
@@ -250,26 +271,36 @@ def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Servin
         log.info("version %d already serves all traffic: nothing to roll out", version)
         serving.promote(version)
         return {"verdict": "promoted", "stable": version, "canary": version, "steps": [], "already_serving": True}
-    if live.canary is not None:
-        log.info("a canary of version %s was left at %g%% (an interrupted deploy): rolling it back first",
-                 live.canary, live.canary_weight)
+    if live.canary is not None:  # held for approval, or interrupted: a newer rollout supersedes it (as Argo's does)
+        log.info("a canary of version %s was left at %g%% (an interrupted deploy, or one held for approval): "
+                 "rolling it back first", live.canary, live.canary_weight)
         serving.roll_back(live.stable)
     elif live.shadow is not None:
         log.info("version %s was left shadowing stable (an interrupted deploy): rolling it back first", live.shadow)
         serving.roll_back(live.stable)
     stable = live.stable
-    report: dict[str, Any] = {"stable": stable, "canary": version, "shadow": [], "steps": [], "verdict": "promoted"}
+    hold = params.approval.enabled
+    report: dict[str, Any] = {"stable": stable, "canary": version, "shadow": [], "steps": [], "verdict": "promoted",
+                              "approval": {"enabled": hold, "hold_before": params.approval.hold_before}}
     serving.prepare(stable, version)
+    return roll_out(serving, stable, version, report,
+                    lambda: walk_steps(serving, serve, params, reference, stable, version, report, hold))
+
+
+def roll_out(serving: Serving, stable: int | None, version: int, report: dict[str, Any],
+             walk: Callable[[], Stop | None]) -> dict[str, Any]:
+    """``walk`` the rollout's stages, then promote; or roll back what failed; or leave a hold as
+    it is. SIGTERM or an error on the way: traffic back to stable first (:func:`back_to_stable`)."""
     try:
-        failed = walk_steps(serving, serve, params, reference, stable, version, report)
-        if failed is None:
+        stop = walk()
+        if stop is None:
             try:
                 serving.promote(version)
             except PromotionFailed as exc:
                 if not exc.restored:
                     raise
-                failed = (100.0, str(exc))
-        if failed is not None:
+                stop = Stop(100.0, str(exc))
+        if stop is not None and not stop.held:
             serving.roll_back(stable)
     except PromotionFailed as exc:  # the canary track is the one serving a whole version: traffic stays there
         raise StepError(f"{exc}: all traffic stays on the canary track (version {version}); the "
@@ -279,37 +310,61 @@ def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Servin
         if outcome is exc:
             raise
         raise outcome from exc
-    if failed is not None:
-        report.update(verdict="rolled back", failed_at=failed[0], reason=failed[1])
+    if stop is not None and stop.held:
+        report.update(verdict=HELD, held_at=stop.weight, reason=stop.reason)
+    elif stop is not None:
+        report.update(verdict="rolled back", failed_at=stop.weight, reason=stop.reason)
+    else:
+        report["verdict"] = "promoted"
     return report
 
 
 def walk_steps(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
-               stable: int | None, version: int, report: dict[str, Any]) -> tuple[float, str] | None:
+               stable: int | None, version: int, report: dict[str, Any], hold: bool,
+               after: float | None = None) -> Stop | None:
     """The smoke test, the warm-up, the shadow stage and the traffic steps (their analyses in
-    ``report``): None when every stage passed, else the weight it failed at (0: in shadow, no
-    user reached the new version) and why."""
-    try:
-        smoke_test(serving, version, reference)
-    except StepError as exc:  # before any traffic moved
-        return 0.0, f"smoke test: {exc}"
-    report["warmup_streams"] = warm_up(serving, version, reference, params)
-    if params.shadow and stable is not None:
-        serving.route(stable, shadow=version)
-        report["shadow"] = analysed(lambda: analyse_shadow(serving, params, reference, stable, version), "shadow",
-                                    params)
-        serving.route(stable)  # the mirror off before the split moves: a step's copies would double its load
-        if not report["shadow"][-1]["passed"]:
-            return 0.0, f"shadow: {why_not(report['shadow'][-1])}"
-    steps = [float(w) for w in params.steps] if stable is not None else [100.0]
-    for weight in steps:
+    ``report``), or only the steps above weight ``after`` (a rollout a person let go on): None
+    when every stage passed. With ``hold``, the walk stops before the step of weight
+    ``approval.hold_before``, and at a stage still inconclusive after its analyses, with its
+    traffic where it is (a person decides); else an inconclusive stage fails."""
+    if after is None:
+        try:
+            smoke_test(serving, version, reference)
+        except StepError as exc:  # before any traffic moved
+            return Stop(0.0, f"smoke test: {exc}")
+        report["warmup_streams"] = warm_up(serving, version, reference, params)
+        if params.shadow and stable is not None and not shadow_stage(serving, params, reference, stable, version,
+                                                                      report):
+            last = report["shadow"][-1]
+            held = hold and last["verdict"] == canary.INCONCLUSIVE
+            if held:
+                serving.route(stable, version, 0.0)
+            return Stop(0.0, f"shadow: {why_not(last)}", held=held)
+        after = 0.0
+    current = after
+    for weight in [float(w) for w in params.steps if w > after] if stable is not None else [100.0]:
+        if hold and (weight == params.approval.hold_before or stable is None):  # (the first model: its only step)
+            serving.route(stable, version, current)  # 0: the new version loaded, no user's traffic yet
+            return Stop(current, f"held before {weight:g}% for approval", held=True)
         serving.route(stable, version, weight)
         results = analysed(partial(analyse_step, serving, serve, params, reference, stable, version, weight),
                            f"canary {weight:g}%", params)
         report["steps"] += results
         if not results[-1]["passed"]:
-            return weight, why_not(results[-1])
+            return Stop(weight, why_not(results[-1]), held=hold and results[-1]["verdict"] == canary.INCONCLUSIVE)
+        current = weight
     return None
+
+
+def shadow_stage(serving: Serving, params: CanarySettings, reference: dict[str, Any], stable: int, version: int,
+                 report: dict[str, Any]) -> bool:
+    """The new version shadows stable (its analyses added to ``report``); the mirror is off again
+    before any split moves (a step's copies would double its load). Whether it passed."""
+    serving.route(stable, shadow=version)
+    report["shadow"] += analysed(lambda: analyse_shadow(serving, params, reference, stable, version), "shadow",
+                                 params)
+    serving.route(stable)
+    return bool(report["shadow"][-1]["passed"])
 
 
 def back_to_stable(serving: Serving, stable: int | None, version: int, exc: BaseException) -> BaseException:
@@ -392,17 +447,187 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
             raise GateRejected(f"{why}: not deployed (the run's deploy_older_data Param deploys it)",
                                {"verdict": "not deployed", "canary": int(args.model_version), "reason": why})
         report = run_canary(args, params, serving, serve, scratch)
-        if report["verdict"] == "promoted":
-            report["aliases"] = promote_version(name, str(args.model_version)) if args.promote else {}
-        save_report(report, args.output, args.mlflow_run_tag, settings.train.experiment)
+        try:
+            return conclude(report, args, name, settings.train.experiment)
+        except BaseException as exc:  # a hold nobody could answer (no report, no result): not left behind
+            if report["verdict"] != HELD:
+                raise
+            outcome = back_to_stable(serving, report["stable"], int(args.model_version), exc)
+            if outcome is exc:
+                raise
+            raise outcome from exc
+
+
+def conclude(report: dict[str, Any], args: argparse.Namespace, name: str, experiment: str) -> dict[str, Any]:
+    """Promote in the registry, save the report; the step's result, or its one-line error."""
+    if report["verdict"] == "promoted":
+        report["aliases"] = promote_version(name, str(args.model_version)) if args.promote else {}
+    if report.get("approval", {}).get("decision"):
+        tag_decision(name, str(args.model_version), report["approval"])
+    save_report(report, args.output, args.mlflow_run_tag, experiment)
+    summary: dict[str, Any] = {k: report[k] for k in ("verdict", "stable", "canary", "aliases", "held_at", "failed_at",
+                                                       "reason", "approval") if k in report}
+    summary.update(report_uri=storage.join(args.output, "report.json"), steps=step_summary(report["steps"]),
+                   shadow=[{"verdict": s["verdict"], "analysis": s["analysis"]} for s in report.get("shadow", [])])
+    if report["verdict"] == HELD:
+        log.info("version %s holds at %g%% (%s): waiting for a person's decision", args.model_version,
+                 report["held_at"], report["reason"])
+        return {**summary, "approval_text": approval_text(report, summary["report_uri"])}
     if report["verdict"] != "promoted":
+        decision = report.get("approval", {})
         where = f"at {report['failed_at']:g}%" if report["failed_at"] else "before any user reached it"
-        raise StepError(f"canary of version {args.model_version} rolled back {where}: "
-                        f"{report['reason']}; stable version {report['stable']} keeps all traffic")
-    summary: dict[str, Any] = {k: report[k] for k in ("verdict", "stable", "canary", "aliases") if k in report}
-    return {**summary, "report_uri": storage.join(args.output, "report.json"),
-            "shadow": [{"verdict": s["verdict"], "analysis": s["analysis"]} for s in report.get("shadow", [])],
-            "steps": step_summary(report["steps"])}
+        stays = (f"stable version {report['stable']} keeps all traffic" if report["stable"] is not None
+                 else "nothing serves (it was the first model)")
+        line = f"canary of version {args.model_version} rolled back {where}: {report['reason']}; {stays}"
+        if decision.get("decision") == ROLL_BACK and decision.get("by"):
+            raise GateRejected(line, summary)  # a person's choice: the run ends cleanly, the report says who
+        raise StepError(line)
+    return summary
+
+
+def approval_text(report: dict[str, Any], report_uri: str) -> str:
+    """What the person deciding reads (Markdown): where the rollout holds and why, each stage's
+    figures so far, and the report."""
+    stable = f"version {report['stable']}" if report["stable"] is not None else "none: the first model"
+    lines = [f"Version **{report['canary']}** holds at **{report['held_at']:g}%** of traffic "
+             f"(stable: {stable}): {report['reason']}.", ""]
+    for shadow in report.get("shadow", []):
+        agreement, text = shadow["agreement"], (shadow["shadow"], shadow["stable"])
+        lines.append(f"- shadow (analysis {shadow['analysis']}): **{shadow['verdict']}**; {shadow['served']} requests "
+                     f"copied, {shadow['shadow_errors']} copies failed; text equal to its reference "
+                     f"{agreement['reference']:.0%}, to stable's {agreement['stable_exact']:.0%}; TTFT p50 "
+                     f"{text[0]['ttft_p50_ms']:.1f} vs {text[1]['ttft_p50_ms']:.1f} ms, ITL p50 "
+                     f"{text[0]['itl_p50_ms']:.2f} vs {text[1]['itl_p50_ms']:.2f} ms")
+    for step in report["steps"]:
+        text = step["text"]
+        lines.append(f"- {step['weight']:g}% (analysis {step.get('analysis', 1)}): **{step['verdict']}**"
+                     f"{': ' + '; '.join(step['failed']) if step['failed'] else ''}; canary p50 "
+                     f"{step['canary']['p50_ms']:.1f} vs stable {step['stable']['p50_ms']:.1f} ms, TTFT p50 "
+                     f"{text['canary']['ttft_p50_ms']:.1f} vs {text['stable']['ttft_p50_ms']:.1f} ms, "
+                     f"{text['canary']['streams']} canary streams")
+    lines += ["", f"Report: `{report_uri}` (and canary.png in the run's MLflow run, canary/).", "",
+              f"**{PROMOTE}**: walk the remaining steps and promote. **{ROLL_BACK}**: stable keeps all traffic. "
+              f"**{EXTEND}**: analyse the held stage once more on fresh traffic and let its verdict decide."]
+    return "\n".join(lines)
+
+
+def tag_decision(name: str, version: str, approval: dict[str, Any]) -> None:
+    """Who decided the rollout, when and what, as tags of the registered version."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        for key in ("decision", "by", "at"):
+            MlflowClient().set_model_version_tag(name, version, f"approval.{key}", str(approval.get(key) or "timeout"))
+    except MlflowException as exc:
+        raise registry_error(f"tagging models:/{name}/{version}", exc) from None
+
+
+def parse_answer(text: str) -> dict[str, Any]:
+    """The human-in-the-loop task's answer (``--answer``): ``{"chosen_options": [...],
+    "responded_by": NAME or null (the timeout chose the default), "responded_at": TIME}``."""
+    try:
+        answer = json.loads(text)
+        chosen = answer["chosen_options"]
+    except (ValueError, KeyError, TypeError):
+        raise StepError(f"--answer {text[:80]!r}: expected JSON with chosen_options, responded_by, responded_at") from None
+    if not isinstance(chosen, list) or len(chosen) != 1 or chosen[0] not in DECISIONS:
+        raise StepError(f"--answer: chosen_options {chosen!r}: expected one of {', '.join(DECISIONS)}")
+    return {"decision": chosen[0], "by": answer.get("responded_by") or None, "at": answer.get("responded_at")}
+
+
+def finish_main(args: argparse.Namespace) -> dict[str, Any]:
+    """Carry out a person's decision on a rollout that ``canary`` left held."""
+    settings = load_settings("canary", args.overrides)
+    params, serve, name = settings.canary, settings.serve, settings.pipeline.model_name
+    if not str(args.model_version).isdigit():
+        raise StepError(f"--model-version {args.model_version!r}: expected a registry version number")
+    answer = parse_answer(args.answer)
+    held_uri = storage.join(args.held, "report.json")
+    try:
+        report = storage.read_json(held_uri)
+    except StepError as exc:
+        raise StepError(f"--held {args.held}: no canary report ({first_line(exc)})") from None
+    version = int(args.model_version)
+    if report.get("verdict") != HELD or report.get("canary") != version:
+        raise StepError(f"--held {args.held}: the rollout of version {version} was not held "
+                        f"(its report says {report.get('verdict')!r} for version {report.get('canary')})")
+    report["approval"].update(answer)
+    log.info("version %d: %s (%s)", version, answer["decision"],
+             f"answered by {answer['by']} at {answer['at']}" if answer["by"] else
+             f"no answer within {params.approval.timeout_s:g}s: the default")
+    serving = serving_platform(settings)
+    with serving.lock(), storage.scratch() as scratch:
+        reference = serving.stage(args.export, version, scratch)
+        live = serving.live()
+        back = live.stable == report["stable"] and live.canary is None and live.shadow is None
+        if live.stable == version and live.canary is None:  # a retried finish: promoted already
+            report.update(verdict="promoted", already_serving=True)
+        elif answer["decision"] == ROLL_BACK and back:  # a retried finish: rolled back already
+            report.update(verdict="rolled back", failed_at=report.pop("held_at"),
+                          reason=rollback_reason(report["approval"], params))
+        elif live.canary != version or live.stable != report["stable"]:
+            raise StepError(f"version {version} no longer holds at {report['held_at']:g}% (the route serves "
+                            f"stable {live.stable}, canary {live.canary}): superseded by a later deploy or rolled "
+                            "back meanwhile; nothing changed")
+        else:
+            stable, weight = report["stable"], float(report["held_at"])
+            report.pop("reason")
+            report = roll_out(serving, stable, version, report,
+                              lambda: decided(serving, serve, params, reference, stable, version, weight, report))
+        return conclude(report, args, name, settings.train.experiment)
+
+
+def rollback_reason(approval: dict[str, Any], params: CanarySettings) -> str:
+    if approval["by"]:
+        return f"rolled back by {approval['by']}"
+    return f"no decision within {params.approval.timeout_s:g}s (approval.timeout_s): rolled back"
+
+
+def release_main(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's clean-up (a teardown of deploy): a rollout this run's deploy left held and still
+    holding when the run ends (no decision was carried out: the approval task failed, the run was
+    stopped or reached its deadline while waiting) is rolled back; anything else is left as it is
+    (a finish always moves the route: promoted, rolled back, or it found the hold gone)."""
+    settings = load_settings("canary", args.overrides)
+    held_uri = storage.join(args.held, "report.json")
+    if not storage.exists(held_uri):
+        return {"released": None}
+    held = storage.read_json(held_uri)
+    if held.get("verdict") != HELD:
+        return {"released": None}
+    serving = serving_platform(settings)
+    with serving.lock():
+        live = serving.live()
+        if live.canary != held["canary"] or live.stable != held["stable"]:
+            return {"released": None}  # superseded, rolled back or promoted meanwhile
+        log.warning("the run ends with version %s held at %g%% and no decision carried out: rolled back to %s",
+                    held["canary"], live.canary_weight, held["stable"])
+        serving.roll_back(held["stable"])
+    return {"released": held["canary"], "stable": held["stable"]}
+
+
+def decided(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
+            stable: int | None, version: int, weight: float, report: dict[str, Any]) -> Stop | None:
+    """The rollout after a person's decision: rolled back; or (Extend) the held stage analysed
+    once more, its verdict deciding; then the steps above the held weight."""
+    approval = report["approval"]
+    if approval["decision"] == ROLL_BACK:
+        return Stop(weight, rollback_reason(approval, params))
+    if approval["decision"] == EXTEND:
+        if weight == 0.0:
+            passed = (not params.shadow or stable is None
+                      or shadow_stage(serving, params, reference, stable, version, report))
+            last = report["shadow"][-1] if report["shadow"] else {}
+            serving.route(stable, version, 0.0)
+        else:
+            results = analysed(partial(analyse_step, serving, serve, params, reference, stable, version, weight),
+                               f"canary {weight:g}% (extended)", params)
+            report["steps"] += results
+            passed, last = results[-1]["passed"], results[-1]
+        if not passed:
+            return Stop(weight, f"extended: {why_not(last)}")
+    return walk_steps(serving, serve, params, reference, stable, version, report, hold=False, after=weight)
 
 
 def step_summary(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -470,6 +695,18 @@ def parser() -> argparse.ArgumentParser:
     roll.add_argument("--output", required=True, help="run-scoped folder for the canary report")
     roll.add_argument("--mlflow-run-tag", default="", help="dag_run tag of this DAG run (its MLflow run gets the report)")
     roll.add_argument("--no-promote", dest="promote", action="store_false", help="leave the registry aliases alone")
+    finish = sub.add_parser("finish", help="carry out a person's decision on a rollout held for approval")
+    finish.add_argument("--model-version", required=True, help="the version the canary step held")
+    finish.add_argument("--export", required=True, help="the export step's output URI for that version")
+    finish.add_argument("--held", required=True, help="the canary step's output (its report of the held rollout)")
+    finish.add_argument("--answer", required=True,
+                        help='the decision: {"chosen_options": ["Promote" | "Roll back" | "Extend"], '
+                             '"responded_by": NAME or null (timed out), "responded_at": TIME}')
+    finish.add_argument("--output", required=True, help="run-scoped folder for the final canary report")
+    finish.add_argument("--mlflow-run-tag", default="", help="dag_run tag of this DAG run")
+    finish.add_argument("--no-promote", dest="promote", action="store_false", help="leave the registry aliases alone")
+    release = sub.add_parser("release", help="roll back a rollout this run left held and nobody decided")
+    release.add_argument("--held", required=True, help="the canary step's output (its report of the held rollout)")
     back = sub.add_parser("rollback", help="serve an earlier version again and make it champion")
     back.add_argument("--target", default=PREVIOUS, help="an alias (default: previous) or a version number")
     stage = sub.add_parser("stage", help="copy one exported version into a Triton model repository (cluster init container)")
@@ -481,7 +718,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    commands = {"canary": canary_main, "rollback": rollback_main, "stage": stage_main}
+    commands = {"canary": canary_main, "finish": finish_main, "release": release_main, "rollback": rollback_main,
+                "stage": stage_main}
     if args.command != "stage":
         raise_on_sigterm()  # a killed deploy moves traffic back to stable before it goes
     return commands[args.command](args)

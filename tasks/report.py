@@ -27,7 +27,14 @@ from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
-STEPS = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy")
+STEPS = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy",
+         "deploy_finish")
+
+
+def rollout_step(results: dict[str, Any]) -> str:
+    """The step with the rollout's last word: the finish of a rollout held for approval, where it
+    reported, else deploy."""
+    return "deploy_finish" if results.get("deploy_finish") else "deploy"
 
 
 def parse_results(items: list[str], option: str = "--result") -> dict[str, Any]:
@@ -70,8 +77,10 @@ def outcome(states: dict[str, str], results: dict[str, Any], errors: dict[str, s
     the step's own error line when the launcher recorded it)."""
     failed = [t for t in STEPS if states.get(t) == "failed"] + [
         t for t, s in states.items() if t not in STEPS and s == "failed"]
-    deploy = results.get("deploy") or {}
-    if states.get("deploy") == "failed" and deploy.get("verdict") == "rolled back":
+    rollout = rollout_step(results)
+    deploy = results.get(rollout) or {}
+    # a person's "Roll back" ends the rollout as a gate does (skipped); a failed check or no answer fails it
+    if states.get(rollout) in ("failed", "skipped") and deploy.get("verdict") == "rolled back":
         failed_at = deploy.get("failed_at", 0)
         where = f"at {failed_at:g}%" if failed_at else "before any user reached it"
         return "rolled back", f"the canary was rolled back {where}: {deploy.get('reason')}"
@@ -83,6 +92,9 @@ def outcome(states: dict[str, str], results: dict[str, Any], errors: dict[str, s
         return "rejected", "the gate rejected the challenger: " + "; ".join(evaluation.get("reasons", []))
     if deploy.get("verdict") == "promoted":
         return "success", f"version {deploy.get('canary')} serves as champion"
+    if deploy.get("verdict") == "held":
+        return "held", (f"version {deploy.get('canary')} holds at {deploy.get('held_at', 0):g}% of traffic, "
+                        f"waiting for a person's decision ({deploy.get('reason')})")
     registered = results.get("register") or {}
     if states.get("deploy") == "skipped" and registered.get("version"):
         why = f": {deploy['reason']}" if deploy.get("reason") else " (skip_deploy)"
@@ -109,7 +121,7 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
     snap, val, merged = results.get("snapshot") or {}, results.get("validate") or {}, results.get("tokenize_merge") or {}
     tokenizer = results.get("tokenizer") or {}
     train, evaluation = results.get("train") or {}, results.get("evaluate") or {}
-    registered, deploy = results.get("register") or {}, results.get("deploy") or {}
+    registered, deploy = results.get("register") or {}, results.get(rollout_step(results)) or {}
     url = endpoint(settings.serve)
     return {
         "dag_id": args.dag_id,
@@ -130,7 +142,7 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
                        "samples_uri": evaluation.get("samples_uri")},
         "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
         "canary": {k: deploy.get(k) for k in ("verdict", "stable", "canary", "aliases", "shadow", "steps",
-                                              "report_uri")},
+                                              "report_uri", "held_at", "approval")},
         "serving": {"endpoint": f"{url}/v1", "model": settings.pipeline.model_name,
                     "query": query_command(url, settings.pipeline.model_name),
                     "predict": 'make predict PROMPT="Return the number of"'},
@@ -157,6 +169,15 @@ def rollout_stages(canary: dict[str, Any]) -> list[tuple[str, str, str]]:
     stages = [shadow[-1] | {"stage": "shadow"}] if shadow else []
     stages += [s | {"stage": f"{s['weight']:g}%"} for s in canary.get("steps") or []]
     return [(s["stage"], verdict_of(s), analyses_note(s)) for s in stages]
+
+
+def approval_line(canary: dict[str, Any]) -> str:
+    """Who decided a held rollout, what and when (or that nobody answered in time)."""
+    approval = canary["approval"]
+    where = f"held at {canary.get('held_at') or 0:g}%"
+    if not approval.get("by"):
+        return f"{where}: no answer in time, {approval['decision']} (the default) at {approval.get('at')}"
+    return f"{where}: {approval['decision']} by {approval['by']} at {approval.get('at')}"
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -192,6 +213,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                            for stage, verdict, note in rollout_stages(canary))
         aliases = ", ".join(f"{k} v{v}" for k, v in (canary.get("aliases") or {}).items() if v)
         lines.append(f"  canary      {canary['verdict']} ({path or 'first model: no canary'}){'; ' + aliases if aliases else ''}")
+    if (canary.get("approval") or {}).get("decision"):
+        lines.append(f"  approval    {approval_line(canary)}")
     if report["verdict"] == "success":
         lines += [f"  serving     {serving['endpoint']} (OpenAI-compatible API, model {serving['model']})",
                   f"  try it      {serving['predict']}",
@@ -221,6 +244,8 @@ def render_html(report: dict[str, Any], lines: list[str], loss_png: Path | None,
                                                          if c["prompt"] == s["prompt"]), "-"))
                    for s in (samples or {}).get("challenger") or []]
     canary_rows = [(stage, verdict + note) for stage, verdict, note in rollout_stages(report["canary"])]
+    if (report["canary"].get("approval") or {}).get("decision"):
+        canary_rows.append(("approval", approval_line(report["canary"])))
     links = [f'<li>MLflow run: <a href="{html.escape(mlflow_url)}">{html.escape(mlflow_url)}</a> '
              "(artifacts: validation/ holds the Great Expectations Data Docs, report/ this page)</li>"] if mlflow_url else []
     links += [f"<li>{html.escape(k)}: <code>{html.escape(str(v))}</code></li>" for k, v in (
@@ -268,9 +293,12 @@ def optional_file(uri: str | None, scratch: Path, name: str) -> Path | None:
 def write(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     states, results, errors = run_states(args.states), parse_results(args.result), parse_errors(args.error)
     # a rolled-back canary fails its task (no XCom): its report is in the step's output
-    deploy_report = storage.join(args.deploy_output, "report.json")
-    if results.get("deploy") is None and storage.exists(deploy_report):
-        results["deploy"] = {**storage.read_json(deploy_report), "report_uri": deploy_report}
+    outputs = {"deploy": args.deploy_output, "deploy_finish": args.finish_output}
+    for step, output in outputs.items():
+        step_report = storage.join(output, "report.json") if output else ""
+        ended = states.get(step) in ("success", "failed", "skipped")  # (a cleared step's earlier report: not this try's)
+        if results.get(step) is None and ended and step_report and storage.exists(step_report):
+            results[step] = {**storage.read_json(step_report), "report_uri": step_report}
     report = build_report(args, settings, states, results, errors)
     lines = summary_lines(report)
     mlflow_on = bool(args.mlflow_run_tag and os.environ.get("MLFLOW_TRACKING_URI"))
@@ -285,7 +313,7 @@ def write(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         samples_path = optional_file(report["evaluation"].get("samples_uri"), scratch, "samples.json")
         samples = json.loads(samples_path.read_text()) if samples_path else None
-        canary_png = optional_file(storage.join(args.deploy_output, "canary.png"), scratch, "canary.png")
+        canary_png = optional_file(storage.join(outputs[rollout_step(results)], "canary.png"), scratch, "canary.png")
         page = render_html(report, lines, mlflow_artifacts(run_id, scratch), canary_png, samples, mlflow_url)
         (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
         (out / "summary.txt").write_text("\n".join(lines) + "\n")
@@ -390,6 +418,8 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--error", action="append", default=[], metavar="STEP=JSON",
                    help="a failed step's one-line error (its 'error' XCom, pushed by the launcher)")
     w.add_argument("--deploy-output", required=True, help="the deploy step's output URI (its report.json)")
+    w.add_argument("--finish-output", default="",
+                   help="the output URI of the step finishing a rollout held for approval (its report.json)")
     w.add_argument("--output", required=True, help="run-scoped URI for report.json, summary.txt, report.html")
     w.add_argument("--mlflow-run-tag", default="", help="dag_run tag of the MLflow run to log the report into")
     s = sub.add_parser("show", help="print the newest run's summary")

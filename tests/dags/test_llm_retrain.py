@@ -24,7 +24,7 @@ from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI, mlflow_rest, prometheus_que
 
 HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", "tokenizers")
 ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train", "evaluate",
-         "register", "export", "deploy_gate", "deploy", "report"]
+         "register", "export", "deploy_gate", "deploy", "approval_gate", "approve_rollout", "deploy_finish", "release_hold", "report"]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def test_parsing_imports_no_heavy_module() -> None:
 
 # The edges no argument draws: a step that must wait for another without reading its result
 ORDERING_EDGES = {("validate", "tokenizer"), ("tokenize_shard", "tokenize_merge"), ("export", "deploy_gate"),
-                  ("deploy_gate", "deploy")}
+                  ("deploy_gate", "deploy"), ("deploy", "approval_gate"), ("approval_gate", "approve_rollout"),
+                  ("deploy", "release_hold"), ("deploy_finish", "release_hold"), ("release_hold", "report")}
 
 
 def results_read(task: Any) -> set[str]:
@@ -115,6 +116,33 @@ def test_every_steps_arguments_parse_with_its_module(dag: Any) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_the_approval_waits_for_a_person_and_its_answer_reaches_deploy_finish(dag: Any) -> None:
+    """The human-in-the-loop task's result (a person's answer, or the default its timeout took:
+    nobody, Roll back) as deploy_finish's ``--answer`` receives it: JSON, its time as text."""
+    from airflow.sdk.definitions._internal.templater import SandboxedEnvironment
+
+    pipeline = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    approve = dag.get_task("approve_rollout")
+    assert approve.defaults == ["Roll back"] and set(approve.options) == {"Roll back", "Promote", "Extend"}
+    assert approve.response_timeout == dt.timedelta(seconds=pipeline["canary"]["approval"]["timeout_s"])
+    arguments = dag.get_task("deploy_finish").arguments
+    template = arguments[arguments.index("--answer") + 1]
+    answered_at = dt.datetime(2026, 11, 26, 4, 0, tzinfo=dt.UTC)
+    for user, chosen in (({"id": "admin", "name": "admin"}, "Promote"), (None, "Roll back")):
+        payload = {"chosen_options": [chosen], "params_input": {}, "responded_at": answered_at,
+                   "responded_by_user": user}
+
+        class TaskInstance:
+            @staticmethod
+            def xcom_pull(task_ids: str, payload: dict[str, Any] = payload) -> dict[str, Any]:
+                assert task_ids == "approve_rollout"
+                return payload
+
+        rendered = json.loads(SandboxedEnvironment().from_string(template).render(ti=TaskInstance()))
+        assert rendered == {"chosen_options": [chosen], "responded_by": user and user["name"],
+                            "responded_at": "2026-11-26 04:00:00+00:00"}
+
+
 def test_retries_with_backoff_from_params(dag: Any) -> None:
     import yaml
 
@@ -136,10 +164,13 @@ def test_params_are_typed_and_documented(dag: Any) -> None:
 
 def test_each_task_has_a_time_limit_and_scarce_steps_queue_in_pools(dag: Any) -> None:
     pipeline = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["pipeline"]
-    steps = [t for t in dag.tasks if t.task_id not in ("shard_plan", "deploy_gate")]
+    steps = [t for t in dag.tasks if t.task_id not in ("shard_plan", "deploy_gate", "approval_gate")]
     assert all(t.execution_timeout is not None for t in steps), [t.task_id for t in steps if not t.execution_timeout]
     pools = {t.task_id: t.pool for t in dag.tasks if t.pool != "default_pool"}
-    assert pools == {"snapshot": "dvc_registry", "train": "training", "deploy": "serving_rollout"}
+    assert pools == {"snapshot": "dvc_registry", "train": "training", "deploy": "serving_rollout",
+                     "deploy_finish": "serving_rollout", "release_hold": "serving_rollout"}
+    # the clean-up of a held rollout is deploy's teardown: it runs however the tasks between end
+    assert dag.get_task("release_hold").is_teardown and dag.get_task("deploy").is_setup
     assert set(pools.values()) <= set(pipeline["pools"])  # created before the scheduler starts
     assert dag.get_task("train").priority_weight == dag.get_task("deploy").priority_weight == 10
     assert dag.get_task("snapshot").on_failure_callback and dag.on_failure_callback
@@ -214,12 +245,16 @@ def xcom(run: Any, task_id: str) -> Any:
 def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -> None:
     run = dag.test(  # 06:00, off the weekly ticks: test_trigger_paths backfills the Sundays at midnight
         logical_date=dt.datetime(2026, 11, 22, 6, tzinfo=dt.UTC),
-        run_conf={"raw_data_uri": SEED_URI, "num_shards": 2, "train_max_steps": 60},
+        # one traffic step after the shadow (tests/tasks/test_serving.py walks 10 -> 50 -> 100)
+        run_conf={"raw_data_uri": SEED_URI, "num_shards": 2, "train_max_steps": 60, "canary_steps": [100]},
     )
     states = ti_states(run)
     assert run.state == "success", states
+    # approval off (the default): deploy promotes, the approval's tasks are skipped, its teardown finds no hold
     assert states == {**{t: "success" for t in ORDER if t != "tokenize_shard"},
-                      "tokenize_shard[0]": "success", "tokenize_shard[1]": "success"}
+                      "tokenize_shard[0]": "success", "tokenize_shard[1]": "success",
+                      "approve_rollout": "skipped", "deploy_finish": "skipped"}
+    assert xcom(run, "release_hold") == {"released": None}
     merged = xcom(run, "tokenize_merge")
     assert merged["tokens"]["train"] > 100_000 and merged["dtype"] == "uint16"
     run_key = run.run_id.replace(":", "-").replace("+", "_")

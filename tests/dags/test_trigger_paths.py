@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -35,10 +36,10 @@ DAG_ID = "llm_retrain"
 # one training node: seven runs share two cores, and this test is about how runs start
 CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_nodes": 1,
         "train_max_steps": 12}  # 12: apart from other tests' runs
-# The backfill: four weekly intervals from the DAG's start date (Sundays at midnight; the other
-# DAG tests run at 06:00, so these dates are free) over raw data of its own, 21 days ending
-# 11-21: the first interval's window (10-25..10-31) has no data, the next three have a week each.
-BACKFILL_FROM, BACKFILL_TO = "2026-11-01", "2026-11-22"
+# The backfill: three weekly intervals (Sundays at midnight; the other DAG tests run at 06:00, so
+# these dates are free) over raw data of its own, 14 days ending 11-21: the first interval's
+# window (11-01..11-07) has no data, the next two have a week each.
+BACKFILL_FROM, BACKFILL_TO = "2026-11-08", "2026-11-22"
 BACKFILL_RAW = "s3://raw/test-backfill"
 SCREENSHOTS = REPO_ROOT / ".test-artifacts" / "ui"
 
@@ -48,6 +49,7 @@ class AirflowApi:
 
     def __init__(self, base_url: str, passwords_file: Path) -> None:
         self.base_url = base_url
+        self.server_env: dict[str, str] = {}  # the environment Airflow's components were started in
         self.password = json.loads(passwords_file.read_text())["admin"]
         token = self.call("POST", "/auth/token", {"username": "admin", "password": self.password}, auth=False)
         self.token = token["access_token"]
@@ -136,10 +138,12 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], st
         servers.create_airflow_pools()  # as `make up` does: the scheduler runs no task of a missing pool
         for server in servers.AIRFLOW_SERVERS:
             server.start()
+        server_env = dict(os.environ)
         os.environ.clear()
         os.environ.update(saved)
         api = AirflowApi(f"http://127.0.0.1:{servers.ports()['airflow']}",
                          Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]))
+        api.server_env = server_env  # to start a component again, as it was
         wait_for("the dag-processor to serialize the DAG", lambda: api.call("GET", f"/api/v2/dags/{DAG_ID}"), 120)
         yield api
     finally:
@@ -222,14 +226,14 @@ def registered_version(run_id: str) -> tuple[str, dict[str, str]]:
     return versions[0]["version"], {t["key"]: t["value"] for t in versions[0]["tags"]}
 
 
-def seed_three_weeks() -> None:
+def seed_two_weeks() -> None:
     proc = run_module("tasks.seed", "--output", BACKFILL_RAW, "--end-date", "2026-11-21",
-                      "--heldout-output", f"{BACKFILL_RAW}-heldout", "--set", "days=21", "--set", "max_documents=4000")
+                      "--heldout-output", f"{BACKFILL_RAW}-heldout", "--set", "days=14", "--set", "max_documents=2700")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
-    seed_three_weeks()
+    seed_two_weeks()
     # docs/operations.md's backfill: the scheduler runs one run per interval, each on its own window. Created
     # while the DAG is paused: unpausing makes the scheduler create the newest weekly tick's run
     # unless one exists (it skips a date the backfill holds; the backfill would skip its). On SQLite
@@ -246,8 +250,9 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         airflow_api, {"end_date": "2026-11-19", **{name: str(value) for name, value in CONF.items()}},
         skip_deploy=True)
     # the two runs without a logical date: the CLI's deploys (deploy's arguments read the run's
-    # date too), the REST API's skips the canary to spare the test's time
-    airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "end_date": "2026-11-22"}))
+    # date too) and waits for a person's approval, the REST API's skips the canary to spare the
+    # test's time
+    airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "end_date": "2026-11-22", "approval": True}))
     rest = airflow_api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                             {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-21", "skip_deploy": True}})
     assert rest["logical_date"] is None
@@ -260,21 +265,25 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
 
     def all_created() -> bool:
         seen[:] = [(r["run_type"], r["logical_date"], r["state"]) for r in ours()]
-        return len(seen) == 7
+        return len(seen) == 6
 
     try:
         wait_for("the backfill to create its runs", all_created, timeout_s=60)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; runs seen: {seen}") from None
 
+    approval_run = next(r["dag_run_id"] for r in ours() if r["conf"].get("approval"))
+
     def finished() -> list[dict[str, Any]] | None:
+        if waiting_for_a_person(airflow_api, approval_run):  # a person rolls it back, through the REST API
+            answer_through_the_api(airflow_api, approval_run, "Roll back")
         runs = ours()
         return runs if all(r["state"] in ("success", "failed") for r in runs) else None
 
-    runs = wait_for("seven runs to finish", finished, timeout_s=1200, every_s=5)
+    runs = wait_for("six runs to finish", finished, timeout_s=1200, every_s=5)
     backfill = sorted((r for r in runs if r["run_type"] == "backfill"), key=lambda r: r["logical_date"])
     manual = [r for r in runs if r["run_type"] == "manual"]
-    assert [r["logical_date"][:10] for r in backfill] == ["2026-11-01", "2026-11-08", "2026-11-15", "2026-11-22"]
+    assert [r["logical_date"][:10] for r in backfill] == ["2026-11-08", "2026-11-15", "2026-11-22"]
     assert len(manual) == 3 and from_the_form in {r["dag_run_id"] for r in manual}
     assert sum(r["logical_date"] is None for r in manual) == 2
 
@@ -286,7 +295,7 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
     assert {states[t] for t in states if t not in ("snapshot", "report")} <= {"upstream_failed"}, states
     log = json.dumps(airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(empty['dag_run_id'])}"
                                              "/taskInstances/snapshot/logs/1?full_content=true"))
-    assert f"{BACKFILL_RAW}: no partitions with data for 2026-10-25..2026-10-31 (empty interval)" in log
+    assert f"{BACKFILL_RAW}: no partitions with data for 2026-11-01..2026-11-07 (empty interval)" in log
     snapshot_try = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(empty['dag_run_id'])}"
                                            "/taskInstances/snapshot")
     assert snapshot_try["try_number"] == 1, snapshot_try
@@ -296,8 +305,9 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         assert run["state"] == "success" and states["register"] == "success", (run["dag_run_id"], states)
         if run["dag_run_id"] == rest["dag_run_id"] or run["logical_date"] is not None:
             assert run["conf"]["skip_deploy"] is True and states["deploy"] == "skipped", (run["conf"], states)
-        else:  # deploy's arguments read the run's date too
-            assert states["deploy"] == "success", (run["dag_run_id"], states)
+        else:  # deploy's arguments read the run's date too; a person rolled it back: a gate (skipped)
+            assert states["deploy"] == "success" and states["approve_rollout"] == "success", (run["dag_run_id"], states)
+            assert states["deploy_finish"] == "skipped", states
         if run["dag_run_id"] == from_the_form:
             assert run["conf"]["num_shards"] == 1 and run["conf"]["train_nodes"] == 1, run["conf"]
         _, tags = registered_version(run["dag_run_id"])
@@ -306,10 +316,84 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         assert tags["logical_date"] == when[:10], (run["dag_run_id"], tags)
         end = run["conf"].get("end_date") or run["logical_date"][:10]  # a backfill reads its interval's window
         assert tags["data_version"].startswith(f"data-{end}-7d-") and tags["data_end"] == end, tags
-    # three intervals, three windows: three data versions and three registered versions
+    # two intervals, two windows: two data versions and two registered versions
     backfilled = dict(registered_version(r["dag_run_id"]) for r in backfill[1:])
-    assert len(backfilled) == 3 and len({tags["data_version"] for tags in backfilled.values()}) == 3, backfilled
+    assert len(backfilled) == 2 and len({tags["data_version"] for tags in backfilled.values()}) == 2, backfilled
     screenshot_run(airflow_api, from_the_form)
+    check_the_approval(airflow_api, approval_run)
+
+
+def waiting_for_a_person(api: AirflowApi, run_id: str) -> dict[str, Any] | None:
+    """The approval task's question once it waits for an answer (in Airflow's Required Actions)."""
+    try:
+        detail: dict[str, Any] = api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}/taskInstances/"
+                                                 "approve_rollout/-1/hitlDetails")
+    except urllib.error.HTTPError:  # 404: not asked yet
+        return None
+    waiting = detail["task_instance"]["state"] == "awaiting_input" and not detail["response_received"]
+    return detail if waiting else None
+
+
+def answer_through_the_api(api: AirflowApi, run_id: str, option: str) -> None:
+    answered = api.call("PATCH", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}/taskInstances/approve_rollout/-1/"
+                                 "hitlDetails", {"chosen_options": [option], "params_input": {}})
+    assert answered["chosen_options"] == [option] and answered["responded_by"]["name"] == "admin", answered
+
+
+def answer_in_the_ui(api: AirflowApi, run_id: str, option: str) -> None:
+    """The run's Required Action page, as a person opens it: the question, then the option's button."""
+    with signed_in_browser(api) as page:
+        page.goto(f"{api.base_url}/dags/{DAG_ID}/runs/{quoted(run_id)}/tasks/approve_rollout/required_actions")
+        button = page.get_by_test_id(f"hitl-option-{option}")
+        button.wait_for()
+        page.get_by_text("holds at").first.wait_for()  # deploy's account of the rollout, in the body
+        page.screenshot(path=SCREENSHOTS / "3-approval.png", full_page=True)
+        button.click()
+        wait_for("the answer to be recorded", lambda: not waiting_for_a_person(api, run_id), timeout_s=60, every_s=1)
+
+
+def check_the_approval(api: AirflowApi, run_id: str) -> None:
+    """The CLI's run held its rollout for a person, who rolled it back through the REST API (above).
+    Its deploy cleared and run again holds anew; the scheduler restarted meanwhile; a person
+    approves in the UI: the rollout goes on, the version is promoted, and the report and the
+    version's tags say who decided what and when."""
+    from stack import servers
+
+    version, _ = registered_version(run_id)
+    report = api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}/taskInstances/report/xcomEntries/"
+                             "return_value")["value"]
+    assert report["verdict"] == "rolled back" and "rolled back by admin" in report["outcome"], report
+    api.call("POST", f"/api/v2/dags/{DAG_ID}/clearTaskInstances",
+             {"dry_run": False, "dag_run_id": run_id, "task_ids": ["deploy"], "include_downstream": True,
+              "only_failed": False, "reset_dag_runs": True})
+    question = wait_for("the rollout to hold again", lambda: waiting_for_a_person(api, run_id), timeout_s=300)
+    assert question["options"] == ["Roll back", "Promote", "Extend"] and question["defaults"] == ["Roll back"]
+    assert f"Version **{version}** holds at **0%**" in question["body"] and "Evaluation on held-out text" in question["body"]
+    scheduler = next(s for s in servers.AIRFLOW_SERVERS if s.name == "airflow-scheduler")
+    scheduler.stop()
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(api.server_env)
+    try:
+        scheduler.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert waiting_for_a_person(api, run_id), "the question did not survive the scheduler's restart"
+    answer_in_the_ui(api, run_id, "Promote")
+
+    def run_finished() -> dict[str, Any] | None:
+        found: dict[str, Any] = api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}")
+        return found if found["state"] in ("success", "failed") else None
+
+    run = wait_for("the approved run to finish", run_finished, timeout_s=300, every_s=3)
+    states = task_states(api, run)
+    assert run["state"] == "success" and states["deploy_finish"] == "success", states
+    _, tags = registered_version(run_id)
+    assert (tags["approval.decision"], tags["approval.by"]) == ("Promote", "admin") and tags["approval.at"], tags
+    report = api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}/taskInstances/report/xcomEntries/"
+                             "return_value")["value"]
+    assert report["verdict"] == "success" and report["outcome"] == f"version {version} serves as champion", report
 
 
 def task_states(api: AirflowApi, run: dict[str, Any]) -> dict[str, str]:

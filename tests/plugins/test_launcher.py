@@ -114,12 +114,13 @@ def test_only_the_deploy_pod_carries_an_api_token_and_reaches_triton(cluster_dag
     from pipeline_params import pipeline_params
 
     params = pipeline_params().launcher.kubernetes
-    deploy = pod_of(cluster_dag.get_task("deploy"))
-    assert deploy["metadata"]["labels"][cluster.DEPLOYER_LABEL] == "true"
-    assert deploy["spec"]["serviceAccountName"] == params.deploy_service_account
-    assert deploy["spec"]["automountServiceAccountToken"] is True
-    # on SIGTERM it moves traffic back to stable before it goes: its grace period allows for it
-    assert deploy["spec"]["terminationGracePeriodSeconds"] == params.deploy_grace_s > 30
+    for task_id in ("deploy", "deploy_finish", "release_hold"):  # (a rollout held for approval: the last two)
+        deploy = pod_of(cluster_dag.get_task(task_id))
+        assert deploy["metadata"]["labels"][cluster.DEPLOYER_LABEL] == "true"
+        assert deploy["spec"]["serviceAccountName"] == params.deploy_service_account
+        assert deploy["spec"]["automountServiceAccountToken"] is True
+        # on SIGTERM it moves traffic back to stable before it goes: its grace period allows for it
+        assert deploy["spec"]["terminationGracePeriodSeconds"] == params.deploy_grace_s > 30
     for task_id in ("snapshot", "validate", "tokenize_shard", "evaluate", "register", "export", "report"):
         pod = pod_of(cluster_dag.get_task(task_id))
         assert cluster.DEPLOYER_LABEL not in pod["metadata"]["labels"], task_id
@@ -134,10 +135,11 @@ def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:
 
 
 def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Path) -> None:
-    steps = [t for t in cluster_dag.tasks if t.task_id not in ("shard_plan", "deploy_gate", "train")]
+    steps = [t for t in cluster_dag.tasks if t.task_id not in ("shard_plan", "deploy_gate", "approval_gate",
+                                                                 "approve_rollout", "train")]
     pods = [pod_of(t) for t in steps]
-    # every step but the shard plan and deploy gate (Airflow tasks) and train (an Indexed Job)
-    assert len(pods) == 10
+    # every step but the shard plan, the gates and the approval (Airflow tasks) and train (an Indexed Job)
+    assert len(pods) == 12
     validate_strict(pods, tmp_path)
     for pod in pods:
         spec, container = pod["spec"], pod["spec"]["containers"][0]

@@ -62,13 +62,35 @@ def test_a_promoted_run_says_what_serves_and_how_to_query_it() -> None:
          "deploy skipped", "not deployed: version 2's data ends 2026-11-15, before champion v3's (2026-11-22)"),
         ({**DONE, "snapshot": "failed", **{t: "upstream_failed" for t in report.STEPS[1:]}}, {},
          "failed", "failed at snapshot"),
+        ({**DONE, "deploy_finish": "skipped"},  # a person's roll back: a gate
+         {**RESULTS, "deploy": {"verdict": "held", "held_at": 50.0, "reason": "held before 100% for approval"},
+          "deploy_finish": {"verdict": "rolled back", "failed_at": 50.0, "reason": "rolled back by admin",
+                            "approval": {"decision": "Roll back", "by": "admin", "at": "2026-11-26 04:00"}}},
+         "rolled back", "rolled back at 50%: rolled back by admin"),
+        ({**DONE, "approve_rollout": "awaiting_input"},
+         {**RESULTS, "deploy": {"verdict": "held", "canary": 2, "held_at": 50.0,
+                                "reason": "held before 100% for approval"}},
+         "held", "version 2 holds at 50% of traffic, waiting for a person's decision"),
     ],
-    ids=["rejected", "rolled-back", "skip-deploy", "older-data", "failed"],
+    ids=["rejected", "rolled-back", "skip-deploy", "older-data", "failed", "rolled-back-by-a-person", "held"],
 )
 def test_verdict_follows_the_steps(states: dict[str, str], results: dict[str, Any], verdict: str, words: str) -> None:
     built = build(states, results)
     assert built["verdict"] == verdict and words in built["outcome"]
     assert "try it" not in "\n".join(report.summary_lines(built))  # nothing new serves
+
+
+def test_an_approved_rollout_says_who_decided_what_and_when() -> None:
+    finished = {**RESULTS["deploy"], "held_at": 50.0,
+                "approval": {"enabled": True, "decision": "Promote", "by": "admin", "at": "2026-11-26 04:00:00+00:00"}}
+    built = build({**DONE, "deploy_finish": "success"}, {**RESULTS, "deploy_finish": finished})
+    assert built["verdict"] == "success"
+    assert "  approval    held at 50%: Promote by admin at 2026-11-26 04:00:00+00:00" in report.summary_lines(built)
+    timed_out = {**finished, "verdict": "rolled back", "failed_at": 50.0, "reason": "no decision within 7200s",
+                 "approval": {**finished["approval"], "decision": "Roll back", "by": None}}
+    built = build({**DONE, "deploy_finish": "failed"}, {**RESULTS, "deploy_finish": timed_out})
+    assert built["verdict"] == "rolled back" and "no answer in time, Roll back (the default)" in \
+        "\n".join(report.summary_lines(built))
 
 
 def test_html_page_escapes_what_the_model_wrote(tmp_path: Any) -> None:

@@ -663,6 +663,15 @@ def deploy(version: str, export_uri: str, out: Path, env: dict[str, str],
                       export_uri, "--output", str(out), env=env)
 
 
+def finish(version: str, export_uri: Path, held: Path, out: Path, env: dict[str, str], decision: str,
+           by: str | None) -> subprocess.CompletedProcess[str]:
+    """``deploy finish`` with an answer as the DAG's human-in-the-loop task gives it (``by``
+    None: nobody answered in time, the default was taken)."""
+    answer = {"chosen_options": [decision], "responded_by": by, "responded_at": "2026-11-26 04:00:00+00:00"}
+    return run_module("tasks.deploy", *CANARY, "finish", "--model-version", version, "--export", str(export_uri),
+                      "--held", str(held), "--answer", json.dumps(answer), "--output", str(out), env=env)
+
+
 def rolling_out(route: dict[str, Any]) -> int | None:
     """The version a deploy is rolling out: the canary, or the shadow before it."""
     return route["canary"] if route["canary"] is not None else route.get("shadow")
@@ -979,12 +988,66 @@ def test_rollout_promotion_rollbacks_and_restart(
             break
         time.sleep(0.1)
     assert reads[-1]["canary"] == int(v5), reads  # left behind
-    proc = deploy(v5, str(tmp_path / "export5"), tmp_path / "deploy5", env)
+    # the retry, with a person in the loop: it rolls the leftover back, walks shadow, 10% and
+    # 50%, and holds there (exit 0), its traffic left as it is for the person's answer
+    proc = deploy(v5, str(tmp_path / "export5"), tmp_path / "deploy5", env, "approval.enabled=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rolling it back first" in proc.stderr
+    held = step_result(proc)
+    assert held["verdict"] == "held" and held["held_at"] == 50.0, held
+    assert "holds at **50%**" in held["approval_text"] and "- 50% (analysis 1): **pass**" in held["approval_text"]
+    assert live_route(env) | {"generation": 0} == {"stable": int(v2), "canary": int(v5), "canary_weight": 50.0,
+                                                   "generation": 0, "shadow": None}
+    # Extend: the 50% step analysed once more on fresh traffic; it passes: 100%, promoted; who,
+    # when and what in the report and the version's tags
+    proc = finish(v5, tmp_path / "export5", tmp_path / "deploy5", tmp_path / "finish5", env, "Extend", "admin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "finish5" / "report.json").read_text())
+    assert [s["weight"] for s in report["steps"]] == [10.0, 50.0, 50.0, 100.0] and report["verdict"] == "promoted"
+    assert report["approval"] | {"at": None} == {"enabled": True, "hold_before": 100, "decision": "Extend",
+                                                 "by": "admin", "at": None}
+    from mlflow import MlflowClient
+
+    tags = MlflowClient().get_model_version(name, v5).tags
+    assert (tags["approval.decision"], tags["approval.by"]) == ("Extend", "admin") and tags["approval.at"]
     assert aliases(name)["champion"] == v5 and live_route(env)["stable"] == int(v5)
     again = deploy(v5, str(tmp_path / "export5"), tmp_path / "deploy5", env)  # nothing left to do
     assert again.returncode == 0 and step_result(again).get("verdict") == "promoted"
+
+    # held before its first step (no shadow: at 0%, the new version loaded, no user's traffic):
+    # a person's "Roll back" ends it as a gate does (exit 99); a deploy run again supersedes a
+    # held rollout (rolled back first) and holds anew; no answer in time rolls back (exit 2)
+    v6 = register_gpt(name, tokenizer_uri, seed=6)
+    clone = clone_export(tmp_path / "export2", v2, tmp_path / f"clone{v6}", v6)
+    for run, (answer, by, code, why) in enumerate((("Roll back", "admin", 99, "rolled back by admin"),
+                                                  ("Roll back", None, 2, "no decision within 7200s"))):
+        held_out = tmp_path / f"deploy{v6}-{run}"
+        for attempt in range(1 + run):
+            proc = deploy(v6, str(clone), held_out, env, "approval.enabled=true", "approval.hold_before=10",
+                          "shadow=false")
+            assert proc.returncode == 0 and step_result(proc)["held_at"] == 0.0, proc.stderr[-3000:]
+            assert ("rolling it back first" in proc.stderr) == (attempt == 1), proc.stderr[-3000:]
+        assert live_route(env)["canary"] == int(v6) and live_route(env)["canary_weight"] == 0.0
+        for _ in range(2 - run):  # the person's answer carried out twice (a retried task): the same outcome
+            proc = finish(v6, clone, held_out, tmp_path / f"finish{v6}-{run}", env, answer, by)
+            assert proc.returncode == code, proc.stderr[-3000:]
+            line = next(x for x in proc.stderr.splitlines() if x.startswith(("ERROR", "REJECTED")))
+            assert line.split(": ", 1)[1].startswith(f"canary of version {v6} rolled back before any user reached "
+                                                     f"it: {why}"), line
+            assert live_route(env) | {"generation": 0} == {"stable": int(v5), "canary": None, "canary_weight": 0.0,
+                                                           "generation": 0, "shadow": None}
+    assert aliases(name)["champion"] == v5
+    # a run that ends with its rollout still held (its approval task failed, the run was stopped):
+    # its teardown rolls it back; a decision arriving after that changes nothing, with one line
+    proc = deploy(v6, str(clone), tmp_path / f"deploy{v6}-2", env, "approval.enabled=true", "approval.hold_before=10",
+                  "shadow=false")
+    assert proc.returncode == 0 and live_route(env)["canary"] == int(v6), proc.stderr[-3000:]
+    for released in (int(v6), None):  # the second time: nothing held, nothing done
+        proc = run_module("tasks.deploy", "release", "--held", str(tmp_path / f"deploy{v6}-2"), env=env)
+        assert proc.returncode == 0 and step_result(proc)["released"] == released, proc.stderr[-3000:]
+        assert live_route(env)["stable"] == int(v5) and live_route(env)["canary"] is None
+    stale = finish(v6, clone, tmp_path / f"deploy{v6}-2", tmp_path / f"finish{v6}-late", env, "Promote", "admin")
+    assert stale.returncode == 2 and "no longer holds at 0%" in error_lines(stale)[0], stale.stderr[-3000:]
 
     # the manual rollback restores the previous champion and all its traffic
     proc = run_module("tasks.deploy", "rollback", "--target", "previous", env=env)
