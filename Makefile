@@ -125,11 +125,15 @@ status:
 # deployed: tasks/deploy.py). The window
 # is the end_date Param of a run logged now (a logical date in the past would have Airflow
 # record the run as started at that date's midnight, and chart hours for a minutes-long run).
+# APPROVAL=true: the run's rollout holds for a person's answer (the Airflow UI, started for it:
+# Required Actions; or the REST API: docs/operations.md); empty: params.yaml's canary.approval.enabled
+APPROVAL ?=
+comma := ,
 pipeline: env .airflow/airflow.db
-	$(RT_PY) -m stack up
+	$(RT_PY) -m stack up $(if $(APPROVAL),--airflow)
 	$(STACK_ENV) && $(RT_PY) -m tasks.seed
 	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=6 - min(n, 6)))') && \
-	  echo "pipeline run for $$date" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_retrain -c "{\"end_date\": \"$$date\"}"; status=$$?; } && \
+	  echo "pipeline run for $$date" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_retrain -c "{\"end_date\": \"$$date\"$(if $(APPROVAL),$(comma) \"approval\": $(APPROVAL))}"; status=$$?; } && \
 	  echo $$date >> .stack/pipeline-runs && echo && $(MAKE) --no-print-directory report && exit $$status
 
 # The newest run's summary (what it trained, how good, what serves, how to query it).

@@ -13,7 +13,8 @@ change never scales stable to 0 nor forgets which version serves. The public rou
 and gateway are changed with ``kubectl patch``, never by re-applying it.
 
 
-- A Triton Deployment per track (``stable``, ``canary``) on NVIDIA's tritonserver image. Its init
+- A Triton Deployment per track (``stable``, ``canary``, ``baseline``: the stable version at the
+  canary's size, started with it, the canary's analysis baseline) on NVIDIA's tritonserver image. Its init
   container (the runtime image: ``python -m tasks.deploy stage``) copies one exported version
   into the pod's model repository; which one it reads from the pod template's annotations
   through the downward API, so deploy moves a track to a version with one merge patch, and the
@@ -55,7 +56,7 @@ from cluster import DEPLOYER_LABEL, pinned_image
 from pipeline_params import Settings, pipeline_params
 from tasks.config import ServeKubernetes, ServeSettings
 
-TRACKS = ("stable", "canary")
+TRACKS = ("stable", "canary", "baseline")  # baseline: the stable version beside the canary, at its size
 ANNOTATION = "llm-pipeline/"
 TRACK_HEADER = "X-Serving-Track"
 VERSION_HEADER = "X-Model-Version"

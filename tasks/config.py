@@ -591,7 +591,7 @@ class Network:
 @dataclasses.dataclass(frozen=True)
 class ServeKubernetes:
     name: str
-    """A Deployment and a Service per track: NAME-stable, NAME-canary."""
+    """A Deployment and a Service per track: NAME-stable, NAME-canary, NAME-baseline."""
     image: str
     """The serving image (tritonserver + tokenizers), pinned by digest."""
     kind: str
@@ -600,6 +600,8 @@ class ServeKubernetes:
     """One of the export's configs (onnxruntime_onnx.gpu, tensorrt_plan.gpu...)."""
     replicas: int
     """Of the stable track; the canary track runs 1 during a rollout."""
+    fresh_baseline: bool
+    """A baseline track of the stable version at the canary's size, started with the canary, is what each step compares it with."""
     ports: dict[str, int]
     """The pods' http, grpc, metrics and openai ports."""
     shm_size: str

@@ -149,8 +149,10 @@ def step_traffic(serving: Serving, serve: ServeSettings, params: CanarySettings,
     rate, duration = params.rate_rps, params.step_duration_s
     concurrency, timeout = params.concurrency, params.request_timeout_s
     text_rate, text_timeout = params.text_rps, params.text_timeout_s
-    rate, direct_rps = canary.split_rates(rate, params.min_samples, weight, stable, duration)
-    text_rate, direct_text_rps = canary.split_rates(text_rate, params.text_min_samples, weight, stable, duration)
+    fresh = serving.fresh_baseline
+    rate, direct_rps = canary.split_rates(rate, params.min_samples, weight, stable, duration, fresh)
+    text_rate, direct_text_rps = canary.split_rates(text_rate, params.text_min_samples, weight, stable, duration,
+                                                    fresh)
     baseline_url, baseline_headers = serving.baseline_target(stable) if stable is not None else ("", {})
     text_url, text_headers = serving.text_target(stable) if stable is not None else ("", {})
     traffic = StepTraffic()
@@ -178,7 +180,7 @@ def analyse_step(serving: Serving, serve: ServeSettings, params: CanarySettings,
     started = time.monotonic()
     traffic = step_traffic(serving, serve, params, reference, stable, version, weight)
     result = canary.judge_step(traffic.samples, traffic.direct, stable, version, weight, params,
-                               traffic.text, traffic.text_direct)
+                               traffic.text, traffic.text_direct, serving.fresh_baseline)
     result["seconds"] = round(time.monotonic() - started, 2)
     result["sent_s"] = {"routed": canary.sent_span(traffic.samples, started),
                         "direct": canary.sent_span(traffic.direct, started)}
@@ -665,7 +667,7 @@ def rollback_main(args: argparse.Namespace) -> dict[str, Any]:
         if live.versions() != [version]:
             if (live.canary is not None and live.canary != version) or live.shadow is not None:
                 serving.roll_back(live.stable)  # an interrupted canary or shadow: its traffic goes first
-            serving.prepare(live.stable, version)  # the target ready before any traffic moves
+            serving.prepare(live.stable, version, analysed=False)  # the target ready before any traffic moves
             serving.route(live.stable, version, 100.0)
         serving.promote(version)
         aliases = promote_version(name, str(version))

@@ -235,11 +235,13 @@ def summarize_text(samples: list[TextSample], version: int | None) -> dict[str, 
 
 
 def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int | None, canary: int, weight: float,
-               params: CanarySettings) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+               params: CanarySettings, baseline_only: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The text endpoint's checks for one step: enough streams, their error rate, text equal to
     the reference, and time to first token and inter-token latency against stable's (the same
-    Mann-Whitney rule as the logits latency)."""
-    canary_stats, stable_stats = summarize_text(samples, canary), summarize_text(samples + direct, stable)
+    Mann-Whitney rule as the logits latency); ``baseline_only``: stable's side is the streams
+    sent straight to the fresh baseline, not those the route gave the long-running stable pods."""
+    stable_side = direct if baseline_only else samples + direct
+    canary_stats, stable_stats = summarize_text(samples, canary), summarize_text(stable_side, stable)
     checks: list[dict[str, Any]] = []
     check = _recorder(checks)
 
@@ -254,7 +256,7 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
     tests: dict[str, dict[str, float]] = {}
     for key, label in (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency")):
         mine = [getattr(s, key) for s in samples if s.version == canary and s.ok and math.isfinite(getattr(s, key))]
-        theirs = [getattr(s, key) for s in samples + direct
+        theirs = [getattr(s, key) for s in stable_side
                   if s.version == stable and s.ok and math.isfinite(getattr(s, key))]
         if len(mine) >= wanted and len(theirs) >= wanted:
             tests[key] = judge_latency(check, key.removesuffix("_ms"), label, mine, theirs,
@@ -363,7 +365,7 @@ def judge_shadow(pairs: list[dict[str, Any]], stable: int, shadow: int, params: 
 
 
 def split_rates(rate: float, wanted: float, weight: float, stable: int | None,
-                duration_s: float) -> tuple[float, float]:
+                duration_s: float, fresh_baseline: bool = False) -> tuple[float, float]:
     """``(routed, direct)``: the rates of the stream through the router and of the one sent
     straight to stable during a step. Where stable's routed share of a window gives it ``wanted``
     samples, all of ``rate`` is routed. Else (100%) stable gets, straight, the load the canary
@@ -372,9 +374,11 @@ def split_rates(rate: float, wanted: float, weight: float, stable: int | None,
     of the canary's rate read the canary's heavier load as a slower model (a better model rolled
     back in `make pipeline` at 2.51x stable's logits latency, 135 vs 54 ms; 2.2x its inter-token
     latency); adding the canary's rate on top doubled the step's load and the client's timing
-    of it drifted (a good canary's inter-token latency read 2.8x stable's in the serving test)."""
+    of it drifted (a good canary's inter-token latency read 2.8x stable's in the serving test).
+    ``fresh_baseline`` (a baseline of stable beside the canary, at its size: the only stable side
+    judged): at every weight, the baseline gets straight the load the canary gets routed."""
     routed_to_stable = rate * duration_s * (1 - weight / 100)
-    if stable is None or routed_to_stable >= wanted:
+    if stable is None or (routed_to_stable >= wanted and not fresh_baseline):
         return rate, 0.0
     to_canary = weight / 100
     routed = rate / (1 + to_canary)
@@ -460,15 +464,17 @@ def judge_latency(check: Check, name: str, label: str, canary_ms: list[float], b
 
 def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, canary: int, weight: float,
                params: CanarySettings, text: list[TextSample] | None = None,
-               text_direct: list[TextSample] | None = None) -> dict[str, Any]:
+               text_direct: list[TextSample] | None = None, baseline_only: bool = False) -> dict[str, Any]:
     """One step's summary and checks (``passed`` False when any failed): ``samples`` came through
     the router, ``direct`` went straight to stable in the same window (see :func:`split_rates`);
-    the canary's latencies are compared with all of stable's. ``text``/``text_direct``: the
-    streamed completions of the same window (:func:`judge_text`)."""
-    canary_stats, stable_stats = summarize(samples, canary), summarize(samples + direct, stable)
+    the canary's latencies are compared with all of stable's, or (``baseline_only``: a fresh
+    baseline of stable beside the canary) with the baseline's alone. ``text``/``text_direct``:
+    the streamed completions of the same window (:func:`judge_text`)."""
+    stable_side = direct if baseline_only else samples + direct
+    canary_stats, stable_stats = summarize(samples, canary), summarize(stable_side, stable)
     unrouted = [s for s in samples if s.version is None]
     canary_ms = [s.latency_ms for s in samples if s.version == canary and s.ok]
-    baseline_ms = [s.latency_ms for s in samples + direct if s.version == stable and s.ok]
+    baseline_ms = [s.latency_ms for s in stable_side if s.version == stable and s.ok]
     checks: list[dict[str, Any]] = []
     check = _recorder(checks)
     n = canary_stats["requests"]
@@ -489,10 +495,10 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
               f"{len(baseline_ms)} stable latencies at {weight:g}%: no baseline to compare the canary with")
     text_report: dict[str, Any] = {}
     if text is not None:
-        text_report, text_checks = judge_text(text, text_direct or [], stable, canary, weight, params)
+        text_report, text_checks = judge_text(text, text_direct or [], stable, canary, weight, params, baseline_only)
         checks += text_checks
     return {"weight": weight, "canary": canary_stats, "stable": stable_stats, "unrouted": len(unrouted),
-            "direct_to_stable": len(direct), "text": text_report,
+            "direct_to_stable": len(direct), "baseline": "fresh" if baseline_only else "stable", "text": text_report,
             "latency_test": latency, "checks": checks, **verdict_of(checks)}
 
 

@@ -41,7 +41,8 @@ from tasks.lib.polling import wait_until
 from tasks.lib.router import COPY_HEADER, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER, NginxRouter, Route
 from tasks.lib.step import log, stopping
 
-TRACKS = ("stable", "canary")
+TRACKS = ("stable", "canary")  # the route's weighted backends, in its order
+BASELINE = "baseline"  # a Deployment of the stable version at the canary's size, beside it (no route weight)
 WEIGHTED_RULES = (0, 1)  # of the public HTTPRoute (plugins/serving.py): Triton's allowlist, then /v1
 MIRRORED_RULE = 1  # its /v1 rule: the text endpoint a shadow is judged on
 WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% steps expressible
@@ -141,6 +142,8 @@ def read_shadow_records(front: str, request_ids: list[str]) -> list[dict[str, An
 
 
 class Serving(Protocol):
+    fresh_baseline: bool  # each step compares the canary with a baseline of stable started beside it
+
     """What deploy needs from a serving platform (see the module docstring)."""
 
     url: str  # where the canary sends its traffic to the split, as clients' requests go: the router / gateway
@@ -155,8 +158,9 @@ class Serving(Protocol):
         """Make ``version`` loadable; return the export's parity reference."""
         ...
 
-    def prepare(self, stable: int | None, canary: int) -> None:
-        """Serve ``canary`` beside ``stable`` (both ready, no traffic moved)."""
+    def prepare(self, stable: int | None, canary: int, analysed: bool = True) -> None:
+        """Serve ``canary`` beside ``stable`` (both ready, no traffic moved); ``analysed``: and
+        what the canary is judged against (a fresh baseline, where the platform has one)."""
         ...
 
     def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0,
@@ -198,7 +202,10 @@ class Serving(Protocol):
 
 
 class LocalServing:
-    """One local Triton (explicit model control) behind the local nginx router."""
+    """One local Triton (explicit model control) behind the local nginx router. Both versions
+    run in that one Triton on the same cores: no separate baseline."""
+
+    fresh_baseline = False
 
     def __init__(self, serve: ServeSettings) -> None:
         missing = [k for k in ("TRITON_URL", "TRITON_REPOSITORY") if not os.environ.get(k)]
@@ -234,7 +241,7 @@ class LocalServing:
     def serve_versions(self, versions: list[int]) -> None:
         serve_versions(self.client, self.repository, self.serve, versions)
 
-    def prepare(self, stable: int | None, canary: int) -> None:
+    def prepare(self, stable: int | None, canary: int, analysed: bool = True) -> None:
         self.serve_versions(sorted({v for v in (stable, canary) if v is not None}))
 
     def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0,
@@ -390,7 +397,8 @@ class KubernetesServing:
         self.namespace, self.api = namespace, api or KubeApi.in_cluster()
         self.url = os.environ["ROUTER_URL"].rstrip("/")
         self.internal_url = os.environ["ROUTER_INTERNAL_URL"].rstrip("/")  # the track-header rules
-        self.names = {track: f"{self.cluster.name}-{track}" for track in TRACKS}
+        self.names = {track: f"{self.cluster.name}-{track}" for track in (*TRACKS, BASELINE)}
+        self.fresh_baseline = self.cluster.fresh_baseline
         self.exports: dict[int, str] = {}
         self.lease = Lease(self.api, namespace, f"{self.cluster.route}-deploy", int(self.cluster.lease_duration_s))
 
@@ -437,12 +445,25 @@ class KubernetesServing:
         self.api.call("PATCH", self._path("deployments", self.names[track]),
                       deployment_patch(version, export_uri, replicas, previous), "application/merge-patch+json")
         if wait:
-            wait_until(lambda: deployment_rolled_out(self._track(track)), self.cluster.rollout_timeout_s, 5,
-                       lambda: StepError(f"deployment {self.names[track]} (version {version}) not ready after "
-                                         f"{self.cluster.rollout_timeout_s:g}s: see its pods' events"))
+            self._wait_rolled_out(track, version)
 
-    def prepare(self, stable: int | None, canary: int) -> None:
+    def _wait_rolled_out(self, track: str, version: int | None) -> None:
+        wait_until(lambda: deployment_rolled_out(self._track(track)), self.cluster.rollout_timeout_s, 5,
+                   lambda: StepError(f"deployment {self.names[track]} (version {version}) not ready after "
+                                     f"{self.cluster.rollout_timeout_s:g}s: see its pods' events"))
+
+    def prepare(self, stable: int | None, canary: int, analysed: bool = True) -> None:
+        """The canary track on the new version (1 pod) and, with a fresh baseline (``analysed``:
+        a rollout that will be analysed, not a manual rollback), the baseline
+        track on stable's version and export at the same size, started together: the analysis
+        compares two pods of the same age, size and warm-up (Kayenta: a long-running, warm
+        primary is not a fair baseline)."""
+        baseline = self.fresh_baseline and stable is not None and analysed
+        if baseline:
+            self._set_track(BASELINE, stable, 1, TrackState.of(self._track("stable")).export_uri, wait=False)
         self._set_track("canary", canary, 1)
+        if baseline:
+            self._wait_rolled_out(BASELINE, stable)
 
     def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0,
               shadow: int | None = None) -> None:
@@ -479,6 +500,7 @@ class KubernetesServing:
             raise PromotionFailed(f"promotion: {first_line(exc)}; the stable track is {where}", restored) from None
         self.route(version)
         self._set_track("canary", None, 0)
+        self._set_track(BASELINE, None, 0)
 
     def _put_back(self, track: str, state: TrackState) -> None:
         """``track`` serving ``state`` again (waiting for it unless the step is stopping: SIGTERM)."""
@@ -499,6 +521,7 @@ class KubernetesServing:
             self._put_back("stable", before)
         self.route(stable)
         self._set_track("canary", None, 0, wait=not stopping.is_set())
+        self._set_track(BASELINE, None, 0, wait=not stopping.is_set())
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
         path = triton.infer_path(self.serve.triton_model, version)
@@ -507,14 +530,18 @@ class KubernetesServing:
         return [(direct + path, {}), (self.internal_url + path, {TRACK_HEADER: "canary"})]
 
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
+        path = triton.infer_path(self.serve.triton_model, stable)
+        if self.fresh_baseline:  # the baseline track's own Service (it takes no route weight)
+            return f"http://{self.names[BASELINE]}.{self.namespace}.svc:{self.cluster.ports['http']}{path}", {}
         # the internal route sends requests carrying this header to the stable track alone
-        return self.internal_url + triton.infer_path(self.serve.triton_model, stable), {TRACK_HEADER: "stable"}
+        return self.internal_url + path, {TRACK_HEADER: "stable"}
 
     def text_target(self, version: int) -> tuple[str, dict[str, str]]:
         # the canary track's own Service (its pod's OpenAI front); stable through the internal
         # route's track-header rule, as the logits baseline
-        if version != self.live().stable:  # the new version: before the first step moves traffic the route names no canary
-            return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster.ports['openai']}"
+        if version != self.live().stable or self.fresh_baseline:  # the new version, or stable's fresh baseline
+            track = "canary" if version != self.live().stable else BASELINE
+            return (f"http://{self.names[track]}.{self.namespace}.svc:{self.cluster.ports['openai']}"
                     "/v1/completions", {})
         return self.internal_url + "/v1/completions", {TRACK_HEADER: "stable"}
 
@@ -530,7 +557,7 @@ class KubernetesServing:
 
     def metrics(self) -> dict[int, dict[str, float]]:
         merged: dict[int, dict[str, float]] = {}
-        for name in self.names.values():
+        for name in (self.names[track] for track in TRACKS):  # (the baseline's counters would overwrite stable's)
             url = f"http://{name}.{self.namespace}.svc:{self.cluster.ports['metrics']}/metrics"
             with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=10) as resp:
                 merged.update(triton.version_counters(resp.read().decode(), self.serve.triton_model))

@@ -26,14 +26,15 @@ def test_serving_objects_are_valid_kubernetes_and_gateway_api(tmp_path: Path) ->
     """Both renders: ``--install`` (created once, with deploy's initial state) and the plain one
     (re-applied after any change: nothing deploy owns, so the public route is not in it)."""
     objects = serving.serving_manifests(install=True)
-    assert sorted(o["kind"] for o in objects) == ["Deployment", "Deployment", "HTTPRoute", "HTTPRoute", "NetworkPolicy",
-                                                  "PodDisruptionBudget", "Role", "RoleBinding", "Service", "Service"]
+    # three tracks (stable, canary, baseline: the stable version beside the canary at its size)
+    assert sorted(o["kind"] for o in objects) == ["Deployment"] * 3 + ["HTTPRoute", "HTTPRoute", "NetworkPolicy",
+                                                  "PodDisruptionBudget", "Role", "RoleBinding"] + ["Service"] * 3
     proc = validate_objects(objects, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving" in proc.stdout
     assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving-internal" in proc.stdout
     plain = serving.serving_manifests()
-    assert sorted(o["kind"] for o in objects if o not in plain) == ["Deployment", "Deployment", "HTTPRoute"]
+    assert sorted(o["kind"] for o in objects if o not in plain) == ["Deployment"] * 3 + ["HTTPRoute"]
     proc = validate_objects(plain, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "valid gateway.networking.k8s.io/v1/HTTPRoute llm-serving\n" not in proc.stdout + "\n"

@@ -134,6 +134,29 @@ def test_stable_gets_the_canarys_load_where_the_split_leaves_it_too_few_samples(
     assert split_rates(25, 10, 10.0, 3, 8) == split_rates(25, 10, 50.0, 3, 8) == (25, 0)
     assert split_rates(25, 10, 100.0, None, 8) == (25, 0)  # the first model has no stable
     assert split_rates(6, 8, 100.0, 3, 8) == (3, 3)
+    # a fresh baseline beside the canary (a cluster): at every weight it gets the canary's load
+    assert split_rates(22, 10, 10.0, 3, 8, fresh_baseline=True) == (20, 2)
+    assert split_rates(25, 10, 100.0, 3, 8, fresh_baseline=True) == (12.5, 12.5)
+
+
+def test_with_a_fresh_baseline_the_canary_is_judged_against_it_alone() -> None:
+    """Kayenta's rule: the long-running stable pods, warm and differently loaded, are not the
+    baseline; the pod of the stable version started beside the canary is. Routed stable
+    requests 5x faster than both new pods do not make a canary as fast as its baseline slower."""
+    from tasks.lib.canary import Sample, judge_step
+
+    rng = np.random.default_rng(1)
+
+    def samples(version: int, scale: float, n: int) -> list[Sample]:
+        return [Sample(version, True, 200, scale * float(x), True, True, 0.0) for x in rng.lognormal(3, 0.1, n)]
+
+    params = canary_settings()
+    routed, baseline = samples(4, 1 / 5, 200) + samples(5, 1.0, 30), samples(4, 1.0, 30)
+    against_all = judge_step(routed, baseline, 4, 5, 10.0, params)
+    against_fresh = judge_step(routed, baseline, 4, 5, 10.0, params, baseline_only=True)
+    assert against_all["verdict"] == "fail" and against_all["failed"][0].startswith("latency"), against_all["checks"]
+    assert against_fresh["verdict"] == "pass" and against_fresh["baseline"] == "fresh", against_fresh["checks"]
+    assert against_fresh["stable"]["requests"] == 30  # the baseline's alone
 
 
 def test_a_router_reload_outwaits_the_longest_stream() -> None:
@@ -438,6 +461,38 @@ def first_version(kube: serving.KubernetesServing, export: str) -> None:
         kube.prepare(None, 4)
         kube.route(None, 4, 100.0)
         kube.promote(4)
+
+
+def test_a_fresh_baseline_of_stable_starts_with_the_canary_and_goes_with_it(
+        cluster: tuple[FakeKubeApi, serving.KubernetesServing], tmp_path: Path) -> None:
+    """prepare starts the baseline track on stable's version and export at the canary's size
+    (1 pod), beside the canary; the analysis's stable side goes to its own Service (no route
+    weight: users never reach it); a rollback and a promotion both empty it."""
+    fake, kube = cluster
+    exports = {v: stub_export(tmp_path, v) for v in (4, 5, 6)}
+    first_version(kube, exports[4])
+    assert track(fake, "baseline").replicas == 0  # the first model had nothing to compare with
+    for version, end in ((5, "roll_back"), (6, "promote")):
+        with kube.lock():
+            kube.stage(exports[version], version, tmp_path)
+            kube.prepare(4, version)
+            assert track(fake, "baseline") == serving.TrackState(4, exports[4], 1)
+            assert track(fake, "canary") == serving.TrackState(version, exports[version], 1)
+            assert kube.baseline_target(4) == ("http://triton-baseline.llm-pipeline.svc:8000/v2/models/llm/versions/4/infer",
+                                               {})
+            assert kube.text_target(4) == ("http://triton-baseline.llm-pipeline.svc:8003/v1/completions", {})
+            kube.route(4, version, 10.0)
+            assert weights(fake) == [(900, "4"), (100, str(version))]  # the baseline takes no route weight
+            if end == "roll_back":
+                kube.roll_back(4)
+            else:
+                kube.route(4, version, 100.0)
+                kube.promote(version)
+        assert track(fake, "baseline").replicas == 0 and track(fake, "canary").replicas == 0, end
+    assert track(fake, "stable").version == 6
+    with kube.lock():  # a manual rollback is not analysed: no baseline started for it
+        kube.prepare(6, 4, analysed=False)
+        assert track(fake, "baseline").replicas == 0 and track(fake, "canary") == serving.TrackState(4, exports[4], 1)
 
 
 def test_a_promotion_the_stable_track_cannot_take_is_undone(
