@@ -130,7 +130,7 @@ status:
 APPROVAL ?=
 comma := ,
 pipeline: env .airflow/airflow.db
-	$(RT_PY) -m stack up $(if $(APPROVAL),--airflow)
+	$(RT_PY) -m stack up $(if $(filter-out false,$(APPROVAL)),--airflow)
 	$(STACK_ENV) && $(RT_PY) -m tasks.seed
 	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=6 - min(n, 6)))') && \
 	  echo "pipeline run for $$date" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_retrain -c "{\"end_date\": \"$$date\"$(if $(APPROVAL),$(comma) \"approval\": $(APPROVAL))}"; status=$$?; } && \

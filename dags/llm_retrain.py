@@ -331,8 +331,9 @@ with DAG(
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
         ],
     )
-    # deploy's teardown: a rollout still held when the run ends (the approval task failed, the
-    # run was stopped or met its deadline while waiting) is rolled back, not left at its weight
+    # a teardown (runs however the tasks before it ended, and leaves the run's state to them): a
+    # rollout still held (the approval task failed or was marked failed, so deploy_finish never
+    # ran) is rolled back, not left at its weight. No setup: a skipped deploy must not skip it.
     release = step("release_hold", "tasks.deploy", ["release", "--held", run_output_uri("deploy")])
 
     # the run report: a teardown runs whatever happened upstream and leaves the run's state to
@@ -362,5 +363,5 @@ with DAG(
     encode >> merge  # merge reads the shards' folder, written by the mapped encode tasks
     export >> deploy_gate >> deploy  # skip_deploy: the export is kept, the canary is not run
     deploy >> approval_gate >> approve  # (approve's body reads deploy's and evaluate's results)
-    finish >> release.as_teardown(setups=deploy) >> report
+    finish >> release.as_teardown() >> report
     report.as_teardown()  # after everything it reads, whatever happened to it

@@ -255,7 +255,7 @@ def http_route(params: Settings) -> dict[str, Any]:
 
 def internal_route(params: Settings) -> dict[str, Any]:
     """Deploy's route, on the gateway's internal listener (not reachable from outside the
-    cluster): ``X-Serving-Track: canary|stable`` reaches one track alone, Triton's model paths (a
+    cluster): ``X-Serving-Track: canary|stable|baseline`` reaches one track alone, Triton's model paths (a
     version's own included; not its repository control) and the OpenAI front's, for the smoke test before any traffic moves
     and the canary analysis's baseline; through the same gateway hop as the split's requests."""
     settings = params.serve.kubernetes
@@ -274,7 +274,7 @@ def internal_route(params: Settings) -> dict[str, Any]:
             "parentRefs": [_gateway_ref(settings, settings.gateway.internal_listener)],
             "rules": [rule(prefix, track, settings.ports[port]) for prefix, port in (("/v2/models/", "http"),
                                                                                         ("/v1/", "openai"))
-                      for track in ("canary", "stable")],
+                      for track in ("canary", "stable", "baseline")],
         },
     }
 

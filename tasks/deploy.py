@@ -81,22 +81,37 @@ def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> Non
     inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
     calls = [(direct, direct_headers, ids) for ids in inputs] + [(url, headers, inputs[0]) for url, headers in routed]
     for url, headers, ids in calls:
-        request = urllib.request.Request(url, data=triton.infer_request(ids), method="POST",
-                                         headers={"Content-Type": "application/json", **headers})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                length = resp.headers.get("Inference-Header-Content-Length")
-                logits, _ = triton.parse_infer_response(resp.read(), int(length) if length else None)
-        except OSError as exc:
-            raise StepError(f"version {version}: smoke inference through {url} failed ({exc})") from None
-        if not np.isfinite(logits).all():
-            raise StepError(f"version {version}: smoke inference through {url} returned non-finite logits")
+        infer_once(url, headers, ids, version)
     text_url, text_headers = serving.text_target(version)
     for body, _ in canary.text_requests(reference):
         sample = canary.one_stream(text_url, text_headers, body, "", 60.0, version)
         if not sample.ok:
             raise StepError(f"version {version}: smoke completion through {text_url} failed "
                             f"({sample.status} {sample.error})")
+
+
+def infer_once(url: str, headers: dict[str, str], ids: np.ndarray[Any, Any], version: int) -> None:
+    """One inference through ``url``: answered, with finite logits, or a StepError naming it."""
+    request = urllib.request.Request(url, data=triton.infer_request(ids), method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            length = resp.headers.get("Inference-Header-Content-Length")
+            logits, _ = triton.parse_infer_response(resp.read(), int(length) if length else None)
+    except OSError as exc:
+        raise StepError(f"version {version}: smoke inference through {url} failed ({exc})") from None
+    if not np.isfinite(logits).all():
+        raise StepError(f"version {version}: smoke inference through {url} returned non-finite logits")
+
+
+def warm_baseline(serving: Serving, stable: int, reference: dict[str, Any], params: CanarySettings) -> int:
+    """A fresh baseline (a cluster's pod of stable started with the canary) warmed as the canary
+    was, each reference input once and the warm-up streams: the two pods compared are of the
+    same age and warm-up. Returns how many streams completed."""
+    url, headers = serving.baseline_target(stable)
+    for ids in reference["inputs"]:
+        infer_once(url, headers, np.asarray(ids, dtype=np.int64), stable)
+    return warm_up(serving, stable, reference, params)
 
 
 def warm_up(serving: Serving, version: int, reference: dict[str, Any], params: CanarySettings) -> int:
@@ -131,9 +146,15 @@ class StepTraffic:
     text: list[canary.TextSample] = field(default_factory=list)
     text_direct: list[canary.TextSample] = field(default_factory=list)
 
-    def enough(self, version: int, params: CanarySettings) -> bool:
-        return (sum(s.version == version for s in self.samples) >= params.min_samples
-                and sum(s.version == version for s in self.text) >= params.text_min_samples)
+    def enough(self, version: int, params: CanarySettings, baseline: int | None = None) -> bool:
+        """The canary has its samples and (``baseline``: the version of a fresh baseline, judged
+        alone) so has the baseline its direct ones."""
+        def has(samples: list[Any], of: int, wanted: int) -> bool:
+            return sum(s.version == of for s in samples) >= wanted
+
+        canary_done = has(self.samples, version, params.min_samples) and has(self.text, version, params.text_min_samples)
+        return canary_done and (baseline is None or (has(self.direct, baseline, params.min_samples)
+                                                     and has(self.text_direct, baseline, params.text_min_samples)))
 
 
 def step_traffic(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
@@ -168,7 +189,7 @@ def step_traffic(serving: Serving, serve: ServeSettings, params: CanarySettings,
             traffic.text += text.result()
             traffic.direct += baseline.result() if baseline is not None else []
             traffic.text_direct += text_baseline.result() if text_baseline is not None else []
-            if traffic.enough(version, params):
+            if traffic.enough(version, params, stable if fresh else None):
                 break
     return traffic
 
@@ -335,6 +356,11 @@ def walk_steps(serving: Serving, serve: ServeSettings, params: CanarySettings, r
         except StepError as exc:  # before any traffic moved
             return Stop(0.0, f"smoke test: {exc}")
         report["warmup_streams"] = warm_up(serving, version, reference, params)
+        if serving.fresh_baseline and stable is not None:
+            try:
+                report["baseline_warmup_streams"] = warm_baseline(serving, stable, reference, params)
+            except StepError as exc:  # no fair baseline to judge against; no traffic moved yet
+                return Stop(0.0, f"fresh baseline: {exc}")
         if params.shadow and stable is not None and not shadow_stage(serving, params, reference, stable, version,
                                                                       report):
             last = report["shadow"][-1]
@@ -587,10 +613,10 @@ def rollback_reason(approval: dict[str, Any], params: CanarySettings) -> str:
 
 
 def release_main(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's clean-up (a teardown of deploy): a rollout this run's deploy left held and still
-    holding when the run ends (no decision was carried out: the approval task failed, the run was
-    stopped or reached its deadline while waiting) is rolled back; anything else is left as it is
-    (a finish always moves the route: promoted, rolled back, or it found the hold gone)."""
+    """The run's clean-up (a teardown), however its approval ended: a rollout this run's deploy
+    left held and still holding (no decision was carried out: the approval task failed or was
+    marked failed) is rolled back; anything else is left as it is (a finish always moves the
+    route: promoted, rolled back, or it found the hold gone)."""
     settings = load_settings("canary", args.overrides)
     held_uri = storage.join(args.held, "report.json")
     if not storage.exists(held_uri):

@@ -142,9 +142,9 @@ def read_shadow_records(front: str, request_ids: list[str]) -> list[dict[str, An
 
 
 class Serving(Protocol):
-    fresh_baseline: bool  # each step compares the canary with a baseline of stable started beside it
-
     """What deploy needs from a serving platform (see the module docstring)."""
+
+    fresh_baseline: bool  # each step compares the canary with a baseline of stable started beside it
 
     url: str  # where the canary sends its traffic to the split, as clients' requests go: the router / gateway
 
@@ -460,7 +460,12 @@ class KubernetesServing:
         primary is not a fair baseline)."""
         baseline = self.fresh_baseline and stable is not None and analysed
         if baseline:
-            self._set_track(BASELINE, stable, 1, TrackState.of(self._track("stable")).export_uri, wait=False)
+            serving_now = TrackState.of(self._track("stable"))
+            if serving_now.version != stable or not serving_now.export_uri:
+                raise StepError(f"deployment {self.names['stable']} names version {serving_now.version} "
+                                f"(export {serving_now.export_uri or 'none'}), not stable version {stable}: no baseline "
+                                f"can be started from it; run the llm_rollback DAG with target {stable}")
+            self._set_track(BASELINE, stable, 1, serving_now.export_uri, wait=False)
         self._set_track("canary", canary, 1)
         if baseline:
             self._wait_rolled_out(BASELINE, stable)
@@ -483,6 +488,8 @@ class KubernetesServing:
         served (surge-first rolling: those pods were never taken away) and
         :class:`PromotionFailed` says whether that worked."""
         before = TrackState.of(self._track("stable"))
+        if self.fresh_baseline:  # its pod's room, for the stable track's surge pods
+            self._set_track(BASELINE, None, 0, wait=False)
         try:
             self._set_track("stable", version, self.cluster.replicas, previous=before)
         except LeaseLost:
@@ -500,7 +507,6 @@ class KubernetesServing:
             raise PromotionFailed(f"promotion: {first_line(exc)}; the stable track is {where}", restored) from None
         self.route(version)
         self._set_track("canary", None, 0)
-        self._set_track(BASELINE, None, 0)
 
     def _put_back(self, track: str, state: TrackState) -> None:
         """``track`` serving ``state`` again (waiting for it unless the step is stopping: SIGTERM)."""
@@ -521,7 +527,8 @@ class KubernetesServing:
             self._put_back("stable", before)
         self.route(stable)
         self._set_track("canary", None, 0, wait=not stopping.is_set())
-        self._set_track(BASELINE, None, 0, wait=not stopping.is_set())
+        if self.fresh_baseline:  # (a cluster installed before the baseline track has none to empty)
+            self._set_track(BASELINE, None, 0, wait=not stopping.is_set())
 
     def smoke_targets(self, version: int) -> list[tuple[str, dict[str, str]]]:
         path = triton.infer_path(self.serve.triton_model, version)
@@ -530,20 +537,18 @@ class KubernetesServing:
         return [(direct + path, {}), (self.internal_url + path, {TRACK_HEADER: "canary"})]
 
     def baseline_target(self, stable: int) -> tuple[str, dict[str, str]]:
+        # the internal route sends requests carrying this header to one track alone (the same
+        # gateway hop as the canary's routed requests): the fresh baseline's, else stable's
         path = triton.infer_path(self.serve.triton_model, stable)
-        if self.fresh_baseline:  # the baseline track's own Service (it takes no route weight)
-            return f"http://{self.names[BASELINE]}.{self.namespace}.svc:{self.cluster.ports['http']}{path}", {}
-        # the internal route sends requests carrying this header to the stable track alone
-        return self.internal_url + path, {TRACK_HEADER: "stable"}
+        return self.internal_url + path, {TRACK_HEADER: BASELINE if self.fresh_baseline else "stable"}
 
     def text_target(self, version: int) -> tuple[str, dict[str, str]]:
         # the canary track's own Service (its pod's OpenAI front); stable through the internal
         # route's track-header rule, as the logits baseline
-        if version != self.live().stable or self.fresh_baseline:  # the new version, or stable's fresh baseline
-            track = "canary" if version != self.live().stable else BASELINE
-            return (f"http://{self.names[track]}.{self.namespace}.svc:{self.cluster.ports['openai']}"
+        if version != self.live().stable:  # the new version: before the first step moves traffic the route names no canary
+            return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster.ports['openai']}"
                     "/v1/completions", {})
-        return self.internal_url + "/v1/completions", {TRACK_HEADER: "stable"}
+        return self.internal_url + "/v1/completions", {TRACK_HEADER: BASELINE if self.fresh_baseline else "stable"}
 
     def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
         # each track's pod runs its own front and serves one version: the shadow is on the canary

@@ -49,7 +49,7 @@ def test_parsing_imports_no_heavy_module() -> None:
 # The edges no argument draws: a step that must wait for another without reading its result
 ORDERING_EDGES = {("validate", "tokenizer"), ("tokenize_shard", "tokenize_merge"), ("export", "deploy_gate"),
                   ("deploy_gate", "deploy"), ("deploy", "approval_gate"), ("approval_gate", "approve_rollout"),
-                  ("deploy", "release_hold"), ("deploy_finish", "release_hold"), ("release_hold", "report")}
+                  ("deploy_finish", "release_hold"), ("release_hold", "report")}
 
 
 def results_read(task: Any) -> set[str]:
@@ -169,8 +169,9 @@ def test_each_task_has_a_time_limit_and_scarce_steps_queue_in_pools(dag: Any) ->
     pools = {t.task_id: t.pool for t in dag.tasks if t.pool != "default_pool"}
     assert pools == {"snapshot": "dvc_registry", "train": "training", "deploy": "serving_rollout",
                      "deploy_finish": "serving_rollout", "release_hold": "serving_rollout"}
-    # the clean-up of a held rollout is deploy's teardown: it runs however the tasks between end
-    assert dag.get_task("release_hold").is_teardown and dag.get_task("deploy").is_setup
+    # the clean-up of a held rollout and the report: teardowns, whatever happened, the run's state left to the steps
+    assert dag.get_task("release_hold").is_teardown and dag.get_task("report").is_teardown
+    assert not dag.get_task("deploy").is_setup  # (a setup's skip would skip them)
     assert set(pools.values()) <= set(pipeline["pools"])  # created before the scheduler starts
     assert dag.get_task("train").priority_weight == dag.get_task("deploy").priority_weight == 10
     assert dag.get_task("snapshot").on_failure_callback and dag.on_failure_callback
@@ -254,7 +255,7 @@ def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -
     assert states == {**{t: "success" for t in ORDER if t != "tokenize_shard"},
                       "tokenize_shard[0]": "success", "tokenize_shard[1]": "success",
                       "approve_rollout": "skipped", "deploy_finish": "skipped"}
-    assert xcom(run, "release_hold") == {"released": None}
+    assert xcom(run, "release_hold") == {"released": None}  # nothing held
     merged = xcom(run, "tokenize_merge")
     assert merged["tokens"]["train"] > 100_000 and merged["dtype"] == "uint16"
     run_key = run.run_id.replace(":", "-").replace("+", "_")
@@ -350,7 +351,8 @@ def test_bad_data_stops_the_run_before_tokenization(dag: Any, airflow_db: None, 
     states = ti_states(run)
     assert run.state == "failed"
     assert states["snapshot"] == "failed"
-    assert {states[t] for t in ORDER[1:-1] if t in states} <= {"upstream_failed", None}
+    assert {states[t] for t in ORDER[1:-2] if t in states} <= {"upstream_failed", None}
+    assert states["release_hold"] == "success" and xcom(run, "release_hold") == {"released": None}  # a teardown
     # the report still runs (a teardown) and says where the run stopped; the run stays failed
     assert states["report"] == "success" and xcom(run, "report")["verdict"] == "failed"
     # ... and why, in the step's own words

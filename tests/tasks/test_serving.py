@@ -463,6 +463,20 @@ def first_version(kube: serving.KubernetesServing, export: str) -> None:
         kube.promote(4)
 
 
+def test_a_step_judged_against_a_fresh_baseline_waits_for_its_samples_too() -> None:
+    from types import SimpleNamespace
+
+    from tasks.deploy import StepTraffic
+
+    params = canary_settings()
+    of = lambda version, n: [SimpleNamespace(version=version)] * n  # noqa: E731
+    lucky = StepTraffic(samples=of(5, params.min_samples), text=of(5, params.text_min_samples),
+                        direct=of(4, params.min_samples), text_direct=of(4, params.text_min_samples - 4))
+    assert lucky.enough(5, params) and not lucky.enough(5, params, baseline=4)
+    lucky.text_direct += of(4, 4)
+    assert lucky.enough(5, params, baseline=4)
+
+
 def test_a_fresh_baseline_of_stable_starts_with_the_canary_and_goes_with_it(
         cluster: tuple[FakeKubeApi, serving.KubernetesServing], tmp_path: Path) -> None:
     """prepare starts the baseline track on stable's version and export at the canary's size
@@ -478,9 +492,11 @@ def test_a_fresh_baseline_of_stable_starts_with_the_canary_and_goes_with_it(
             kube.prepare(4, version)
             assert track(fake, "baseline") == serving.TrackState(4, exports[4], 1)
             assert track(fake, "canary") == serving.TrackState(version, exports[version], 1)
-            assert kube.baseline_target(4) == ("http://triton-baseline.llm-pipeline.svc:8000/v2/models/llm/versions/4/infer",
-                                               {})
-            assert kube.text_target(4) == ("http://triton-baseline.llm-pipeline.svc:8003/v1/completions", {})
+            # through the internal route's track-header rule: the same gateway hop as the canary's requests
+            assert kube.baseline_target(4) == ("http://gateway-internal.example/v2/models/llm/versions/4/infer",
+                                               {"X-Serving-Track": "baseline"})
+            assert kube.text_target(4) == ("http://gateway-internal.example/v1/completions",
+                                           {"X-Serving-Track": "baseline"})
             kube.route(4, version, 10.0)
             assert weights(fake) == [(900, "4"), (100, str(version))]  # the baseline takes no route weight
             if end == "roll_back":
@@ -493,6 +509,9 @@ def test_a_fresh_baseline_of_stable_starts_with_the_canary_and_goes_with_it(
     with kube.lock():  # a manual rollback is not analysed: no baseline started for it
         kube.prepare(6, 4, analysed=False)
         assert track(fake, "baseline").replicas == 0 and track(fake, "canary") == serving.TrackState(4, exports[4], 1)
+        # a stable track that does not name stable's version (hand-edited): no baseline from it, one line
+        with pytest.raises(StepError, match=r"names version 6 .*not stable version 5: no baseline can be started"):
+            kube.prepare(5, 4)
 
 
 def test_a_promotion_the_stable_track_cannot_take_is_undone(
@@ -1079,7 +1098,7 @@ def test_rollout_promotion_rollbacks_and_restart(
         held_out = tmp_path / f"deploy{v6}-{run}"
         for attempt in range(1 + run):
             proc = deploy(v6, str(clone), held_out, env, "approval.enabled=true", "approval.hold_before=10",
-                          "shadow=false")
+                          "shadow=false", "warmup_streams=0")  # (nothing judged before the answer)
             assert proc.returncode == 0 and step_result(proc)["held_at"] == 0.0, proc.stderr[-3000:]
             assert ("rolling it back first" in proc.stderr) == (attempt == 1), proc.stderr[-3000:]
         assert live_route(env)["canary"] == int(v6) and live_route(env)["canary_weight"] == 0.0
@@ -1093,9 +1112,9 @@ def test_rollout_promotion_rollbacks_and_restart(
                                                            "generation": 0, "shadow": None}
     assert aliases(name)["champion"] == v5
     # a run that ends with its rollout still held (its approval task failed, the run was stopped):
-    # its teardown rolls it back; a decision arriving after that changes nothing, with one line
+    # its release_hold task rolls it back; a decision arriving after that changes nothing, with one line
     proc = deploy(v6, str(clone), tmp_path / f"deploy{v6}-2", env, "approval.enabled=true", "approval.hold_before=10",
-                  "shadow=false")
+                  "shadow=false", "warmup_streams=0")
     assert proc.returncode == 0 and live_route(env)["canary"] == int(v6), proc.stderr[-3000:]
     for released in (int(v6), None):  # the second time: nothing held, nothing done
         proc = run_module("tasks.deploy", "release", "--held", str(tmp_path / f"deploy{v6}-2"), env=env)
