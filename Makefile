@@ -25,12 +25,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env up down status pipeline report predict repro test test-fast config-docs lint benchmark clean
+.PHONY: help env up down status pipeline replay report predict repro test test-fast config-docs lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (embedded default)"
 	@echo "make test       set up and run the whole test suite (make test-fast first)"
 	@echo "make test-fast  the tests that start no server and no torchrun (a minute or two)"
+	@echo "make replay VERSION=N     rebuild a registered version from its lineage, compare the weights"
 	@echo "make report     the newest run's summary (report.json, report.html: paths printed)"
 	@echo "make predict PROMPT=...   a completion from the serving model, through the router"
 	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow) and the Airflow UI"
@@ -135,6 +136,16 @@ pipeline: env .airflow/airflow.db
 	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=6 - min(n, 6)))') && \
 	  echo "pipeline run for $$date" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_retrain -c "{\"end_date\": \"$$date\"$(if $(APPROVAL),$(comma) \"approval\": $(APPROVAL))}"; status=$$?; } && \
 	  echo $$date >> .stack/pipeline-runs && echo && $(MAKE) --no-print-directory report && exit $$status
+
+# Rebuild a registered version from its lineage alone and compare its weights with the registered
+# ones: make replay VERSION=3 (the llm_replay DAG; ends with its verdict, or the refusal's one line)
+VERSION ?=
+replay: env .airflow/airflow.db
+	@test -n "$(VERSION)" || { echo "usage: make replay VERSION=N (a registered version of $$(grep -m1 'model_name:' params.yaml | awk '{print $$2}'))" >&2; exit 2; }
+	$(RT_PY) -m stack up
+	@started=$$(date -u +%Y-%m-%dT%H:%M:%S) && $(STACK_ENV) && \
+	  { $(ORCH)/bin/airflow dags test llm_replay -c '{"version": $(VERSION)}' 2>&1 | tee .stack/replay.log; } && echo && \
+	  LOG_LEVEL=WARNING $(RT_PY) -m tasks.replay show --model-version $(VERSION) --since $$started --log .stack/replay.log
 
 # The newest run's summary (what it trained, how good, what serves, how to query it).
 report:

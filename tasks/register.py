@@ -16,37 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tasks.config import REPO_ROOT
 from tasks.lib import storage
 from tasks.lib.errors import StepError
 from tasks.lib.model_store import CHALLENGER, load_model_dir, log_model
 from tasks.lib.params import load_settings
+from tasks.lib.provenance import git_commit
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
 LINEAGE_KEYS = ("data_version", "data_content_hash", "data_end", "dag_id", "dag_run_id", "logical_date")
 MAX_ALIAS_ATTEMPTS = 5
-
-
-def git_commit(repo: Path = REPO_ROOT) -> str:
-    """The code version: baked into images at build time (PIPELINE_GIT_COMMIT), else read from
-    the checkout, with ``-dirty`` when tracked files differ from that commit."""
-    if os.environ.get("PIPELINE_GIT_COMMIT"):
-        return os.environ["PIPELINE_GIT_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                 capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head}-dirty" if changed else head
 
 
 def parse_tags(items: list[str]) -> dict[str, str]:
@@ -123,11 +106,20 @@ def version_tags(
         "tokenizer_uri": str(description["tokenizer_uri"]),
         "tokenizer_hash": str(description["tokenizer_hash"]),
         "initialized_from": str(description.get("initialized_from") or "scratch"),
-        "model_description": json.dumps(description, sort_keys=True),
+        # the training record (settings, packages) stays in the model's config.json: a tag holds 8000 characters
+        "model_description": json.dumps({k: v for k, v in description.items() if k != "training"}, sort_keys=True),
+        **training_tags(description.get("training") or {}),
         "eval_set_sha256": str(report["eval_set_sha256"]),
         **{f"metric.{k}": f"{v:.6g}" for k, v in report["challenger"].items() if isinstance(v, float)},
         **{f"champion.{k}": f"{v:.6g}" if isinstance(v, float) else str(v) for k, v in champion.items()},
     }
+
+
+def training_tags(training: dict[str, Any]) -> dict[str, str]:
+    """How the version was trained, searchable in the registry (the whole record: config.json)."""
+    layout, runtime = training.get("layout") or {}, training.get("runtime") or {}
+    return {**{f"train.{k}": str(v) for k, v in layout.items()},
+            **{f"runtime.{k}": str(runtime[k]) for k in ("torch", "packages_sha256", "cpu", "accelerator") if k in runtime}}
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,7 +6,8 @@ duplicates by content hash, writes ``snapshot.jsonl`` + ``stats.json`` to ``--ou
 the snapshot in the DVC registry by what it holds: ``data-<end date>-<N>d-<content hash, 12>``
 (the window and the content), so two snapshots of one date with other look-backs or other raw
 data get two tags instead of a conflict. Re-running a window gives the same content hash and
-reuses the tag.
+reuses the tag. ``--restore TAG`` instead writes the snapshot of an existing data version, checked
+against its tag (a replay reads exactly what the model was trained on).
 """
 
 from __future__ import annotations
@@ -127,10 +128,55 @@ def claim_run_folder(output: str, run_id: str) -> None:
                         f"{owner!r} (the two ids share one storage key): trigger this run with another run id")
 
 
+def index_snapshot(path: Path) -> tuple[str, int, np.ndarray]:
+    """A snapshot file's content hash, record count and record offsets (as write_snapshot made them)."""
+    digest, offsets = hashlib.sha256(), [0]
+    with path.open("rb") as fh:
+        for line in fh:
+            digest.update(line)
+            offsets.append(offsets[-1] + len(line))
+    return digest.hexdigest(), len(offsets) - 1, np.asarray(offsets, dtype=np.int64)
+
+
+def restore(args: argparse.Namespace, params: SnapshotSettings) -> dict[str, Any]:
+    """The snapshot of an existing data version (a replay), byte for byte, as the step wrote it."""
+    with storage.staged_output(args.output) as out_dir:
+        path = out_dir / "snapshot.jsonl"
+        version, stats = registry(params).restore(args.restore, path)
+        content_hash, count, offsets = index_snapshot(path)
+        if content_hash != version.content_hash or count != version.records:
+            raise StepError(f"data version {args.restore}: the DVC remote returned {count} records of content "
+                            f"{content_hash[:12]}, the tag records {version.records} of {version.content_hash[:12]}")
+        np.save(out_dir / "snapshot.offsets.npy", offsets)
+        (out_dir / "stats.json").write_text(json.dumps({**stats, "commit": version.commit}, indent=1, sort_keys=True))
+    log.info("restored data version %s: %d records, content %s", version.tag, count, content_hash[:12])
+    return snapshot_result(args.output, version, int(stats.get("duplicates_removed", 0)))  # type: ignore[call-overload]
+
+
+def snapshot_result(output: str, version: Any, duplicates_removed: int) -> dict[str, Any]:
+    return {
+        "snapshot_uri": storage.join(output, "snapshot.jsonl"),
+        "stats_uri": storage.join(output, "stats.json"),
+        "data_version": {
+            "tag": version.tag,
+            "content_hash": version.content_hash,
+            "records": version.records,
+            "bytes": version.bytes,
+            "commit": version.commit,
+            "new": version.created,
+        },
+        "duplicates_removed": duplicates_removed,
+    }
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.run_id:
         claim_run_folder(args.output, args.run_id)
     settings = load_settings("snapshot", args.overrides)
+    if args.restore:
+        return restore(args, settings.snapshot)
+    if not args.source or not args.end_date:
+        raise StepError("--source and --end-date are required (or --restore TAG)")
     params = settings.snapshot
     end = dt.date.fromisoformat(args.end_date)
     logical = dt.date.fromisoformat(args.logical_date) if args.logical_date else end
@@ -148,25 +194,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "snapshot %s: %d records (%d duplicates removed), %.1f MB, content %s",
         tag, stats["records"], stats["duplicates_removed"], stats["bytes"] / 1e6, stats["content_hash"][:12],
     )
-    return {
-        "snapshot_uri": storage.join(args.output, "snapshot.jsonl"),
-        "stats_uri": storage.join(args.output, "stats.json"),
-        "data_version": {
-            "tag": tag,
-            "content_hash": version.content_hash,
-            "records": version.records,
-            "bytes": version.bytes,
-            "commit": version.commit,
-            "new": version.created,
-        },
-        "duplicates_removed": stats["duplicates_removed"],
-    }
+    return snapshot_result(args.output, version, stats["duplicates_removed"])
 
 
 def parser() -> argparse.ArgumentParser:
     p = step_parser("snapshot", __doc__.splitlines()[0])
-    p.add_argument("--source", required=True, help="raw data URI holding date=YYYY-MM-DD/*.jsonl partitions")
-    p.add_argument("--end-date", required=True, help="end of the interval, exclusive (YYYY-MM-DD)")
+    p.add_argument("--source", help="raw data URI holding date=YYYY-MM-DD/*.jsonl partitions")
+    p.add_argument("--end-date", help="end of the interval, exclusive (YYYY-MM-DD)")
+    p.add_argument("--restore", metavar="TAG", help="instead: the snapshot of this existing data version (a replay)")
     p.add_argument("--logical-date", help="date that names the data version (default: --end-date)")
     p.add_argument("--lookback-days", type=int, help="days before --end-date to read (default: params)")
     p.add_argument("--output", required=True, help="run-scoped output URI")

@@ -125,6 +125,26 @@ class Registry:
         loaded: dict[str, object] = json.loads(self.git("show", f"{tag}:{VERSION_PATH}"))
         return loaded
 
+    def restore(self, tag: str, target: Path) -> tuple[DataVersion, dict[str, object]]:
+        """Copy the snapshot versioned as ``tag`` to ``target`` (from the DVC cache, else pulled
+        from the remote), leaving the registry's workspace as it was; a tag that does not exist
+        is bad input."""
+        dvc_file = f"{SNAPSHOT_PATH}.dvc"
+        with self.locked():
+            self.ensure()
+            version = self.tag_version(tag)
+            if version is None:
+                raise StepError(f"data version {tag}: no such tag in the DVC registry {self.git_remote or self.path}")
+            self.git("checkout", "-q", tag, "--", dvc_file)
+            try:
+                self.dvc("pull", "-q", "-r", "store", dvc_file)  # a failure: retried (an outage, or gone for good)
+                shutil.copyfile(self.path / SNAPSHOT_PATH, target)
+            finally:
+                self.git("checkout", "-q", "HEAD", "--", dvc_file)
+                if (self.path / dvc_file).exists():
+                    self.dvc("checkout", "-q", "-f", dvc_file)
+            return self._version(tag, version, created=False), version
+
     def commit_snapshot(self, tag: str, snapshot: Path, version: dict[str, object]) -> DataVersion:
         """Version ``snapshot`` under ``tag``; a retry with the same content is a no-op."""
         with self.locked():

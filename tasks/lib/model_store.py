@@ -167,6 +167,31 @@ def load_version(name: str, version: str) -> LoadedModel:
     return loaded
 
 
+def registered_version(name: str, version: str) -> tuple[Any, dict[str, Any]]:
+    """``models:/NAME/VERSION``'s ModelVersion (its tags) and its description (config.json alone,
+    not the weights); absent is bad input."""
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    uri = f"models:/{name}/{version}"
+    try:
+        found = MlflowClient().get_model_version(name, version)
+    except MlflowException as exc:
+        if absent(exc):
+            raise StepError(f"{uri}: not in the registry ({exc.error_code})") from None
+        raise registry_error(f"reading {uri}", exc) from None
+    with storage.scratch() as scratch:
+        try:
+            path = mlflow.artifacts.download_artifacts(artifact_uri=f"{uri}/{DESCRIPTION_FILE}", dst_path=str(scratch))
+        except MlflowException as exc:
+            if absent(exc):  # a version older code registered (a pickle): its description is a tag
+                return found, tag_description(found.tags, uri)
+            raise registry_error(f"downloading {uri}/{DESCRIPTION_FILE}", exc) from None
+        description: dict[str, Any] = json.loads(Path(path).read_text())
+    return found, description
+
+
 def tag_description(tags: dict[str, str], uri: str) -> dict[str, Any]:
     """The ``model_description`` tag older code registered a pickled version with."""
     try:

@@ -18,13 +18,28 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tasks.config import SettingsError, TrainSettings, apply_overrides, build
+from tasks.lib import storage
+from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import run_step, step_parser
 from tasks.train.trainer import train
 
 
+def recorded_settings(uri: str, overrides: list[str]) -> TrainSettings:
+    """The train settings a model recorded (its description's ``training.settings``, a JSON
+    file at ``uri``: a replay), ``--set`` applied on top, checked as params.yaml's are."""
+    try:
+        return build(TrainSettings, apply_overrides(storage.read_json(uri), overrides, "train"), "train")
+    except SettingsError as exc:
+        raise StepError(f"--settings {uri}: {exc}") from None
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    settings = load_settings("train", args.overrides).train
+    if args.settings:
+        settings = recorded_settings(args.settings, args.overrides)
+    else:
+        settings = load_settings("train", args.overrides).train
     return train(settings, args.dataset, args.checkpoints, args.output, args.init_from, args.mlflow_run_tag)
 
 
@@ -36,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mlflow-run-tag", default="", help="tag value (dag_run) that names this DAG run's MLflow run")
     p.add_argument("--init-from", default="", help="models:/NAME/VERSION or a model folder URI to start from "
                    "(train.init_from: champion); empty: a random initialization")
+    p.add_argument("--settings", default="", help="URI of a JSON train section to use instead of params.yaml's "
+                   "(a replay: the settings the model recorded)")
     return p
 
 

@@ -27,6 +27,7 @@ from tasks.lib.data import BatchSampler, TokenSplit, drop_local_dataset, local_d
 from tasks.lib.errors import StepError
 from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig
 from tasks.lib.model_store import WEIGHTS_FILE, save_model_files
+from tasks.lib.provenance import training_record
 from tasks.lib.step import log
 from tasks.lib.torchrun import malloc_in_use
 from tasks.lib.tracking import Tracker
@@ -353,7 +354,7 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
     )
     figures = trainer.fit()
     result = {
-        **export_model(engine, config, train_split, dataset, output, state, env, tracker),
+        **export_model(engine, config, train_split, dataset, output, state, env, tracker, settings),
         **figures,
         "checkpoints": [c.uri for c in list_complete(checkpoints)],
         "resumed_from": latest.uri if latest else None,
@@ -372,8 +373,9 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
 
 
 def export_model(engine: Engine, config: GPTConfig, split: TokenSplit, dataset: str, output: str,
-                 state: TrainState, env: parallel.Dist, tracker: Tracker) -> dict[str, Any]:
-    """Gather the full weights on rank 0 and publish model.safetensors + config.json at ``output``."""
+                 state: TrainState, env: parallel.Dist, tracker: Tracker, settings: TrainSettings) -> dict[str, Any]:
+    """Gather the full weights on rank 0 and publish model.safetensors + config.json at ``output``
+    (with what a replay needs to train it again: the settings, layout and runtime)."""
     full = engine.full_state_dict()
     if not env.is_main:
         return {"model_uri": output}
@@ -389,6 +391,7 @@ def export_model(engine: Engine, config: GPTConfig, split: TokenSplit, dataset: 
             "step": state.step,
             "tokens_seen": state.samples_seen * config.seq_len,
             "initialized_from": state.initialized_from,
+            "training": training_record(settings, env.world, env.device),
         }
         save_model_files(full, description, out)
         tracker.log_model_files(out)

@@ -99,13 +99,17 @@ def test_a_result_read_draws_its_edge() -> None:
             step("reader", "tasks.validate", ["--x", f"k={result(first, 'uri')}"])
 
 
-def test_every_steps_arguments_parse_with_its_module(dag: Any) -> None:
-    """The argv each task renders, templates stood in for, through the step's own parser (in the
-    runtime env): an argument the step does not know, or one after the wrong sub-command, fails
-    here instead of at the end of a run."""
+def test_every_steps_arguments_parse_with_its_module() -> None:
+    """The argv each task of every DAG renders, templates stood in for, through the step's own
+    parser (in the runtime env): an argument the step does not know, or one after the wrong
+    sub-command, fails here instead of at the end of a run."""
+    from airflow.dag_processing.dagbag import DagBag
+
     calls = [(task.module, [re.sub(r"\{\{.*?\}\}", "1", str(arg)) for arg in task.arguments])
+             for dag in DagBag(dag_folder=str(REPO_ROOT / "dags")).dags.values()
              for task in dag.tasks if getattr(task, "module", None) and isinstance(task.arguments, list)]
-    assert {module for module, _ in calls} >= {"tasks.snapshot", "tasks.train", "tasks.deploy", "tasks.report"}
+    assert {module for module, _ in calls} >= {"tasks.snapshot", "tasks.train", "tasks.deploy", "tasks.report",
+                                               "tasks.replay", "tasks.seed"}
     code = ("import importlib, json, sys\n"
             "for module, argv in json.loads(sys.argv[1]):\n"
             "    step = importlib.import_module(module)\n"

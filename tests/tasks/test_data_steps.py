@@ -75,6 +75,23 @@ def test_snapshot_versions_with_dvc_and_is_idempotent(seeded_raw: str) -> None:
     ).stdout
     assert hashlib.sha256(read_back).hexdigest() == version["content_hash"]
 
+    # a replay restores that version as the step wrote it (HEAD holds the 3-day one meanwhile),
+    # and leaves the registry's workspace on HEAD's
+    restored_uri = out_uri("snapshot")
+    restored = run_module("tasks.snapshot", "--restore", tag, "--output", restored_uri)
+    assert restored.returncode == 0, restored.stderr[-2000:]
+    assert step_result(restored)["data_version"] == {**version, "new": False}
+    first_uri = str(step_result(first)["snapshot_uri"]).rsplit("/", 1)[0]
+    for name in ("snapshot.jsonl", "snapshot.offsets.npy"):
+        assert storage.read_bytes(f"{restored_uri}/{name}") == storage.read_bytes(f"{first_uri}/{name}"), name
+    workspace = Path(os.environ["DVC_REGISTRY_DIR"]) / "data" / "snapshot.jsonl"
+    assert hashlib.sha256(workspace.read_bytes()).hexdigest() == other["content_hash"]
+    assert registry_git("status", "--porcelain") == ""
+    gone = run_module("tasks.snapshot", "--restore", "data-2026-11-22-7d-000000000000", "--output", out_uri("snapshot"))
+    assert gone.returncode == 2 and error_lines(gone) == [
+        "ERROR python -m tasks.snapshot: data version data-2026-11-22-7d-000000000000: no such tag in the DVC "
+        f"registry {os.environ['DVC_REGISTRY_DIR']}"]
+
 
 def test_two_run_ids_of_one_storage_key_never_share_a_folder(seeded_raw: str) -> None:
     """``manual__...T10:00:00+00:00`` and ``manual__...T10-00-00_00-00`` map to one run key: the

@@ -104,7 +104,7 @@ def register(model: Path, report: Path, tag: str, env: dict[str, str], **overrid
 def test_git_commit_flags_a_dirty_tree_and_images_bake_theirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
 
-    from tasks.register import git_commit
+    from tasks.lib.provenance import git_commit
 
     monkeypatch.delenv("PIPELINE_GIT_COMMIT", raising=False)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]

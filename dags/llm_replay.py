@@ -1,0 +1,90 @@
+"""Replay a registered version: rebuild it from its lineage alone and compare its weights with
+the registered ones, tensor by tensor (identical, or the first difference and why).
+
+replay_plan (the version's lineage checked: refused with one line when an input is gone) ->
+snapshot (restored from its DVC tag) -> tokenize (the recorded tokenizer) -> train (the recorded
+settings, starting weights and node/process layout) -> replay_compare. It registers nothing and
+serves nothing. Triggered from the UI (Params form), ``make replay VERSION=N``, or
+``airflow dags trigger llm_replay -c '{"version": 3}'``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from airflow.sdk import DAG, Param
+from alerts import on_run_failure, on_task_failure
+
+from launcher import distributed_step, mapped_step, result, run_output_uri, shard_arguments, step
+from pipeline_params import pipeline_params
+
+params = pipeline_params()
+pipeline = params.pipeline
+
+with DAG(
+    dag_id="llm_replay",
+    description="Rebuild a registered model version from its lineage and compare the weights",
+    schedule=None,
+    start_date=dt.datetime.fromisoformat(pipeline.start_date).replace(tzinfo=dt.UTC),
+    catchup=False,
+    max_active_runs=1,
+    dagrun_timeout=dt.timedelta(minutes=pipeline.deadline_min),
+    on_failure_callback=on_run_failure,
+    default_args={
+        "on_failure_callback": on_task_failure,
+        "retries": pipeline.retries,
+        "retry_delay": dt.timedelta(seconds=pipeline.retry_delay_s),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": dt.timedelta(seconds=pipeline.max_retry_delay_s),
+    },
+    params={
+        "version": Param(
+            1, type="integer", minimum=1, title="Version",
+            description=f"The registered version of {pipeline.model_name} to rebuild.",
+        ),
+    },
+    tags=["llm", "audit"],
+    doc_md=__doc__,
+) as dag:
+    plan = step("replay_plan", "tasks.replay",
+                ["plan", "--model-version", "{{ params.version }}", "--output", run_output_uri("plan")])
+    snapshot = step("snapshot", "tasks.snapshot",
+                    ["--restore", result(plan, "data_version"), "--output", run_output_uri("snapshot"),
+                     "--run-id", "{{ run_id }}"])
+    shard_args = shard_arguments(
+        ["encode", "--snapshot", result(snapshot, "snapshot_uri"), "--tokenizer", result(plan, "tokenizer_uri")],
+        output_root=run_output_uri("tokenize/shards"),
+        num_shards=str(params.tokenize.num_shards),  # the merged dataset is the same for any count
+    )
+    encode = mapped_step("tokenize_shard", "tasks.tokenize", shard_args)
+    merge = step(
+        "tokenize_merge",
+        "tasks.tokenize",
+        [
+            "merge",
+            "--snapshot", result(snapshot, "snapshot_uri"),
+            "--tokenizer", result(plan, "tokenizer_uri"),
+            "--num-shards", str(params.tokenize.num_shards),
+            "--shards", run_output_uri("tokenize/shards"),
+            "--output", run_output_uri("tokenize/dataset"),
+        ],
+    )
+    train = distributed_step(
+        "train",
+        "tasks.train",
+        [
+            "--dataset", result(merge, "dataset_uri"),
+            "--checkpoints", run_output_uri("train/checkpoints"),
+            "--output", run_output_uri("train/model"),
+            "--mlflow-run-tag", "{{ dag.dag_id }}/{{ run_id }}",
+            "--init-from", result(plan, "init_from"),
+            "--settings", result(plan, "settings_uri"),
+        ],
+        nodes=result(plan, "nodes"),
+        procs_per_node=params.train.procs_per_node,  # replay_plan refuses a version trained with another
+        max_restarts=params.train.max_restarts,
+    )
+    step("replay_compare", "tasks.replay",
+         ["compare", "--model-version", "{{ params.version }}", "--model", result(train, "model_uri"),
+          "--output", run_output_uri("compare")])
+    encode >> merge  # merge reads the shards' folder, written by the mapped encode tasks
