@@ -25,13 +25,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env up down status pipeline replay report predict repro test test-fast config-docs lint benchmark clean
+.PHONY: help env up down status pipeline replay drift report predict repro test test-fast config-docs lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (embedded default)"
 	@echo "make test       set up and run the whole test suite (make test-fast first)"
 	@echo "make test-fast  the tests that start no server and no torchrun (a minute or two)"
 	@echo "make replay VERSION=N     rebuild a registered version from its lineage, compare the weights"
+	@echo "make drift [TRAFFIC=normal]   demo traffic through the router, then the drift check (llm_drift)"
 	@echo "make report     the newest run's summary (report.json, report.html: paths printed)"
 	@echo "make predict PROMPT=...   a completion from the serving model, through the router"
 	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow) and the Airflow UI"
@@ -147,6 +148,17 @@ replay: env .airflow/airflow.db
 	  { $(ORCH)/bin/airflow dags test llm_replay -c '{"version": $(VERSION)}' 2>&1 | tee .stack/replay.log; } && echo && \
 	  LOG_LEVEL=WARNING $(RT_PY) -m tasks.replay show --model-version $(VERSION) --since $$started --log .stack/replay.log
 
+# Served traffic -> the drift check: `make drift` sends 200 prompts in another vocabulary
+# through the router (TRAFFIC=normal: held-out text), then runs llm_drift on the last 24 hours of
+# captured traffic and shows its verdict. On drift the DAG updates the raw data Asset: with the
+# Airflow scheduler up (make up) and llm_retrain unpaused, a retrain starts on it
+TRAFFIC ?= drifted
+drift: env .airflow/airflow.db
+	$(RT_PY) -m stack up
+	$(STACK_ENV) && $(RT_PY) -m stack traffic $(TRAFFIC) --count 200
+	@$(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_drift > .stack/drift.log 2>&1 || { tail -20 .stack/drift.log; exit 1; }; } && \
+	  echo && LOG_LEVEL=WARNING $(RT_PY) -m tasks.drift show
+
 # The newest run's summary (what it trained, how good, what serves, how to query it).
 report:
 	@$(STACK_ENV) && LOG_LEVEL=WARNING $(RT_PY) -m tasks.report show
@@ -197,6 +209,7 @@ benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) benchmarks/serve_llm.py
 	$(RT_PY) benchmarks/canary_aa.py
 	$(RT_PY) benchmarks/shadow.py
+	$(STACK_ENV) && $(RT_PY) benchmarks/capture.py   # the local stack's champion (skipped without one)
 
 clean: down
 	rm -rf .stack .airflow

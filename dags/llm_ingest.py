@@ -1,5 +1,6 @@
 """Land each day's raw partition, then tell Airflow the raw data changed: the task's outlet is
-the raw data Asset, and the retrain DAG runs on "that Asset or its weekly schedule".
+the raw data Asset, and the retrain DAG runs on "that Asset or its weekly schedule". Close the
+day's partition of captured served traffic too: its Asset runs the drift check (llm_drift).
 
 Locally the demo generator stands in for an ingestion job (``tasks.seed``: the partitions of
 its window missing under ``raw_data_uri``, never rewriting one); a deployment replaces the task
@@ -13,7 +14,7 @@ import datetime as dt
 from airflow.sdk import DAG
 
 from launcher import step
-from pipeline_params import pipeline_params, raw_data_asset
+from pipeline_params import pipeline_params, raw_data_asset, served_traffic_asset
 
 params = pipeline_params()
 pipeline, ingest = params.pipeline, params.ingest
@@ -29,7 +30,10 @@ with DAG(
     doc_md=__doc__,
 ) as dag:
     # the day that just ended: a run at midnight lands yesterday's partition
-    step("ingest", "tasks.seed",
-         ["--output", pipeline.raw_data_uri,
-          "--end-date", "{{ macros.ds_add((dag_run.logical_date or dag_run.run_after) | ds, -1) }}"],
+    yesterday = "{{ macros.ds_add((dag_run.logical_date or dag_run.run_after) | ds, -1) }}"
+    step("ingest", "tasks.seed", ["--output", pipeline.raw_data_uri, "--end-date", yesterday],
          retries=pipeline.retries, outlets=[raw_data_asset()])
+    # ... and closes yesterday's partition of the served traffic the OpenAI API captured: its
+    # Asset event runs the drift check (a day without traffic: skipped, no event)
+    step("close_served", "tasks.drift", ["close", "--date", yesterday], retries=pipeline.retries,
+         outlets=[served_traffic_asset()])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 
 from airflow.sdk import DAG, Param
-from alerts import on_run_failure, on_task_failure
+from alerts import on_run_failure, step_defaults
 
 from launcher import distributed_step, mapped_step, result, run_output_uri, shard_arguments, step
 from pipeline_params import pipeline_params
@@ -30,13 +30,7 @@ with DAG(
     max_active_runs=1,
     dagrun_timeout=dt.timedelta(minutes=pipeline.deadline_min),
     on_failure_callback=on_run_failure,
-    default_args={
-        "on_failure_callback": on_task_failure,
-        "retries": pipeline.retries,
-        "retry_delay": dt.timedelta(seconds=pipeline.retry_delay_s),
-        "retry_exponential_backoff": True,
-        "max_retry_delay": dt.timedelta(seconds=pipeline.max_retry_delay_s),
-    },
+    default_args=step_defaults(),  # retries with backoff, the alert of a task that failed for good
     params={
         "version": Param(
             1, type="integer", minimum=1, title="Version",

@@ -16,7 +16,7 @@ from typing import Any
 from airflow.providers.standard.operators.hitl import HITLOperator
 from airflow.providers.standard.operators.python import ShortCircuitOperator
 from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param
-from alerts import on_run_failure, on_task_failure
+from alerts import on_run_failure, step_defaults
 
 from launcher import (
     answer,
@@ -62,6 +62,13 @@ def reported_xcoms(option: str, key: str, steps: list[Any]) -> list[str]:
     return [arg for step in steps for arg in (option, f"{step.task_id}=" + result(step, xcom_key=key))]
 
 
+# the drift check that started this run, if one did: the extra of the newest raw data Asset event
+# llm_drift emitted (its report, reasons, run) among the events the run consumed, as JSON; {} for
+# a run something else started
+DRIFT_TRIGGER = ("{% set found = namespace(extra={}, at=none) %}{% for events in triggering_asset_events.values() %}"
+                 "{% for event in events %}{% if (event.extra or {}).get('drift_report') and "
+                 "(found.at is none or event.timestamp > found.at) %}{% set found.extra = event.extra %}"
+                 "{% set found.at = event.timestamp %}{% endif %}{% endfor %}{% endfor %}{{ found.extra | tojson }}")
 # names this DAG run's MLflow run and registered version (retries find them by it)
 MLFLOW_RUN_TAG = "{{ dag.dag_id }}/{{ run_id }}"
 
@@ -79,14 +86,7 @@ with DAG(
     # (Airflow 3.3.2's DeadlineAlert, which would only alert, crashes `airflow dags test`.)
     dagrun_timeout=dt.timedelta(minutes=pipeline.deadline_min),
     on_failure_callback=on_run_failure,
-    default_args={
-        # a task that failed for good: one alert line, and the webhook (PIPELINE_ALERT_WEBHOOK_URL)
-        "on_failure_callback": on_task_failure,
-        "retries": pipeline.retries,
-        "retry_delay": dt.timedelta(seconds=pipeline.retry_delay_s),
-        "retry_exponential_backoff": True,
-        "max_retry_delay": dt.timedelta(seconds=pipeline.max_retry_delay_s),
-    },
+    default_args=step_defaults(),  # retries with backoff, the alert of a task that failed for good
     params={
         # the trigger form: what an operator changes for a manual run, refused by the form when out of bounds
         "end_date": Param(
@@ -354,6 +354,7 @@ with DAG(
             "--finish-output", run_output_uri("deploy_finish"),
             "--output", run_output_uri("report"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
+            "--trigger", DRIFT_TRIGGER,
         ],
     )
 

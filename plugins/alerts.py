@@ -66,3 +66,21 @@ def on_run_failure(context: Mapping[str, Any]) -> None:
     line = f"ALERT {dag_id} run {run_id}: not finished within its time limit ({reason}): failed by the scheduler"
     log.error("%s", line)
     post({"text": line, "event": "run_timed_out", "dag_id": dag_id, "run_id": run_id})
+
+
+def step_defaults() -> dict[str, Any]:
+    """A pipeline DAG's ``default_args``: retries with backoff (params.yaml ``pipeline``), and the
+    alert of a task that failed for good."""
+    import datetime as dt
+
+    from pipeline_params import pipeline_params
+
+    pipeline = pipeline_params().pipeline
+    return {
+        # a task that failed for good: one alert line, and the webhook (PIPELINE_ALERT_WEBHOOK_URL)
+        "on_failure_callback": on_task_failure,
+        "retries": pipeline.retries,
+        "retry_delay": dt.timedelta(seconds=pipeline.retry_delay_s),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": dt.timedelta(seconds=pipeline.max_retry_delay_s),
+    }

@@ -14,7 +14,7 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
 
 from tasks.config import REPO_ROOT, Settings, load, params_path
 
-__all__ = ["REPO_ROOT", "Settings", "params_path", "pipeline_params", "raw_data_asset"]
+__all__ = ["REPO_ROOT", "Settings", "params_path", "pipeline_params", "raw_data_asset", "served_traffic_asset"]
 
 
 def pipeline_params() -> Settings:
@@ -28,3 +28,12 @@ def raw_data_asset() -> Any:
 
     pipeline = pipeline_params().pipeline
     return Asset(name=pipeline.raw_data_asset, uri=pipeline.raw_data_uri, group="raw-data")
+
+
+def served_traffic_asset() -> Any:
+    """The Airflow Asset of the captured served traffic: updated when llm_ingest closes a day's
+    capture partition, scheduling the drift check (llm_drift)."""
+    from airflow.sdk import Asset
+
+    params = pipeline_params()
+    return Asset(name=params.drift.served_asset, uri=params.serve.capture.uri, group="served-traffic")

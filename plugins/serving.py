@@ -132,6 +132,8 @@ def track_deployment(params: Settings, track: str, install: bool = False) -> dic
         "command": ["python", "-m", "tasks.openai_api", "--host", "0.0.0.0", "--port", str(ports["openai"]),
                     "--triton-url", f"http://127.0.0.1:{ports['http']}"],
         "ports": [{"name": "openai", "containerPort": ports["openai"]}],
+        # the served-traffic capture's S3 keys (serve.capture): the front's alone, Triton's container has none
+        "envFrom": [{"secretRef": {"name": settings.capture_secret}}],
         "readinessProbe": _http_get("/health", 5, 3, "openai"),
         "livenessProbe": _http_get("/health", 10, 3, "openai"),
         "resources": cluster.kinds["cpu"].resources,

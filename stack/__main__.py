@@ -6,6 +6,8 @@
     python -m stack status   one line per server
     python -m stack env      ``export`` lines for a shell: endpoints and generated keys
     python -m stack predict "PROMPT"   a completion from the serving model, through the router
+    python -m stack traffic normal|drifted [--count N]   demo traffic through the router, then the
+                                       capture flushed (stack/traffic.py; what the drift check reads)
     python -m stack compose-init   docker-compose.yaml's set-up (buckets, router config, pools), in its container
     python -m stack mlflow-users   the pipeline's MLflow login, created by the admin (compose's mlflow-users)
     python -m stack reconcile-serving   load what the router's route serves into a Triton that restarted
@@ -85,17 +87,29 @@ def write_compose_metrics_auth(folder: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "compose-init",
+    parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "traffic", "compose-init",
                                             "reconcile-serving", "mlflow-users", "metrics-auth"])
     parser.add_argument("prompt", nargs="?", default="",
-                        help="with `predict`: the text to continue; with `metrics-auth`: the folder to write")
+                        help="with `predict`: the text to continue; with `traffic`: normal or drifted; with "
+                        "`metrics-auth`: the folder to write")
     parser.add_argument("--airflow", action="store_true", help="with `up`: also start Airflow (needs its venv)")
     parser.add_argument("--max-tokens", type=int, default=24, help="with `predict`: tokens to generate")
+    parser.add_argument("--count", type=int, default=200, help="with `traffic`: prompts to send")
     args = parser.parse_args()
     if args.command == "predict":
         if not args.prompt:
             parser.error("predict needs a PROMPT")
         return predict(args.prompt, args.max_tokens)
+    if args.command == "traffic":
+        from stack.traffic import KINDS, send
+
+        if args.prompt not in KINDS:
+            parser.error(f"traffic needs a kind: {' or '.join(KINDS)}")
+        sent = send(client_env(), args.prompt, args.count)
+        print(f"sent {sent['sent']} {args.prompt} prompts: {sent['ok']} answered, {sent['refused']} refused "
+              f"(4xx: too long for the context, ...), {sent['failed']} failed; e.g. {sent['example']!r}; "
+              f"capture: {sent['capture']}")
+        return 0 if sent["ok"] and not sent["failed"] else 1
     if args.command == "compose-init":
         init_compose_stack()
         return 0

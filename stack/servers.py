@@ -742,7 +742,9 @@ SERVERS = (
     ),
     Server("triton", _triton_command, _triton_env,
            lambda: _http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60, port="triton_http"),
-    Server("openai-api", _openai_api_command, lambda: {"PYTHONPATH": str(REPO_ROOT)},
+    # the front writes its served-traffic capture to S3 (serve.capture)
+    Server("openai-api", _openai_api_command,
+           lambda: {"PYTHONPATH": str(REPO_ROOT), **{k: v for k, v in client_env().items() if k.startswith("AWS_")}},
            lambda: _http_ok(f"http://127.0.0.1:{ports()['openai_api']}/health"), start_timeout_s=30, port="openai_api"),
     Server("router", _router_command, dict, lambda: all(_router_current(client_env()[url])
                                                         for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")),

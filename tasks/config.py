@@ -602,6 +602,8 @@ class ServeKubernetes:
     """Of the stable track; the canary track runs 1 during a rollout."""
     fresh_baseline: bool
     """A baseline track of the stable version at the canary's size, started with the canary, is what each step compares it with."""
+    capture_secret: str
+    """The Secret whose keys (AWS_*) the OpenAI front sidecar writes its served-traffic capture with."""
     ports: dict[str, int]
     """The pods' http, grpc, metrics and openai ports."""
     shm_size: str
@@ -634,6 +636,22 @@ class ServeKubernetes:
 
 
 @dataclasses.dataclass(frozen=True)
+class Capture:
+    rate: float
+    """Share of the OpenAI API's answered requests logged (prompt, answer, version, latency, tokens); 0: none."""
+    uri: str
+    """Where: date partitions ``{uri}/date=YYYY-MM-DD/part-*.jsonl``."""
+    flush_s: float
+    """Records are written at most this long after their request."""
+    max_pending: int
+    """Records waiting to be written; beyond, new ones are dropped (counted), never waited for."""
+
+    def __post_init__(self) -> None:
+        _fractions(self, "rate")
+        _positive(self, "flush_s", "max_pending")
+
+
+@dataclasses.dataclass(frozen=True)
 class ServeSettings:
     triton_model: str
     """The logits model: input_ids -> next-token logits + greedy next token."""
@@ -663,6 +681,8 @@ class ServeSettings:
     """The local router's per-client limits."""
     kubernetes: ServeKubernetes
     """Cluster mode: the objects plugins/serving.py renders and deploy patches."""
+    capture: Capture
+    """A sample of served requests and answers, PII scrubbed, for the drift check."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_batch_size", "instances", "max_slots", "load_timeout_s")
@@ -751,6 +771,42 @@ class CanarySettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class DriftSettings:
+    dag_id: str
+    """The drift check's DAG."""
+    schedule: str
+    """Its cron (it also runs on each closed capture partition's Asset event)."""
+    served_asset: str
+    """The Airflow Asset of the captured traffic (its URI: serve.capture.uri)."""
+    window_h: float
+    """The captured requests of this many hours before the check are compared."""
+    min_prompts: int
+    """Fewer captured prompts in the window: no verdict (too little traffic to judge), nothing started."""
+    max_prompts: int
+    """At most this many prompts are read (a random sample of the window's, seeded)."""
+    reference_tokens: int
+    """Tokens of the champion's validation split the window is compared with."""
+    null_samples: int
+    """Samples of the reference as large as the window's, to know how far a sample of the same size strays by chance."""
+    max_js_excess: float
+    """Token distribution: Jensen-Shannon divergence (bits) above what samples of the reference reach by chance."""
+    max_byte_fallback_excess: float
+    """Share of byte-fallback tokens (non-ASCII bytes the vocabulary never merged) above the reference's."""
+    max_perplexity_ratio: float
+    """The champion's perplexity on the prompts over its perplexity on reference text of the same lengths."""
+    cooldown_h: float
+    """After drift started a retrain, no other for the same champion for this long."""
+    state_uri: str
+    """Where the last retrain the drift check started is recorded."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "window_h", "min_prompts", "max_prompts", "reference_tokens", "null_samples",
+                  "max_perplexity_ratio")
+        _at_least_zero(self, "max_js_excess", "cooldown_h")
+        _fractions(self, "max_byte_fallback_excess")
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """The whole of params.yaml."""
 
@@ -782,6 +838,8 @@ class Settings:
     """Triton, the generation engine and the router."""
     canary: CanarySettings
     """The canary rollout and its analysis (tasks.deploy)."""
+    drift: DriftSettings
+    """The drift check of served traffic against the champion's training data (tasks.drift)."""
 
     def __post_init__(self) -> None:
         _check(self.serve.kubernetes.kind in self.launcher.kubernetes.kinds, "serve.kubernetes.kind",

@@ -24,6 +24,13 @@ chunks) in a bounded in-memory table (:class:`ShadowRecords`), which deploy read
 (``POST /shadow/records``, not routed by the router: only deploy reaches it) to pair stable's
 answer with the shadow's. Unmarked requests are not recorded.
 
+Capture: a sample (``serve.capture.rate``) of the requests this server answered, with their
+answers, the version that answered, latency and token counts, e-mail addresses scrubbed, goes to
+``serve.capture.uri`` by date (:mod:`tasks.lib.capture`: a bounded buffer written in the
+background, never in a request's way); ``POST /capture/flush`` writes it at once and ``GET
+/capture/stats`` counts what was kept, written and dropped (neither is routed by the router).
+Shadow copies are not captured (the user's own request is).
+
 Errors follow OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): a bad
 request (malformed JSON, invalid UTF-8, an unknown model, out-of-range values, a prompt that does
 not fit the context: the engine's own one-line reason) is a 400 (404 for an unknown model); a
@@ -34,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -46,6 +55,7 @@ from typing import Any, NoReturn
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 # the router's split choice and shadow marks (a client's own headers are overwritten there)
+from tasks.lib.capture import TrafficCapture, served_record
 from tasks.lib.router import COPY_HEADER, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER
 
 log = logging.getLogger("openai_api")
@@ -144,19 +154,28 @@ class Api:
     """The aiohttp application's state: one upstream connection pool, the served names, the
     shadow records."""
 
-    def __init__(self, triton_url: str, model: str, served_name: str, timeout_s: float) -> None:
+    def __init__(self, triton_url: str, model: str, served_name: str, timeout_s: float,
+                 capture: TrafficCapture | None = None) -> None:
         self.triton_url, self.model, self.served_name = triton_url.rstrip("/"), model, served_name
         self.timeout = ClientTimeout(total=timeout_s, sock_connect=10)
         self.session: ClientSession | None = None
         self.records = ShadowRecords()
         self.copies: set[asyncio.Task[None]] = set()
+        self.capture = capture
+        self.capture_writer: asyncio.Task[None] | None = None
 
     async def start(self, app: web.Application) -> None:
         self.session = ClientSession(connector=TCPConnector(limit=512), timeout=self.timeout)
+        if self.capture is not None and self.capture.enabled:
+            self.capture_writer = asyncio.create_task(self.capture.run())
 
     async def close(self, app: web.Application) -> None:
         for copy in self.copies:
             copy.cancel()
+        if self.capture_writer is not None:  # its last flush writes what is pending
+            self.capture_writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.capture_writer
         if self.session is not None:
             await self.session.close()
 
@@ -210,16 +229,45 @@ class Api:
         request_id = pair if request.headers.get(RECORD_HEADER) and pair else ""
         if request.headers.get(COPY_HEADER):
             return await self.start_copy(request, chat, request_id)
-        if not request_id:
-            return await self.reply(request, chat)
         holder: list[Reply] = []
         response: web.StreamResponse | None = None
         try:
             response = await self.reply(request, chat, holder)
             return response
         finally:  # whatever the outcome, also a client gone
-            self.records.add(request_id, request.headers.get(ROUTE_HEADER, ""),
-                             record_of(holder[0] if holder else None, response))
+            reply = holder[0] if holder else None
+            if request_id:
+                self.records.add(request_id, request.headers.get(ROUTE_HEADER, ""), record_of(reply, response))
+            if reply is not None and self.capture is not None:
+                self.capture_reply(request, reply, response)
+
+    def capture_reply(self, request: web.Request, reply: Reply, response: web.StreamResponse | None) -> None:
+        """Offer the answered request to the capture (its sample, its bounded buffer)."""
+        try:
+            assert self.capture is not None
+            arrivals = reply.arrivals
+            self.capture.offer(served_record(
+                endpoint="chat" if reply.chat else "completions",
+                version=reply.version or request.headers.get(ROUTE_HEADER, ""),
+                prompt=reply.prompt, completion="".join(reply.text), prompt_tokens=reply.prompt_tokens,
+                completion_tokens=reply.completion_tokens, status=response.status if response is not None else 499,
+                latency_ms=(time.perf_counter() - reply.started) * 1000,
+                ttft_ms=(arrivals[0] - reply.started) * 1000 if arrivals else None,
+                stream=reply.stream, error=reply.error))
+        except Exception:  # a capture that breaks must never break the answer
+            log.exception("capture: a record could not be made")
+
+    async def capture_flush(self, request: web.Request) -> web.Response:
+        """Write what the capture holds now (deploy, tests, a drift check that wants the latest); its counts."""
+        if self.capture is None:
+            return web.json_response({"enabled": False})
+        return web.json_response({"enabled": self.capture.enabled, **await self.capture.flush()})
+
+    async def capture_stats(self, request: web.Request) -> web.Response:
+        if self.capture is None:
+            return web.json_response({"enabled": False})
+        return web.json_response({"enabled": self.capture.enabled, "pending": len(self.capture.pending),
+                                  **self.capture.stats})
 
     async def start_copy(self, request: web.Request, chat: bool, request_id: str) -> web.Response:
         """A shadow's copy: answered 202 at once (the router drops the copy's answer anyway, and
@@ -265,8 +313,9 @@ class Api:
                                    "prompt")
                 inputs = engine_inputs(body, prompt, [])
             stream = bool(body.get("stream"))
-            usage_chunk = stream and bool((body.get("stream_options") or {}).get("include_usage"))
             reply = Reply(chat, self.served_name)
+            reply.prompt, reply.stream = str(inputs["text_input"]), stream
+            usage_chunk = stream and bool((body.get("stream_options") or {}).get("include_usage"))
             if holder is not None:
                 holder.append(reply)
             if stream:
@@ -349,6 +398,8 @@ class Reply:
         self.arrivals: list[float] = []
         self.error = ""
         self.complete = False
+        # for the capture: what was asked, how, and which version answered (the engine says)
+        self.prompt, self.stream, self.version = "", False, ""
 
     def add(self, event: dict[str, Any]) -> str:
         delta = str(event.get("text_output", ""))
@@ -356,6 +407,7 @@ class Reply:
         self.finish_reason = str(event.get("finish_reason") or "") or None
         self.prompt_tokens = int(event.get("prompt_tokens", self.prompt_tokens))
         self.completion_tokens = int(event.get("completion_tokens", self.completion_tokens))
+        self.version = str(event.get("model_version") or self.version)
         return delta
 
     def usage(self) -> dict[str, int]:
@@ -465,8 +517,9 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def app(triton_url: str, model: str, served_name: str, timeout_s: float) -> web.Application:
-    api = Api(triton_url, model, served_name, timeout_s)
+def app(triton_url: str, model: str, served_name: str, timeout_s: float,
+        capture: TrafficCapture | None = None) -> web.Application:
+    api = Api(triton_url, model, served_name, timeout_s, capture)
     application = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
     application.on_startup.append(api.start)
     application.on_cleanup.append(api.close)
@@ -475,6 +528,8 @@ def app(triton_url: str, model: str, served_name: str, timeout_s: float) -> web.
     application.router.add_post("/v1/chat/completions", api.chat_completions)
     application.router.add_get("/health", health)
     application.router.add_post("/shadow/records", api.shadow_records)
+    application.router.add_post("/capture/flush", api.capture_flush)
+    application.router.add_get("/capture/stats", api.capture_stats)
     return application
 
 
@@ -482,15 +537,23 @@ def main() -> None:
     from tasks.lib.params import load_settings
 
     settings = load_settings()
+    serve = settings.serve
     parser = argparse.ArgumentParser(prog="python -m tasks.openai_api", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--triton-url", required=True, help="Triton's HTTP endpoint (its generate extension)")
+    parser.add_argument("--capture-rate", type=float, default=serve.capture.rate,
+                        help="share of answered requests captured (default: serve.capture.rate)")
+    parser.add_argument("--capture-uri", default=serve.capture.uri, help="where (default: serve.capture.uri)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve = settings.serve
     timeout = serve.generate.request_timeout_s + 30
-    web.run_app(app(args.triton_url, serve.generate_model, settings.pipeline.model_name, timeout),
+    if not 0 <= args.capture_rate <= 1:
+        parser.error(f"--capture-rate {args.capture_rate}: expected a share in [0, 1]")
+    capture = TrafficCapture(dataclasses.replace(serve.capture, rate=args.capture_rate, uri=args.capture_uri))
+    if capture.enabled:
+        log.info("capturing %.0f%% of answered requests to %s", 100 * args.capture_rate, args.capture_uri)
+    web.run_app(app(args.triton_url, serve.generate_model, settings.pipeline.model_name, timeout, capture),
                 host=args.host, port=args.port, access_log=None, print=None)
 
 

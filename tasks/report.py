@@ -143,10 +143,21 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
         "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
         "canary": {k: deploy.get(k) for k in ("verdict", "stable", "canary", "aliases", "shadow", "steps",
                                               "report_uri", "held_at", "approval")},
+        # what started the run when a drift check did (the raw data Asset's event it emitted)
+        "trigger": trigger_of(args),
         "serving": {"endpoint": f"{url}/v1", "model": settings.pipeline.model_name,
                     "query": query_command(url, settings.pipeline.model_name),
                     "predict": 'make predict PROMPT="Return the number of"'},
     }
+
+
+def trigger_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The drift check that started this run (``--trigger``: its Asset event's extra), or {}."""
+    try:
+        found = json.loads(getattr(args, "trigger", "") or "{}")
+    except json.JSONDecodeError as exc:
+        raise StepError(f"--trigger: invalid JSON ({exc.msg})") from None
+    return found if isinstance(found, dict) else {}
 
 
 def _fmt(value: Any, spec: str = ".4g") -> str:
@@ -184,6 +195,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     data, val, tok, train = report["data"], report["validation"], report["tokens"], report["training"]
     ev, reg, canary, serving = report["evaluation"], report["registered"], report["canary"], report["serving"]
     lines = [f"{report['dag_id']} {report['run_id']}: {report['verdict'].upper()}: {report['outcome']}"]
+    trigger = report.get("trigger") or {}
+    if trigger.get("drift_report"):
+        lines.append(f"  started by  drift in served traffic ({'; '.join(trigger.get('drift_reasons') or [])}): "
+                     f"{trigger['drift_report']} ({trigger.get('drift_run', '')})")
     if data.get("tag"):
         lines.append(f"  data        {data['tag']}: {data.get('records')} records "
                      f"({data.get('duplicates_removed')} duplicates dropped)")
@@ -249,6 +264,7 @@ def render_html(report: dict[str, Any], lines: list[str], loss_png: Path | None,
     links = [f'<li>MLflow run: <a href="{html.escape(mlflow_url)}">{html.escape(mlflow_url)}</a> '
              "(artifacts: validation/ holds the Great Expectations Data Docs, report/ this page)</li>"] if mlflow_url else []
     links += [f"<li>{html.escape(k)}: <code>{html.escape(str(v))}</code></li>" for k, v in (
+        ("drift report (what started this run)", (report.get("trigger") or {}).get("drift_report")),
         ("validation report", report["validation"].get("report_uri")), ("model", report["training"].get("model_uri")),
         ("canary report", report["canary"].get("report_uri"))) if v]
     states = _table([(t, s) for t, s in report["states"].items()], ("task", "state"))
@@ -422,6 +438,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the output URI of the step finishing a rollout held for approval (its report.json)")
     w.add_argument("--output", required=True, help="run-scoped URI for report.json, summary.txt, report.html")
     w.add_argument("--mlflow-run-tag", default="", help="dag_run tag of the MLflow run to log the report into")
+    w.add_argument("--trigger", default="", help="JSON: the drift check that started the run (its Asset event's "
+                   "extra: drift_report, drift_reasons, drift_run), or {}")
     s = sub.add_parser("show", help="print the newest run's summary")
     s.add_argument("--root", default="", help="where the runs' outputs are (default: artifact_root/dag_id)")
     return p

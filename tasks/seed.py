@@ -4,8 +4,12 @@ The embedded default has no network, so its corpus is the docstrings of the Pyth
 library and of the packages installed in the runtime environment, read with ``ast`` (nothing is
 imported). One document in ``heldout_every`` (by id hash) never enters a partition: it goes to
 the held-out evaluation text, written once, which every evaluation reuses. Files are visited in sorted order and each document lands on a date chosen by the
-hash of its id, so the output is deterministic for a given environment. Existing partitions are
-never rewritten (raw data is immutable); a second run only reports them.
+hash of its id, so the output is deterministic for a given environment. Days after
+``seed.end_date`` (the daily landing of llm_ingest) draw on the corpus further on: each block of
+``seed.days`` days after it gets the next ``max_documents`` documents, so a new day holds new text,
+as a real day would (not the same documents again, which validation refuses as repeats), for as
+long as the installed software has docstrings. Existing partitions are never rewritten (raw data
+is immutable); a second run only reports them.
 """
 
 from __future__ import annotations
@@ -59,14 +63,16 @@ def docstrings(path: Path, root: Path) -> Iterator[tuple[str, str]]:
             yield name, doc
 
 
-def documents(max_documents: int) -> Iterator[tuple[str, str]]:
+def documents(max_documents: int, skip: int = 0) -> Iterator[tuple[str, str]]:
+    """The corpus in its (sorted) order: documents ``skip`` to ``max_documents`` (exclusive)."""
     count = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # invalid escape sequences in old sources
         for root in source_roots():
             for path in python_files(root):
                 for name, doc in docstrings(path, root):
-                    yield name, doc
+                    if count >= skip:
+                        yield name, doc
                     count += 1
                     if count >= max_documents:
                         return
@@ -81,13 +87,14 @@ def is_heldout(doc_id: str, every: int) -> bool:
 
 
 def build_partitions(
-    days: list[dt.date], max_documents: int, heldout_every: int
+    days: list[dt.date], max_documents: int, heldout_every: int, block: int = 0
 ) -> tuple[dict[dt.date, list[dict[str, Any]]], list[dict[str, Any]]]:
-    """Documents by day, and the held-out ones (never in any partition: the evaluation set)."""
+    """Documents by day, and the held-out ones (never in any partition: the evaluation set);
+    ``block`` N > 0: the corpus's N-th ``max_documents`` documents instead of its first."""
     by_day: dict[dt.date, list[dict[str, Any]]] = {day: [] for day in days}
     heldout: list[dict[str, Any]] = []
     progress = Progress("seed", max_documents, "docs")
-    for name, doc in documents(max_documents):
+    for name, doc in documents((block + 1) * max_documents, skip=block * max_documents):
         doc_id = hashlib.sha1(f"{name}\0{doc}".encode()).hexdigest()[:20]
         progress.update(1)
         if is_heldout(doc_id, heldout_every):
@@ -101,6 +108,16 @@ def build_partitions(
             {"id": doc_id, "text": doc, "source": f"python-docstring:{name}", "created_at": created.isoformat()}
         )
     return by_day, heldout
+
+
+def block_of(day: dt.date, anchor: dt.date, days: int) -> int:
+    """0 up to ``anchor`` (the seed's window, and any day before it); then 1, 2, ... per ``days`` days."""
+    return 0 if day <= anchor else ((day - anchor).days - 1) // days + 1
+
+
+def block_days(block: int, anchor: dt.date, days: int) -> list[dt.date]:
+    first = anchor + dt.timedelta(days=(block - 1) * days + 1)
+    return [first + dt.timedelta(days=i) for i in range(days)]
 
 
 def write_jsonl(uri: str, name: str, rows: list[dict[str, Any]]) -> None:
@@ -121,10 +138,23 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if len(existing) == len(days) and heldout_exists:
         log.info("all %d partitions and the held-out set exist: raw data is immutable, nothing written", len(days))
         return {**result, "written": 0}
-    by_day, heldout = build_partitions(days, params.max_documents, params.heldout_every)
+    anchor = dt.date.fromisoformat(params.end_date)
+    blocks = {block_of(day, anchor, params.days) for day in days if day not in existing} | (set() if heldout_exists else {0})
+    by_day: dict[dt.date, list[dict[str, Any]]] = {day: [] for day in days}
+    heldout: list[dict[str, Any]] = []
+    for block in sorted(blocks):
+        # the first documents over the window's days up to the anchor (the seed's own window); a
+        # later block's over its own days
+        spread = ([d for d in days if d <= anchor] or records.interval_days(anchor + dt.timedelta(days=1), params.days)
+                  ) if block == 0 else block_days(block, anchor, params.days)
+        found, held = build_partitions(spread, params.max_documents, params.heldout_every, block)
+        by_day.update({day: rows for day, rows in found.items() if day in by_day})
+        heldout = held if block == 0 else heldout
     written = 0
     for day in days:
         if day not in existing:
+            if not by_day[day]:
+                log.warning("%s: no documents left in the installed software's docstrings for this day", day)
             write_jsonl(records.partition_uri(output, day), "part-00000.jsonl", by_day[day])
             written += len(by_day[day])
     if not heldout_exists:

@@ -23,10 +23,10 @@ from tasks.config import ValidateSettings
 from tasks.lib import storage
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
+from tasks.lib.records import EMAIL_RE
 from tasks.lib.step import log, run_step, step_parser
 
 SNAPSHOT_COLUMNS = ["id", "text", "source", "created_at", "content_hash", "copies"]
-EMAIL_RE = r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"
 # U+FFFD means text was decoded lossily upstream; C0 controls should be gone after normalization.
 # SQLite evaluates the patterns with Python's re (the REGEXP function SQLAlchemy registers).
 BROKEN_CHARS_RE = "[\ufffd\x00-\x08\x0b-\x1f\x7f]"

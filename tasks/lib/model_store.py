@@ -134,18 +134,25 @@ def load_registered(name: str, alias: str) -> LoadedModel | None:
     return None if version is None else load_version(name, str(version.version))
 
 
-def load_version(name: str, version: str) -> LoadedModel:
-    """``models:/NAME/VERSION`` as an eval-mode GPT with its description (config, tokenizer)."""
-    import mlflow
+def model_version(name: str, version: str) -> Any:
+    """``models:/NAME/VERSION`` as MLflow's ModelVersion; absent is bad input, an outage is not."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     try:
-        found = MlflowClient().get_model_version(name, version)
+        return MlflowClient().get_model_version(name, version)
     except MlflowException as exc:
         if absent(exc):
             raise StepError(f"models:/{name}/{version}: not in the registry ({exc.error_code})") from None
         raise registry_error(f"reading models:/{name}/{version}", exc) from None
+
+
+def load_version(name: str, version: str) -> LoadedModel:
+    """``models:/NAME/VERSION`` as an eval-mode GPT with its description (config, tokenizer)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    found = model_version(name, version)
     uri = f"models:/{name}/{version}"
     with storage.scratch() as scratch:
         try:
@@ -171,16 +178,10 @@ def registered_version(name: str, version: str) -> tuple[Any, dict[str, Any]]:
     """``models:/NAME/VERSION``'s ModelVersion (its tags) and its description (config.json alone,
     not the weights); absent is bad input."""
     import mlflow
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     uri = f"models:/{name}/{version}"
-    try:
-        found = MlflowClient().get_model_version(name, version)
-    except MlflowException as exc:
-        if absent(exc):
-            raise StepError(f"{uri}: not in the registry ({exc.error_code})") from None
-        raise registry_error(f"reading {uri}", exc) from None
+    found = model_version(name, version)
     with storage.scratch() as scratch:
         try:
             path = mlflow.artifacts.download_artifacts(artifact_uri=f"{uri}/{DESCRIPTION_FILE}", dst_path=str(scratch))

@@ -3,25 +3,15 @@ launcher (torchrun, 2 nodes), S3, the DVC registry and MLflow, and the refusal w
 
 from __future__ import annotations
 
-import datetime as dt
 import subprocess
 from typing import Any
 
 import pytest
-from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI, mlflow_rest
+from helpers import REPO_ROOT, RUNTIME_PY, mlflow_rest
 
 from tasks.contract import ERROR_XCOM_KEY
 
 MODEL = "llm-retrain"
-
-
-@pytest.fixture(scope="module")
-def dags() -> dict[str, Any]:
-    from airflow.dag_processing.dagbag import DagBag
-
-    bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
-    assert bag.import_errors == {}
-    return bag.dags
 
 
 def ti_states(run: Any) -> dict[str, str]:
@@ -51,18 +41,10 @@ def test_the_replay_reads_each_input_from_the_plan(dags: dict[str, Any]) -> None
 
 
 @pytest.fixture(scope="module")
-def trained_version(dags: dict[str, Any], airflow_db: None, seeded_raw: str) -> tuple[str, dict[str, str]]:
-    """A version the suite trained with today's code (the retrain DAG's end-to-end run when it
-    ran before, else a short run of that DAG here, not deployed)."""
-    recorded = {v: tags for v, tags in versions().items() if "train.world_size" in tags}
-    if not recorded:
-        run = dags["llm_retrain"].test(
-            logical_date=dt.datetime(2026, 11, 22, 7, tzinfo=dt.UTC),
-            run_conf={"raw_data_uri": SEED_URI, "train_max_steps": 20, "skip_deploy": True})
-        assert run.state == "success", ti_states(run)
-        recorded = {v: tags for v, tags in versions().items() if "train.world_size" in tags}
-    version = max(recorded, key=int)
-    return version, recorded[version]
+def trained_version(retrain_run: Any) -> tuple[str, dict[str, str]]:
+    """The version the suite's end-to-end retrain registered (tests/dags/conftest.py), its tags."""
+    version = str(xcom(retrain_run, "register")["version"])
+    return version, versions()[version]
 
 
 @pytest.mark.integration

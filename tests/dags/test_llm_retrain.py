@@ -247,12 +247,8 @@ def xcom(run: Any, task_id: str) -> Any:
 
 
 @pytest.mark.integration
-def test_pipeline_runs_end_to_end(dag: Any, airflow_db: None, seeded_raw: str) -> None:
-    run = dag.test(  # 06:00, off the weekly ticks: test_trigger_paths backfills the Sundays at midnight
-        logical_date=dt.datetime(2026, 11, 22, 6, tzinfo=dt.UTC),
-        # one traffic step after the shadow (tests/tasks/test_serving.py walks 10 -> 50 -> 100)
-        run_conf={"raw_data_uri": SEED_URI, "num_shards": 2, "train_max_steps": 60, "canary_steps": [100]},
-    )
+def test_pipeline_runs_end_to_end(retrain_run: Any) -> None:
+    run = retrain_run  # tests/dags/conftest.py: the run the DAG modules share
     states = ti_states(run)
     assert run.state == "success", states
     # approval off (the default): deploy promotes, the approval's tasks are skipped, its teardown finds no hold

@@ -56,6 +56,9 @@ def test_each_track_stages_its_version_and_is_ready_only_when_triton_is() -> Non
         assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"  # serve.kubernetes.kind: gpu
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert {"name": "shm", "mountPath": "/dev/shm"} in server["volumeMounts"]
+        # the capture's S3 keys reach the OpenAI front only, never Triton's container
+        front = pod["containers"][1]
+        assert front["envFrom"] == [{"secretRef": {"name": "llm-pipeline-storage"}}] and "envFrom" not in server
 
 
 def test_training_never_preempts_serving_and_a_drain_keeps_stable_serving() -> None:

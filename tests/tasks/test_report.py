@@ -93,6 +93,21 @@ def test_an_approved_rollout_says_who_decided_what_and_when() -> None:
         "\n".join(report.summary_lines(built))
 
 
+def test_a_run_drift_started_links_the_drift_report_above_its_chain() -> None:
+    """One chain top to bottom: what started the run, the data version, the registered version, the canary."""
+    extra = {"drift_report": "s3://pipeline/runs/llm_drift/r1/drift/report.html", "drift_run": "llm_drift/r1",
+             "drift_reasons": ["byte fallback: 64.0% of tokens"], "champion": "1"}
+    args = argparse.Namespace(dag_id="llm_retrain", run_id="asset_triggered__2026-11-26", trigger=json.dumps(extra))
+    built = report.build_report(args, load(), DONE, RESULTS)
+    lines = report.summary_lines(built)
+    assert built["trigger"] == extra
+    assert lines[1] == ("  started by  drift in served traffic (byte fallback: 64.0% of tokens): "
+                        "s3://pipeline/runs/llm_drift/r1/drift/report.html (llm_drift/r1)")
+    assert [line.split()[0] for line in lines[2:4]] == ["data", "validation"] and "champion v2" in "\n".join(lines)
+    assert "drift report (what started this run)" in report.render_html(built, lines, None, None, None, None)
+    assert "started by" not in "\n".join(report.summary_lines(build(DONE, RESULTS)))  # no --trigger: not drift
+
+
 def test_html_page_escapes_what_the_model_wrote(tmp_path: Any) -> None:
     built = build(DONE, RESULTS)
     samples = {"challenger": [{"prompt": "p", "completion": "<script>alert(1)</script>"}], "champion": None}

@@ -1,0 +1,142 @@
+"""The drift loop on the real stack: traffic through the router to the champion (the suite's
+end-to-end retrain promoted it), captured by the OpenAI API to S3, checked by the llm_drift DAG,
+which updates the raw data Asset (llm_retrain's schedule) when, and only once, it drifted."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import subprocess
+from typing import Any
+
+import pytest
+from helpers import REPO_ROOT, RUNTIME_PY
+
+pytestmark = pytest.mark.integration
+
+
+def ti_states(run: Any) -> dict[str, str]:
+    return {ti.task_id: ti.state for ti in run.get_task_instances()}
+
+
+def xcom(run: Any, task_id: str) -> Any:
+    return next(ti for ti in run.get_task_instances() if ti.task_id == task_id).xcom_pull(task_ids=task_id)
+
+
+def send(kind: str, count: int, seed: int) -> None:
+    """Demo traffic through the router (``python -m stack traffic``), the capture flushed after it."""
+    proc = subprocess.run([str(RUNTIME_PY), "-c", "import json, os, sys; from stack.traffic import send; "
+                           "print(json.dumps(send(dict(os.environ), sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))",
+                           kind, str(count), str(seed)], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"dropped_write": 0' in proc.stdout and '"dropped_full": 0' in proc.stdout, proc.stdout
+
+
+def drift_events() -> list[Any]:
+    """The raw data Asset's events the drift DAG emitted (each would start llm_retrain)."""
+    from airflow.models.asset import AssetEvent
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        events = session.query(AssetEvent).filter(AssetEvent.source_dag_id == "llm_drift").all()
+        return [(e.source_run_id, dict(e.extra or {})) for e in events]
+
+
+def check(dags: dict[str, Any], since: dt.datetime, **conf: Any) -> Any:
+    """A drift check of the window since ``since`` (to now), as the scheduler would start it."""
+    hours = (dt.datetime.now(dt.UTC) - since).total_seconds() / 3600
+    # every Param given: dag.test() keeps an earlier run's conf in the DAG object's params
+    run = dags["llm_drift"].test(run_conf={"window_hours": math.ceil(hours * 1000) / 1000 + 0.001, "end": None, **conf})
+    assert run.state == "success", ti_states(run)
+    return run
+
+
+def test_served_drift_starts_one_retrain_and_in_distribution_traffic_none(dags: dict[str, Any], retrain_run: Any) -> None:
+    assert retrain_run.state == "success"  # its version serves as champion
+
+    # an empty window: no verdict, nothing requested, quietly (a success)
+    empty = dags["llm_drift"].test(run_conf={"end": "2026-01-01T00:00:00+00:00", "window_hours": 1})
+    assert empty.state == "success" and ti_states(empty)["request_retrain"] == "skipped"
+    found = xcom(empty, "drift_check")
+    assert found["verdict"] == "no verdict" and found["request_retrain"] is False
+    assert "0 distinct captured prompt(s) in the window" in found["outcome"]
+
+    # held-out text, as users of the champion ask: no drift
+    since = dt.datetime.now(dt.UTC)
+    send("normal", 150, seed=1)
+    normal = check(dags, since)
+    found = xcom(normal, "drift_check")
+    assert found["verdict"] == "no drift" and ti_states(normal)["request_retrain"] == "skipped", found
+    assert found["figures"]["prompts"] >= 50 and found["figures"]["byte_fallback_share"] < 0.01
+    assert drift_events() == []
+
+    # the same prompts in another vocabulary, posted three times: drift each time, one retrain
+    for attempt in range(3):
+        send("drifted", 150, seed=2 + attempt)
+        drifted = check(dags, since)
+        found = xcom(drifted, "drift_check")
+        assert found["verdict"] == "drift" and len(found["reasons"]) == 3, found
+        assert found["request_retrain"] is (attempt == 0), found
+    events = drift_events()
+    assert len(events) == 1, events
+    extra = events[0][1]
+    assert extra["drift_report"].endswith("/drift/report.html") and extra["champion"] == xcom(retrain_run, "register")["version"]
+    assert extra["drift_reasons"][1].startswith("byte fallback: ")
+
+    # what the retrain it starts reports: the drift report that started it, from the Asset event
+    older = {**extra, "drift_report": "s3://pipeline/runs/llm_drift/older/drift/report.html"}
+    landed = {"raw_text": [(older, 1), ({}, 3), (extra, 2)]}  # events a paused retrain gathered, any order
+    assert render_trigger(dags["llm_retrain"], landed) == extra  # the newest drift event
+    assert render_trigger(dags["llm_retrain"], {"raw_text": [({}, 1)]}) == {}  # a run the ingest DAG started
+
+
+def render_trigger(dag: Any, events: dict[str, list[tuple[dict[str, Any], int]]]) -> dict[str, Any]:
+    """The retrain report's ``--trigger`` argument rendered from triggering Asset events (extra, time)."""
+    from types import SimpleNamespace
+
+    from jinja2.sandbox import SandboxedEnvironment
+
+    template = dag.get_task("report").arguments[dag.get_task("report").arguments.index("--trigger") + 1]
+    accessor = {name: [SimpleNamespace(extra=extra, timestamp=dt.datetime(2026, 11, 26, hour, tzinfo=dt.UTC))
+                       for extra, hour in found] for name, found in events.items()}
+    rendered = SandboxedEnvironment().from_string(template).render(triggering_asset_events=accessor)
+    return dict(json.loads(rendered))
+
+
+def test_capture_never_holds_a_request_while_s3_is_frozen(retrain_run: Any) -> None:
+    """SeaweedFS stopped (SIGSTOP) while users call: every request is answered as fast as
+    before; what was captured meanwhile is written once S3 is back (or counted as dropped)."""
+    code = """
+import json, os, signal, sys, time, urllib.request
+from stack.servers import SERVERS
+from stack.traffic import post
+env = os.environ
+def timed(n):
+    started = time.perf_counter()
+    statuses = [post(env["ROUTER_URL"], "llm-retrain", f"Return the number of item {i}") for i in range(n)]
+    return statuses, (time.perf_counter() - started) / n
+def flush():
+    request = urllib.request.Request(env["OPENAI_API_URL"] + "/capture/flush", data=b"", method="POST")
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
+flush()
+before, per_request = timed(20)
+s3 = next(s for s in SERVERS if s.name == "seaweedfs").pid()
+os.kill(s3, signal.SIGSTOP)
+try:
+    frozen, per_request_frozen = timed(20)
+    time.sleep(11)  # a flush (serve.capture.flush_s: 10) meets the frozen S3 in its background thread
+    during, _ = timed(20)
+finally:
+    os.kill(s3, signal.SIGCONT)
+print(json.dumps({"statuses": sorted(set(before + frozen + during)), "per_request": per_request,
+                  "per_request_frozen": per_request_frozen, "capture": flush()}))
+"""
+    proc = subprocess.run([str(RUNTIME_PY), "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["statuses"] == [200], found
+    # not held: a request waiting on the frozen S3 would wait out boto3's 60 s read timeout
+    assert found["per_request_frozen"] < 2.0, found
+    capture = found["capture"]
+    assert capture["written"] + capture["dropped_write"] >= 60 and capture["dropped_full"] == 0, capture
