@@ -45,8 +45,10 @@ with DAG(
     snapshot = step("snapshot", "tasks.snapshot",
                     ["--restore", result(plan, "data_version"), "--output", run_output_uri("snapshot"),
                      "--run-id", "{{ run_id }}"])
+    # the split the version's dataset had (tokenize.val_fraction then), whatever params.yaml says now
+    split = ["--set", "val_fraction=" + result(plan, "val_fraction")]
     shard_args = shard_arguments(
-        ["encode", "--snapshot", result(snapshot, "snapshot_uri"), "--tokenizer", result(plan, "tokenizer_uri")],
+        ["encode", "--snapshot", result(snapshot, "snapshot_uri"), "--tokenizer", result(plan, "tokenizer_uri"), *split],
         output_root=run_output_uri("tokenize/shards"),
         num_shards=str(params.tokenize.num_shards),  # the merged dataset is the same for any count
     )
@@ -61,6 +63,7 @@ with DAG(
             "--num-shards", str(params.tokenize.num_shards),
             "--shards", run_output_uri("tokenize/shards"),
             "--output", run_output_uri("tokenize/dataset"),
+            *split,
         ],
     )
     train = distributed_step(

@@ -32,6 +32,7 @@ import io
 import json
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,10 +72,10 @@ def window_records(uri: str, start: dt.datetime, end: dt.datetime) -> list[dict[
             for line in storage.read_bytes(part).splitlines():
                 try:
                     record = json.loads(line)
-                    when = dt.datetime.fromisoformat(record["time"])
+                    inside = start <= dt.datetime.fromisoformat(record["time"]) < end
                 except (ValueError, KeyError, TypeError):
-                    continue  # a capture line cut or foreign: the check reads what it can
-                if start <= when < end and isinstance(record.get("prompt"), str) and record["prompt"]:
+                    continue  # a capture line cut or foreign (no time zone...): the check reads what it can
+                if inside and isinstance(record.get("prompt"), str) and record["prompt"]:
                     found.append(record)
         day += dt.timedelta(days=1)
     return found
@@ -82,10 +83,20 @@ def window_records(uri: str, start: dt.datetime, end: dt.datetime) -> list[dict[
 
 @dataclass
 class Reference:
-    """The champion's training data as the check reads it: token ids, where documents start."""
+    """The champion's training data as the check reads it: token ids, where documents start.
+    Its documents are halved (alternately): the window is compared with half A, and so are
+    the chance samples, drawn from half B (samples of A itself would miss A's own sampling
+    noise, which the window's comparison has, and read in-distribution traffic as drift)."""
 
     tokens: np.ndarray
     doc_starts: np.ndarray
+
+    def halves(self) -> tuple[np.ndarray, Reference]:
+        """Half A's tokens, and half B (its documents, in the same token array)."""
+        ends = np.append(self.doc_starts[1:], len(self.tokens))
+        a = np.concatenate([self.tokens[s:e] for s, e in zip(self.doc_starts[::2], ends[::2], strict=True)])
+        b = self.doc_starts[1::2] if len(self.doc_starts) > 1 else self.doc_starts
+        return a, Reference(self.tokens, b)
 
     @classmethod
     def of_dataset(cls, dataset_uri: str, max_tokens: int) -> Reference:
@@ -169,9 +180,10 @@ def figures_of(prompts: list[np.ndarray], reference: Reference, fallback: np.nda
                vocab_size: int, settings: DriftSettings, rng: random.Random) -> dict[str, Any]:
     lengths = [len(p) for p in prompts]
     served = distribution(prompts, vocab_size)
-    whole = distribution([reference.tokens], vocab_size)
-    null = [js_bits(distribution(reference.windows(lengths, rng), vocab_size), whole) for _ in range(settings.null_samples)]
-    js = js_bits(served, whole)
+    half_a, half_b = reference.halves()
+    compared = distribution([half_a], vocab_size)
+    null = [js_bits(distribution(half_b.windows(lengths, rng), vocab_size), compared) for _ in range(settings.null_samples)]
+    js = js_bits(served, compared)
     same_lengths = reference.windows(lengths, rng)
     fallback_served, fallback_reference = share_of(prompts, fallback), share_of([reference.tokens], fallback)
     ppl_served, ppl_reference = perplexity(model, prompts, context), perplexity(model, same_lengths, context)
@@ -204,11 +216,13 @@ def judge(figures: dict[str, Any], settings: DriftSettings) -> list[str]:
 # -- the decision to retrain --------------------------------------------------------------------
 
 
-def retrain_wanted(settings: DriftSettings, champion: str, now: dt.datetime) -> tuple[bool, dict[str, Any] | None]:
-    """Whether drift may start a retrain now: not when one was started for this champion within
-    the cooldown (a window that stays drifted is one reason, not one per check)."""
+def retrain_wanted(settings: DriftSettings, champion: str, now: dt.datetime,
+                   report_uri: str) -> tuple[bool, dict[str, Any] | None]:
+    """Whether drift may start a retrain now: not when another check started one for this
+    champion within the cooldown (a window that stays drifted is one reason, not one per check).
+    The state this very check wrote (``report_uri``: a retry of it) does not count."""
     state = storage.read_json(settings.state_uri) if storage.exists(settings.state_uri) else None
-    if state and state.get("champion") == champion:
+    if state and state.get("champion") == champion and state.get("report_uri") != report_uri:
         requested = dt.datetime.fromisoformat(state["requested_at"])
         if now - requested < dt.timedelta(hours=settings.cooldown_h):
             return False, state
@@ -308,7 +322,7 @@ def check(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     report = {**base, "figures": {**figures, "requests": len(captured)}, "reasons": reasons, "champion": champion, "dataset_uri": dataset_uri,
               "verdict": DRIFT if reasons else NO_DRIFT}
     if reasons:
-        wanted, state = retrain_wanted(drift, champion, end)
+        wanted, state = retrain_wanted(drift, champion, end, storage.join(args.output, "report.html"))
         report["request_retrain"] = wanted
         report["outcome"] = ("drift: a retrain is requested (the raw data Asset)" if wanted else
                              f"drift, as at {state['requested_at']} when a retrain was requested for champion "  # type: ignore[index]
@@ -325,7 +339,8 @@ def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any
         (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
         (out / "report.html").write_text(render_html(report, png), encoding="utf-8")
     report_uri = storage.join(args.output, "report.html")
-    if report["request_retrain"]:  # recorded before the DAG updates the Asset: a retried check finds it
+    # recorded before the DAG updates the Asset: the next check finds it; this one's retry is not held by it
+    if report["request_retrain"]:
         storage.write_bytes(drift.state_uri, json.dumps({
             "champion": report["champion"], "requested_at": report["window"]["end"], "report_uri": report_uri,
             "reasons": report["reasons"]}).encode())
@@ -343,8 +358,13 @@ def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any
 
 def close(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     day = dt.date.fromisoformat(args.date)
-    if dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC) > dt.datetime.now(dt.UTC):
+    over = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC)
+    if over > dt.datetime.now(dt.UTC):
         raise StepError(f"--date {day}: the day is not over: its capture partition may still grow")
+    # the fronts write what they hold every flush_s: the day's last records land after midnight
+    settled = over + dt.timedelta(seconds=3 * settings.serve.capture.flush_s)
+    if settled > dt.datetime.now(dt.UTC):
+        time.sleep((settled - dt.datetime.now(dt.UTC)).total_seconds())
     partition = storage.join(args.served_uri or settings.serve.capture.uri, f"date={day.isoformat()}")
     parts = [u for u in storage.list_files(partition) if u.endswith(".jsonl")]
     result = {"partition": partition, "parts": len(parts)}

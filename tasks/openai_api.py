@@ -83,6 +83,15 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status)
 
 
+def message_text(message: Any) -> str | None:
+    """A chat message's text: its content, or its content parts when all are text; else None."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):  # content parts: text only
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = "".join(t for t in texts if isinstance(t, str)) if len(texts) == len(content) else None
+    return content if isinstance(content, str) else None
+
+
 def chat_prompt(messages: Any) -> str:
     """``System: ...\\nUser: ...\\nAssistant: ...\\n`` for each message, then ``Assistant:``."""
     if not isinstance(messages, list) or not messages:
@@ -90,10 +99,7 @@ def chat_prompt(messages: Any) -> str:
     lines = []
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):  # content parts: text only
-            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            content = "".join(t for t in texts if isinstance(t, str)) if len(texts) == len(content) else None
+        content = message_text(message)
         if role not in CHAT_ROLES or not isinstance(content, str):
             raise ApiError(400, f"messages[{index}]: expected role one of {', '.join(CHAT_ROLES)} and text content",
                            "messages")
@@ -238,11 +244,11 @@ class Api:
             reply = holder[0] if holder else None
             if request_id:
                 self.records.add(request_id, request.headers.get(ROUTE_HEADER, ""), record_of(reply, response))
-            if reply is not None and self.capture is not None:
+            if reply is not None and self.capture is not None and self.capture.take():
                 self.capture_reply(request, reply, response)
 
     def capture_reply(self, request: web.Request, reply: Reply, response: web.StreamResponse | None) -> None:
-        """Offer the answered request to the capture (its sample, its bounded buffer)."""
+        """Hand the answered request to the capture (the sample took it: :meth:`TrafficCapture.take`)."""
         try:
             assert self.capture is not None
             arrivals = reply.arrivals
@@ -304,6 +310,8 @@ class Api:
             body = await self.body(request, raw)
             if chat:
                 inputs = engine_inputs(body, chat_prompt(body.get("messages")), [CHAT_STOP])
+                # what the user asked, without the chat template's framing (the drift check reads it)
+                asked = "\n".join(message_text(m) or "" for m in body["messages"] if m.get("role") == "user")
             else:
                 prompt = body.get("prompt")
                 if isinstance(prompt, list) and len(prompt) == 1:
@@ -312,9 +320,10 @@ class Api:
                     raise ApiError(400, "prompt: expected a string (token-id prompts and batches are not supported)",
                                    "prompt")
                 inputs = engine_inputs(body, prompt, [])
+                asked = prompt
             stream = bool(body.get("stream"))
             reply = Reply(chat, self.served_name)
-            reply.prompt, reply.stream = str(inputs["text_input"]), stream
+            reply.prompt, reply.stream = asked, stream
             usage_chunk = stream and bool((body.get("stream_options") or {}).get("include_usage"))
             if holder is not None:
                 holder.append(reply)

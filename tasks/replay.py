@@ -52,8 +52,11 @@ def check_data(settings: Settings, tag: str, content_hash: str, uri: str) -> Non
     with registered.locked():
         registered.ensure()
         version = registered.tag_version(tag)
+        remote = registered.remote_object(tag) if version is not None else ""
     if version is None:
         raise StepError(f"{uri}: its data version {tag} is gone from the DVC registry (the tag was deleted)")
+    if not storage.exists(remote):
+        raise StepError(f"{uri}: its data version {tag} is gone from the DVC remote ({remote} is missing)")
     if version.get("content_hash") != content_hash:
         raise StepError(f"{uri}: its data version {tag} now holds content {str(version.get('content_hash'))[:12]}, "
                         f"not the {content_hash[:12]} it was trained on")
@@ -98,7 +101,9 @@ def plan(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     if not isinstance(training, dict) or "settings" not in training:
         raise StepError(f"{uri}: registered before training records (no settings, layout or runtime in its "
                         "config.json): it cannot be replayed")
-    layout = training["layout"]
+    layout, dataset = training.get("layout") or {}, training.get("dataset") or {}
+    if not {"nodes", "procs_per_node"} <= set(layout) or dataset.get("val_fraction") is None:
+        raise StepError(f"{uri}: its training record has no node/process layout or dataset split: it cannot be replayed")
     if layout["procs_per_node"] != settings.train.procs_per_node:
         raise StepError(f"{uri}: trained with {layout['procs_per_node']} processes per node; this deployment's "
                         f"train.procs_per_node is {settings.train.procs_per_node}: set it to replay the same layout")
@@ -110,6 +115,7 @@ def plan(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     log.info("replaying %s: data %s, tokenizer %s, from %s, %d node(s) x %d process(es)", uri, tags["data_version"],
              tags["tokenizer_hash"][:12], init_from or "scratch", layout["nodes"], layout["procs_per_node"])
     return {"model_version": number, "data_version": tags["data_version"], "tokenizer_uri": tags["tokenizer_uri"],
+            "val_fraction": dataset["val_fraction"],
             "init_from": init_from, "settings_uri": storage.join(args.output, "settings.json"),
             "nodes": layout["nodes"], "procs_per_node": layout["procs_per_node"]}
 

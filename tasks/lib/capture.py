@@ -5,7 +5,9 @@ Off the request path by construction: a request only appends a small dict to a b
 (dropped, and counted, when the buffer is full); a background task writes the buffer every
 ``flush_s`` in a worker thread, one S3 object per date (a single PUT: a reader sees a whole part
 or none); a failed write drops its records (counted, logged once per failure), and the next
-flush starts afresh. Prompts and answers are scrubbed of e-mail addresses (validation's rule).
+flush starts afresh. The sample is decided before a request's record is made, and prompts,
+answers and errors are scrubbed of e-mail addresses (validation's rule) by the writer thread: a
+request pays for neither.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tasks.lib import storage
 from tasks.lib.records import scrub
 
 log = logging.getLogger("capture")
+SCRUBBED = ("prompt", "completion", "error")  # what a user wrote or the model answered
 
 
 class TrafficCapture:
@@ -43,13 +46,18 @@ class TrafficCapture:
     def enabled(self) -> bool:
         return self.settings.rate > 0
 
-    def offer(self, record: dict[str, Any]) -> None:
-        """Keep ``record`` if the sample takes it and the buffer has room; never raises, never waits."""
+    def take(self) -> bool:
+        """Whether the sample takes the next request and the buffer has room for it (decided
+        before its record is made: a request the sample leaves costs nothing)."""
         if not self.enabled or self.rng.random() >= self.settings.rate:
-            return
+            return False
         if len(self.pending) >= self.settings.max_pending:
             self.stats["dropped_full"] += 1
-            return
+            return False
+        return True
+
+    def offer(self, record: dict[str, Any]) -> None:
+        """Keep a record :meth:`take` made room for (raw: scrubbed by the writer, off the request path)."""
         self.stats["sampled"] += 1
         self.pending.append(record)
 
@@ -80,7 +88,8 @@ class TrafficCapture:
     def _write(self, batch: list[dict[str, Any]]) -> int:
         by_date: dict[str, list[bytes]] = {}
         for record in batch:
-            line = json.dumps(record, ensure_ascii=False, sort_keys=True).encode("utf-8") + b"\n"
+            scrubbed = {**record, **{k: scrub(record[k]) for k in SCRUBBED if isinstance(record.get(k), str)}}
+            line = json.dumps(scrubbed, ensure_ascii=False, sort_keys=True).encode("utf-8") + b"\n"
             by_date.setdefault(record["time"][:10], []).append(line)
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
         for date, lines in sorted(by_date.items()):
@@ -93,13 +102,13 @@ class TrafficCapture:
 def served_record(*, endpoint: str, version: str, prompt: str, completion: str, prompt_tokens: int,
                   completion_tokens: int, status: int, latency_ms: float, ttft_ms: float | None,
                   stream: bool, error: str) -> dict[str, Any]:
-    """One captured request and its answer, as the drift check reads it."""
+    """One captured request and its answer, as the drift check reads it (scrubbed when written)."""
     return {
         "time": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
         "endpoint": endpoint,
         "version": version,
-        "prompt": scrub(prompt),
-        "completion": scrub(completion),
+        "prompt": prompt,
+        "completion": completion,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "status": status,

@@ -15,7 +15,7 @@ import hashlib
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ class TokenSplit:
     eos_id: int
     tokenizer_uri: str
     tokenizer_hash: str
+    index: dict[str, Any] = field(default_factory=dict)  # the dataset's index.json (how it was split)
 
 
 def open_split(dataset_dir: Path, split: str) -> TokenSplit:
@@ -95,6 +96,7 @@ def open_split(dataset_dir: Path, split: str) -> TokenSplit:
         eos_id=int(index["eos_id"]),
         tokenizer_uri=str(index["tokenizer_uri"]),
         tokenizer_hash=str(index["tokenizer_hash"]),
+        index={k: v for k, v in index.items() if k != "splits"},
     )
 
 

@@ -125,6 +125,14 @@ class Registry:
         loaded: dict[str, object] = json.loads(self.git("show", f"{tag}:{VERSION_PATH}"))
         return loaded
 
+    def remote_object(self, tag: str) -> str:
+        """The remote's URI of the snapshot ``tag`` versions (DVC 3's ``files/md5/xx/...`` layout)."""
+        import yaml
+
+        outs = yaml.safe_load(self.git("show", f"{tag}:{SNAPSHOT_PATH}.dvc"))["outs"]
+        md5 = str(outs[0]["md5"])
+        return f"{self.remote_url.rstrip('/')}/files/md5/{md5[:2]}/{md5[2:]}"
+
     def restore(self, tag: str, target: Path) -> tuple[DataVersion, dict[str, object]]:
         """Copy the snapshot versioned as ``tag`` to ``target`` (from the DVC cache, else pulled
         from the remote), leaving the registry's workspace as it was; a tag that does not exist
@@ -141,8 +149,11 @@ class Registry:
                 shutil.copyfile(self.path / SNAPSHOT_PATH, target)
             finally:
                 self.git("checkout", "-q", "HEAD", "--", dvc_file)
-                if (self.path / dvc_file).exists():
-                    self.dvc("checkout", "-q", "-f", dvc_file)
+                try:  # HEAD's data back in the workspace, where the cache has it (a fresh clone's may not)
+                    if (self.path / dvc_file).exists():
+                        self.dvc("checkout", "-q", "-f", dvc_file)
+                except RuntimeError as exc:  # harmless: the next snapshot is copied over it and added
+                    log.info("registry workspace left with %s's data: %s", tag, exc)
             return self._version(tag, version, created=False), version
 
     def commit_snapshot(self, tag: str, snapshot: Path, version: dict[str, object]) -> DataVersion:

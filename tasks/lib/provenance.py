@@ -67,8 +67,10 @@ def accelerator(device: Any) -> str:
     return "cpu"
 
 
-def training_record(settings: TrainSettings, world_size: int, device: Any) -> dict[str, Any]:
-    """The ``training`` entry of a model's description: enough to train it again."""
+def training_record(settings: TrainSettings, world_size: int, device: Any,
+                    dataset_index: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``training`` entry of a model's description: enough to train it again (with the
+    dataset's split, which the tokenize step's settings decided)."""
     import torch
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -76,6 +78,7 @@ def training_record(settings: TrainSettings, world_size: int, device: Any) -> di
     return {
         "settings": json_ready(dataclasses.asdict(settings)),
         "layout": {"world_size": world_size, "procs_per_node": local, "nodes": max(world_size // local, 1)},
+        "dataset": {k: (dataset_index or {}).get(k) for k in ("val_fraction", "tokenizer_hash", "dtype")},
         "runtime": {
             "python": platform.python_version(),
             "torch": str(torch.__version__),

@@ -391,7 +391,7 @@ def export_model(engine: Engine, config: GPTConfig, split: TokenSplit, dataset: 
             "step": state.step,
             "tokens_seen": state.samples_seen * config.seq_len,
             "initialized_from": state.initialized_from,
-            "training": training_record(settings, env.world, env.device),
+            "training": training_record(settings, env.world, env.device, split.index),
         }
         save_model_files(full, description, out)
         tracker.log_model_files(out)

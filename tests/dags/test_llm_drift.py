@@ -105,8 +105,9 @@ def render_trigger(dag: Any, events: dict[str, list[tuple[dict[str, Any], int]]]
 
 
 def test_capture_never_holds_a_request_while_s3_is_frozen(retrain_run: Any) -> None:
-    """SeaweedFS stopped (SIGSTOP) while users call: every request is answered as fast as
-    before; what was captured meanwhile is written once S3 is back (or counted as dropped)."""
+    """SeaweedFS stopped (SIGSTOP) while users call: every request is answered, none held by
+    the capture (a request waiting on S3 would wait out boto3's 60 s read timeout); what was
+    captured meanwhile is written once S3 is back or counted as dropped, never lost uncounted."""
     code = """
 import json, os, signal, sys, time, urllib.request
 from stack.servers import SERVERS

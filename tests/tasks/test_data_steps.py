@@ -87,6 +87,12 @@ def test_snapshot_versions_with_dvc_and_is_idempotent(seeded_raw: str) -> None:
     workspace = Path(os.environ["DVC_REGISTRY_DIR"]) / "data" / "snapshot.jsonl"
     assert hashlib.sha256(workspace.read_bytes()).hexdigest() == other["content_hash"]
     assert registry_git("status", "--porcelain") == ""
+    # where the replay's plan looks for the version's data on the DVC remote (DVC 3's layout)
+    from tasks.lib.params import load_settings
+    from tasks.snapshot import registry
+
+    remote = registry(load_settings().snapshot).remote_object(tag)
+    assert remote.startswith("s3://dvc/registry/files/md5/") and storage.exists(remote)
     gone = run_module("tasks.snapshot", "--restore", "data-2026-11-22-7d-000000000000", "--output", out_uri("snapshot"))
     assert gone.returncode == 2 and error_lines(gone) == [
         "ERROR python -m tasks.snapshot: data version data-2026-11-22-7d-000000000000: no such tag in the DVC "

@@ -67,8 +67,10 @@ def record(prompt: str = "Write to ann@example.org today") -> dict[str, object]:
 def test_the_capture_writes_scrubbed_records_by_date_and_drops_beyond_its_bound(tmp_path: Path) -> None:
     kept = capture(tmp_path)
     for _ in range(5):
-        kept.offer(record())
+        if kept.take():
+            kept.offer(record())
     assert kept.stats["sampled"] == 3 and kept.stats["dropped_full"] == 2  # never waits for room
+    assert kept.pending[0]["prompt"] == "Write to ann@example.org today"  # raw until the writer scrubs it
     stats = asyncio.run(kept.flush())
     assert stats["written"] == 3 and stats["parts"] == 1 and not kept.pending
     parts = list((tmp_path / "served").glob("date=*/part-*.jsonl"))
@@ -80,11 +82,46 @@ def test_the_capture_writes_scrubbed_records_by_date_and_drops_beyond_its_bound(
 
 def test_a_sample_takes_its_share_and_a_failed_write_only_drops_records(tmp_path: Path) -> None:
     sampled = capture(tmp_path, rate=0.25, max_pending=10_000)
-    for _ in range(4000):
-        sampled.offer(record())
-    assert 850 < sampled.stats["sampled"] < 1150
+    assert 850 < sum(sampled.take() for _ in range(4000)) < 1150
+    assert not capture(tmp_path, rate=0.0).take()
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     broken = capture(tmp_path, uri=str(blocked / "served"))  # a file where the folder would be
     broken.offer(record())
     assert asyncio.run(broken.flush())["dropped_write"] == 1  # counted, not raised
+
+
+def test_scrubbing_a_megabyte_word_takes_linear_time() -> None:
+    """The writer scrubs every captured prompt: an e-mail pattern with open-ended repeats
+    backtracked quadratically on one long word (8 kB: 62 ms; 1 MB: minutes)."""
+    import time
+
+    from tasks.lib.records import scrub
+
+    started = time.perf_counter()
+    assert scrub("a" * 1_000_000 + " x@y.io") == "a" * 1_000_000 + " <email>"
+    assert time.perf_counter() - started < 5  # minutes with the old pattern
+
+
+def test_the_drift_state_holds_other_checks_but_not_a_retry_of_its_own(tmp_path: Path) -> None:
+    import datetime as dt
+
+    from tasks.drift import retrain_wanted
+
+    settings = dataclasses.replace(load_settings().drift, state_uri=str(tmp_path / "state.json"))
+    now = dt.datetime(2026, 11, 26, 8, tzinfo=dt.UTC)
+    assert retrain_wanted(settings, "5", now, "s3://runs/a/drift/report.html") == (True, None)
+    state = {"champion": "5", "requested_at": now.isoformat(), "report_uri": "s3://runs/a/drift/report.html"}
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    assert retrain_wanted(settings, "5", now, "s3://runs/a/drift/report.html")[0] is True  # its retry
+    assert retrain_wanted(settings, "5", now + dt.timedelta(hours=1), "s3://runs/b/drift/report.html")[0] is False
+    assert retrain_wanted(settings, "6", now, "s3://runs/b/drift/report.html")[0] is True  # a new champion
+    assert retrain_wanted(settings, "5", now + dt.timedelta(hours=25), "s3://runs/c/drift/report.html")[0] is True
+
+
+def test_the_chance_samples_come_from_the_other_half_of_the_documents() -> None:
+    from tasks.drift import Reference
+
+    tokens = np.arange(20)
+    halves = Reference(tokens, np.array([0, 5, 9, 14])).halves()
+    assert halves[0].tolist() == [*range(0, 5), *range(9, 14)] and halves[1].doc_starts.tolist() == [5, 14]
