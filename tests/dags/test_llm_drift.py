@@ -109,7 +109,7 @@ def test_capture_never_holds_a_request_while_s3_is_frozen(retrain_run: Any) -> N
     the capture (a request waiting on S3 would wait out boto3's 60 s read timeout); what was
     captured meanwhile is written once S3 is back or counted as dropped, never lost uncounted."""
     code = """
-import json, os, signal, sys, time, urllib.request
+import json, os, signal, sys, threading, time, urllib.request
 from stack.servers import SERVERS
 from stack.traffic import post
 env = os.environ
@@ -126,10 +126,14 @@ s3 = next(s for s in SERVERS if s.name == "seaweedfs").pid()
 os.kill(s3, signal.SIGSTOP)
 try:
     frozen, per_request_frozen = timed(20)
-    time.sleep(11)  # a flush (serve.capture.flush_s: 10) meets the frozen S3 in its background thread
+    # a flush meets the frozen S3 (its write waits in the front's writer thread) while users call
+    writer = threading.Thread(target=flush, daemon=True)
+    writer.start()
+    time.sleep(1)
     during, _ = timed(20)
 finally:
     os.kill(s3, signal.SIGCONT)
+writer.join(120)
 print(json.dumps({"statuses": sorted(set(before + frozen + during)), "per_request": per_request,
                   "per_request_frozen": per_request_frozen, "capture": flush()}))
 """
