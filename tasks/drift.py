@@ -380,11 +380,11 @@ def close(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
 def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     """The newest drift check's verdict, figures and report (``make drift`` ends with it)."""
     root = storage.join(settings.pipeline.artifact_root, settings.drift.dag_id)
-    found = {u: storage.read_json(u) for u in storage.list_files(root) if u.endswith("/drift/report.json")}
-    if not found:
+    newest = storage.newest_json(root, "/drift/report.json")
+    if newest is None:
         raise StepError(f"{root}: no drift check has run yet")
-    uri = max(found, key=lambda u: found[u].get("written_at", ""))
-    report, figures = found[uri], found[uri]["figures"]
+    uri, report = newest
+    figures = report["figures"]
     print(f"{report['verdict'].upper()}: {report['outcome']}")
     window = report["window"]
     print(f"  window      {window['start'][:19]} .. {window['end'][:19]} UTC: {figures.get('prompts', 0)} distinct prompts "

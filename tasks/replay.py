@@ -148,11 +148,11 @@ def compare_weights(registered: dict[str, Any], replayed: dict[str, Any]) -> dic
 
 
 def compare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
-    from tasks.lib.model_store import load_model_dir, load_version, registered_version
+    from tasks.lib.model_store import load_model_dir, load_version, model_version
 
     name, number = settings.pipeline.model_name, version_number(args.model_version)
     uri = f"models:/{name}/{number}"
-    found, _ = registered_version(name, number)
+    found = model_version(name, number)  # its tags (the code commit); the model itself once, below
     registered = load_version(name, number)
     with storage.scratch() as scratch:
         replayed = load_model_dir(args.model, scratch)
@@ -179,17 +179,6 @@ def compare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     return {**{k: report[k] for k in ("model_version", "identical", "tensors", "differences")}, "report_uri": report_uri}
 
 
-def newest_replay(root: str, version: str, since: str) -> str | None:
-    """The newest comparison of ``version`` written at or after ``since`` (ISO, UTC; "" any)."""
-    written = {}
-    for uri in storage.list_files(root):
-        if uri.endswith("/compare/report.json"):
-            report = storage.read_json(uri)
-            if report.get("model_version") == version and report.get("written_at", "") >= since:
-                written[uri] = report["written_at"]
-    return max(written, key=lambda u: written[u]) if written else None
-
-
 def first_error(log_path: str) -> str | None:
     """The first step's one-line error in a DAG run's log (``make replay`` keeps it)."""
     if not log_path:
@@ -208,11 +197,12 @@ def first_error(log_path: str) -> str | None:
 
 def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     number = version_number(args.model_version)
-    uri = newest_replay(storage.join(settings.pipeline.artifact_root, REPLAY_DAG), number, args.since)
-    if uri is None:
+    newest = storage.newest_json(storage.join(settings.pipeline.artifact_root, REPLAY_DAG), "/compare/report.json",
+                                 lambda r: r.get("model_version") == number and r.get("written_at", "") >= args.since)
+    if newest is None:
         why = first_error(args.log) or "no comparison was written (see the run's log)"
         raise StepError(f"the replay of version {number} stopped before comparing; {why}")
-    report = storage.read_json(uri)
+    uri, report = newest
     if report["identical"]:
         print(f"REPRODUCED: {report['model_uri']} retrained from its lineage is identical, "
               f"{report['tensors']} of {report['tensors']} tensors bit for bit")

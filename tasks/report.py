@@ -395,24 +395,15 @@ def log_to_mlflow(run_id: str, out: Path, report: dict[str, Any], scratch: Path)
                 mlflow.log_artifacts(str(local), "validation")
 
 
-def newest_report(root: str) -> str | None:
-    """The summary of the report written last under ``root`` (every run's outputs)."""
-    found = [u for u in storage.list_files(root) if u.endswith("/report/report.json")]
-    if not found:
-        return None
-    written = {u: storage.read_json(u).get("written_at", "") for u in found}
-    return max(written, key=lambda u: written[u])
-
-
 def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     pipeline = settings.pipeline
     root = args.root or storage.join(pipeline.artifact_root, pipeline.dag_id)
-    uri = newest_report(root)
-    if uri is None:
+    newest = storage.newest_json(root, "/report/report.json")
+    if newest is None:
         raise StepError(f"{root}: no run report yet (run the DAG first)")
+    uri, report = newest
     print(storage.read_bytes(storage.sibling(uri, "summary.txt")).decode(), end="")
     print(f"  report      {storage.sibling(uri, 'report.html')}")
-    report = storage.read_json(uri)
     if report.get("mlflow_run"):
         print(f"  MLflow      {report['mlflow_run']}")
     return {"report_uri": uri, "verdict": report["verdict"]}

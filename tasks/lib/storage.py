@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -178,6 +178,18 @@ def list_files(uri: str) -> list[str]:
         for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             found.extend(f"s3://{bucket}/{obj['Key']}" for obj in page.get("Contents", []))
     return sorted(found)
+
+
+def newest_json(root: str, suffix: str, keep: Callable[[dict[str, Any]], bool] = lambda _: True
+                ) -> tuple[str, dict[str, Any]] | None:
+    """The JSON file ending in ``suffix`` below ``root`` written last (its ``written_at``) among
+    those ``keep`` accepts, with its content; None when there is none (every run's reports)."""
+    found = {uri: read_json(uri) for uri in list_files(root) if uri.endswith(suffix)}
+    kept = {uri: content for uri, content in found.items() if keep(content)}
+    if not kept:
+        return None
+    uri = max(kept, key=lambda u: str(kept[u].get("written_at", "")))
+    return uri, kept[uri]
 
 
 def read_bytes(uri: str) -> bytes:
