@@ -207,6 +207,7 @@ benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) benchmarks/fsdp_units.py
 	$(RT_PY) benchmarks/serve.py
 	$(RT_PY) benchmarks/serve_llm.py
+	$(RT_PY) benchmarks/serve_engine.py   # the engine alone, host and device caches (on a GPU: docs/benchmarks.md)
 	$(RT_PY) benchmarks/canary_aa.py
 	$(RT_PY) benchmarks/shadow.py
 	$(STACK_ENV) && $(RT_PY) benchmarks/capture.py   # the local stack's champion (skipped without one)

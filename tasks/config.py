@@ -546,6 +546,10 @@ class Generate:
     """Requests waiting for a slot; beyond: "overloaded" (HTTP 429)."""
     request_timeout_s: float
     """How long a request may hold its slot."""
+    tensorrt: bool = False
+    """On a GPU, run the engine's decoder on ONNX Runtime's TensorRT provider (FP16) where
+    TensorRT's library loads; off: its CUDA provider in full float32. FP16 changes greedy text,
+    which the canary compares token for token with the PyTorch reference."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_tokens", "request_timeout_s")

@@ -97,6 +97,7 @@ def generate_model_config(name: str, serve: ServeSettings) -> dict[str, Any]:
             "max_queue": {"string_value": str(generate.max_queue)},
             "default_max_tokens": {"string_value": str(generate.max_tokens)},
             "request_timeout_s": {"string_value": str(generate.request_timeout_s)},
+            "tensorrt": {"string_value": str(generate.tensorrt).lower()},
             "intra_op_thread_count": {"string_value": str(serve.intra_op_threads)},
         },
     }

@@ -71,7 +71,8 @@ def test_dockerfiles_pass_hadolint() -> None:
 def test_serving_image_installs_what_the_python_backend_models_import() -> None:
     """In a cluster `llm` runs on Triton's own ONNX Runtime (or TensorRT) backend and only
     `llm_generate` on the python backend; the compose stack serves the local variant, `llm` on
-    the python backend too: their imports beyond Triton's come from the runtime lock."""
+    the python backend too: their imports beyond Triton's come from the runtime lock (on GPUs
+    ONNX Runtime's CUDA build and torch, tests/tasks/test_engine.py's GPU test)."""
     imported: set[str] = set()
     siblings = set()  # a model's own modules beside its model.py (the engine)
     for source in sorted((REPO_ROOT / "tasks" / "triton_models").glob("*/*.py")):
@@ -79,9 +80,13 @@ def test_serving_image_installs_what_the_python_backend_models_import() -> None:
         imported |= set(re.findall(r"^(?:import|from) (\w+)", source.read_text(), flags=re.M))
     provided = set(sys.stdlib_module_names) | siblings | {"__future__", "triton_python_backend_utils"}
     serving = (REPO_ROOT / "containers" / "Dockerfile.serving").read_text()
-    installed = set(re.search(r"-c /tmp/runtime.txt ([\w ]+)", serving).group(1).split())  # type: ignore[union-attr]
-    assert imported - provided == installed == {"numpy", "onnxruntime", "tokenizers"}
-    assert "USER 1000" in serving
+    installed = set(re.search(r"-c /tmp/runtime.txt ([\w ]+)\$engine", serving).group(1).split())  # type: ignore[union-attr]
+    # the engine's ONNX Runtime by device: the CUDA build (the same module) and torch, in which
+    # the engine keeps a GPU's KV cache (imported there only), or the CPU build
+    engines = [e.split()[:2] for e in re.findall(r'engine="([^"]+)"', serving)]
+    assert engines == [["onnxruntime-gpu", "torch"], ["onnxruntime"]], engines
+    assert imported - provided == installed | {"onnxruntime"} == {"numpy", "onnxruntime", "tokenizers"}
+    assert "ARG DEVICE=gpu" in serving and "USER 1000" in serving
 
 
 def load_compose() -> dict[str, Any]:

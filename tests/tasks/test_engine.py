@@ -16,6 +16,7 @@ from tasks.lib import tokens
 from tasks.lib.model import GPT, GPTConfig, generate_greedy
 from tasks.triton_models.llm_generate.engine import (  # the file Triton loads beside model.py
     Detokenizer,
+    DeviceKVDecoder,
     Engine,
     KVDecoder,
     Overloaded,
@@ -42,10 +43,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[GPT, Any, Path]:
     return model, tokenizer, path
 
 
-def engine_of(exported: tuple[GPT, Any, Path], slots: int = 4, queue: int = 8, timeout_s: float = 30.0) -> Engine:
+def engine_of(exported: tuple[GPT, Any, Path], slots: int = 4, queue: int = 8, timeout_s: float = 30.0,
+              decoder_kind: type[KVDecoder] = KVDecoder) -> Engine:
     model, tokenizer, path = exported
     c = model.config
-    decoder = KVDecoder(str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, slots, threads=1)
+    decoder = decoder_kind(str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, slots, threads=1)
     return Engine(decoder, tokenizer, c.seq_len, slots, queue, 8, timeout_s).start()
 
 
@@ -54,11 +56,15 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-def test_requests_joining_a_running_batch_get_the_reference_continuations(exported: tuple[GPT, Any, Path]) -> None:
+@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder], ids=["host-cache", "bound-cache"])
+def test_requests_joining_a_running_batch_get_the_reference_continuations(exported: tuple[GPT, Any, Path],
+                                                                          decoder_kind: type[KVDecoder]) -> None:
     """Six requests of different prompts, submitted while others run, on four slots: each
-    greedy continuation equals PyTorch's (KV cache, batch 1) token for token."""
+    greedy continuation equals PyTorch's (KV cache, batch 1) token for token. Both caches: the
+    host's, and the one a GPU keeps in its memory (torch tensors bound to ONNX Runtime by
+    address; here on the CPU, the same code)."""
     model, tokenizer, _ = exported
-    engine = engine_of(exported)
+    engine = engine_of(exported, decoder_kind=decoder_kind)
     prompts = [prompt_ids(tokenizer, t) for t in ("Return the", "raise ValueError", "café", "items in bucket 3",
                                                    "Return the number of items", "if it is")]
     results: list[Sequence | None] = [None] * len(prompts)
@@ -81,6 +87,85 @@ def test_requests_joining_a_running_batch_get_the_reference_continuations(export
         assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_id)
     assert engine.stats.steps < sum(len(r.tokens) for r in results if r)  # decode steps were shared
     assert engine.in_use == 0 and len(engine.free) == 4
+
+
+class GpuOnnxRuntime:
+    """What onnxruntime-gpu says it has, whatever the machine (its TensorRT provider included)."""
+
+    @staticmethod
+    def get_available_providers() -> list[str]:
+        return ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_providers_cuda_in_full_float32_and_tensorrt_only_where_asked_and_loadable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP16 (TensorRT) and TF32 (CUDA's default) change greedy text, which the canary compares with
+    PyTorch's: CUDA runs in full float32, TensorRT only when serve.generate.tensorrt asks and
+    its library loads (else ONNX Runtime would retry on CUDA without the options asked for)."""
+    from tasks.triton_models.llm_generate import engine
+
+    shape = (2, 4, 8, 48)
+    cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})
+    assert KVDecoder.providers(GpuOnnxRuntime, shape, 4) == [cuda, "CPUExecutionProvider"]
+    monkeypatch.setattr(engine, "tensorrt_runtime_present", lambda: False)
+    assert KVDecoder.providers(GpuOnnxRuntime, shape, 4, tensorrt=True) == [cuda, "CPUExecutionProvider"]
+    monkeypatch.setattr(engine, "tensorrt_runtime_present", lambda: True)
+    tensorrt, *rest = KVDecoder.providers(GpuOnnxRuntime, shape, 4, tensorrt=True)
+    assert tensorrt[0] == "TensorrtExecutionProvider" and rest == [cuda, "CPUExecutionProvider"]
+    assert tensorrt[1]["trt_profile_max_shapes"].startswith("input_ids:4x48,past_keys:2x4x4x47x8")
+
+
+def cuda_provider_present() -> bool:
+    import onnxruntime as ort
+
+    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.skipif(not cuda_provider_present(), reason="no GPU or no onnxruntime-gpu: run on a GPU machine "
+                                                         "(docs/testing.md)")
+def test_on_a_gpu_the_engine_runs_on_cuda_with_the_cache_on_the_gpu_and_the_reference_continuations(
+        tmp_path: Path) -> None:
+    """What a GPU Triton pod runs: :meth:`KVDecoder.open` picks the CUDA provider (full float32:
+    TF32 changes greedy text) and keeps the cache in the GPU's memory. A model of 256 tokens'
+    context, eight prompts on four slots joining a running batch: every greedy continuation of
+    up to 128 tokens equals PyTorch's on the CPU, token for token."""
+    import onnxruntime as ort
+
+    from tasks.export import export_decoder
+
+    tokenizer = tokens.train_tokenizer(TEXTS, 400)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), seq_len=256, d_model=256, n_layers=4,
+                          n_heads=8)).eval()
+    path = tmp_path / "decoder.onnx"
+    export_decoder(model, path, 18)
+    c = model.config
+    decoder = KVDecoder.open(str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, 4)
+    assert isinstance(decoder, DeviceKVDecoder) and decoder.device.type == "cuda", type(decoder)
+    providers = decoder.session.get_providers()
+    assert providers[0] == "CUDAExecutionProvider", (providers, ort.get_available_providers())
+    assert decoder.session.get_provider_options()["CUDAExecutionProvider"]["use_tf32"] == "0"
+    engine = Engine(decoder, tokenizer, c.seq_len, 4, 8, 8, 120).start()
+    prompts = [prompt_ids(tokenizer, t) for t in TEXTS[:8]]
+    results: list[Sequence | None] = [None] * len(prompts)
+
+    def run(index: int) -> None:
+        time.sleep(0.02 * index)
+        results[index] = generate(engine, prompts[index], check_sampling(128, 8, len(prompts[index]), c.seq_len),
+                                  timeout_s=120)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+    finally:
+        engine.stop()
+    for ids, result in zip(prompts, results, strict=True):
+        assert result is not None and result.finish_reason in ("stop", "length"), result
+        assert result.tokens == generate_greedy(model, ids, 128, engine.eos_id)
+    assert engine.in_use == 0 and engine.stats.failed == 0
 
 
 def test_sampling_is_reproducible_by_seed_and_respects_stop_strings(exported: tuple[GPT, Any, Path]) -> None:

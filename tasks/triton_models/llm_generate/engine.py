@@ -1,13 +1,14 @@
 """The generation engine: continuous batching over a KV-cache decoder run by ONNX Runtime.
 
-Self-contained (numpy, onnxruntime, tokenizers): it ships in each exported version's folder
-beside the Triton model that drives it (``model.py``), and the export step and benchmarks import
-the same file, so what is parity-checked is what serves.
+Self-contained (numpy, onnxruntime, tokenizers; torch on GPUs): it ships in each exported
+version's folder beside the Triton model that drives it (``model.py``), and the export step and
+benchmarks import the same file, so what is parity-checked is what serves.
 
 - :class:`KVDecoder`: ``decoder.onnx`` (the model's :meth:`GPT.forward_cached`) with a key/value
   cache preallocated for ``slots`` sequences of the full context; a prefill writes a prompt's
   keys and values into its slot, a decode step runs every active sequence's last token at once
-  (each sequence's past masked to its own length).
+  (each sequence's past masked to its own length). On a GPU (:class:`DeviceKVDecoder`) the cache
+  stays in the GPU's memory, bound to ONNX Runtime by address.
 - :class:`Engine`: a scheduler thread. A request waits in a bounded admission queue (full: the
   submit fails at once with :class:`Overloaded`, memory never grows), joins the running batch at
   the next step when a slot is free (prefill, then one decode step per token with everyone
@@ -113,13 +114,46 @@ def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.
     return int(candidates[rng.choice(len(candidates), p=weights)])
 
 
+def tensorrt_runtime_present() -> bool:
+    """Whether TensorRT's own libraries load. onnxruntime-gpu lists its TensorRT provider whether or
+    not they are installed, and on a failed start ONNX Runtime retries on CUDA without the
+    provider options asked for (full float32 among them)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvinfer.so.10")  # the TensorRT major onnxruntime-gpu's provider links
+    except OSError:
+        return False
+    return True
+
+
 class KVDecoder:
     """``decoder.onnx`` and the key/value cache of ``slots`` sequences."""
 
     INPUTS = ("input_ids", "past_keys", "past_values", "past_lengths")
+    keys: Any  # (layers, slots, heads, context, head_dim): numpy here, torch in DeviceKVDecoder
+    values: Any
+    placeholder: Any  # the masked one-position past of a prefill
 
     def __init__(self, onnx_path: str, layers: int, heads: int, head_dim: int, context: int, slots: int,
-                 threads: int = 0) -> None:
+                 threads: int = 0, session: Any = None) -> None:
+        self.session = session or self.open_session(onnx_path, (layers, heads, head_dim, context), slots, threads)
+        self.shape = (layers, slots, heads, context, head_dim)
+        self.lengths = np.zeros(slots, np.int64)
+        self.allocate()
+
+    @classmethod
+    def open(cls, onnx_path: str, layers: int, heads: int, head_dim: int, context: int, slots: int,
+             threads: int = 0, tensorrt: bool = False) -> KVDecoder:
+        """The decoder for wherever ONNX Runtime runs it: on a GPU (CUDA or TensorRT provider) the
+        cache lives in the GPU's memory (:class:`DeviceKVDecoder`), else in the host's."""
+        session = cls.open_session(onnx_path, (layers, heads, head_dim, context), slots, threads, tensorrt)
+        kind = KVDecoder if session.get_providers()[0] == "CPUExecutionProvider" else DeviceKVDecoder
+        return kind(onnx_path, layers, heads, head_dim, context, slots, threads, session)
+
+    @classmethod
+    def open_session(cls, onnx_path: str, shape: tuple[int, int, int, int], slots: int, threads: int,
+                     tensorrt: bool = False) -> Any:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -129,23 +163,23 @@ class KVDecoder:
         # for work took the CPU from the busy ones (a good canary's inter-token latency read 5x
         # stable's at 50% in a test)
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(
-            onnx_path, options, providers=self.providers(ort, (layers, heads, head_dim, context), slots))
-        shape = (layers, slots, heads, context, head_dim)
-        self.keys, self.values = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-        self.lengths = np.zeros(slots, np.int64)
+        return ort.InferenceSession(onnx_path, options, providers=cls.providers(ort, shape, slots, tensorrt))
+
+    def allocate(self) -> None:
+        self.keys, self.values = np.zeros(self.shape, np.float32), np.zeros(self.shape, np.float32)
+        layers, _, heads, _, head_dim = self.shape
         self.placeholder = np.zeros((layers, 1, heads, 1, head_dim), np.float32)
 
     @staticmethod
-    def providers(ort: Any, shape: tuple[int, int, int, int], slots: int) -> list[Any]:
-        """TensorRT, then CUDA where this onnxruntime has them (the GPU serving image), else the CPU.
-        TensorRT builds its engine from the same decoder.onnx, FP16, with one optimization profile
-        over the batch (1 prefill .. ``slots`` decoding) and the past length (1 .. context - 1),
-        cached in the scratch folder (the model's is read-only in a pod), so a restarted container
-        does not build it again."""
+    def providers(ort: Any, shape: tuple[int, int, int, int], slots: int, tensorrt: bool = False) -> list[Any]:
+        """TensorRT (where asked: ``serve.generate.tensorrt``), then CUDA where this onnxruntime has
+        them (the GPU serving image), else the CPU. TensorRT builds its engine from the same
+        decoder.onnx, FP16, with one optimization profile over the batch (1 prefill .. ``slots``
+        decoding) and the past length (1 .. context - 1), cached in the scratch folder (the
+        model's is read-only in a pod), so a restarted container does not build it again."""
         available = ort.get_available_providers()
         chosen: list[Any] = []
-        if "TensorrtExecutionProvider" in available:
+        if tensorrt and "TensorrtExecutionProvider" in available and tensorrt_runtime_present():
             layers, heads, head_dim, context = shape
 
             def shapes(batch: int, tokens: int, past: int) -> str:
@@ -159,8 +193,11 @@ class KVDecoder:
                 "trt_profile_min_shapes": shapes(1, 1, 1),
                 "trt_profile_opt_shapes": shapes(slots, 1, context // 2),
                 "trt_profile_max_shapes": shapes(slots, context, context - 1)}))
-        chosen += [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-        return chosen
+        if "CUDAExecutionProvider" in available:
+            # full float32 matrix products: TF32 (the CUDA provider's default on Ampere and later)
+            # changes greedy continuations, which must equal the PyTorch reference's (the canary)
+            chosen.append(("CUDAExecutionProvider", {"use_tf32": "0"}))
+        return [*chosen, "CPUExecutionProvider"]
 
     def prefill(self, slot: int, ids: list[int]) -> np.ndarray[Any, Any]:
         """The prompt's keys and values into ``slot``; returns its next-token logits (vocab,)."""
@@ -184,6 +221,69 @@ class KVDecoder:
         self.values[:, index, :, lengths] = values[:, :, :, 0].transpose(1, 0, 2, 3)
         self.lengths[index] += 1
         return logits  # type: ignore[no-any-return]
+
+
+class DeviceKVDecoder(KVDecoder):
+    """The cache in the accelerator's memory (torch tensors) and bound to the session by address
+    (ONNX Runtime's IO binding): a step moves only token ids in and the batch's logits out, where
+    the host cache would copy every active sequence's past keys and values to the GPU and back
+    per token. torch does the cache's gather and scatter (the GPU serving image has it)."""
+
+    def allocate(self) -> None:
+        import torch
+
+        self.torch = torch
+        provider = self.session.get_providers()[0]
+        self.device = torch.device("cpu" if provider == "CPUExecutionProvider" else "cuda", 0)
+        self.keys = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        layers, _, heads, _, head_dim = self.shape
+        self.placeholder = torch.zeros((layers, 1, heads, 1, head_dim), dtype=torch.float32, device=self.device)
+        self.vocab = int(self.session.get_outputs()[0].shape[-1])
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, ids: Any, past_keys: Any, past_values: Any, lengths: np.ndarray[Any, Any]) -> tuple[Any, Any, Any]:
+        torch = self.torch
+        batch, new = ids.shape
+        layers, _, heads, _, head_dim = self.shape
+        logits = torch.empty((batch, self.vocab), dtype=torch.float32, device=self.device)
+        present_keys = torch.empty((layers, batch, heads, new, head_dim), dtype=torch.float32, device=self.device)
+        present_values = torch.empty_like(present_keys)
+        past_lengths = torch.from_numpy(lengths).to(self.device)
+        binding = self.session.io_binding()
+        where = (self.device.type, self.device.index or 0)
+        for name, tensor in (*zip(self.INPUTS, (ids, past_keys, past_values, past_lengths), strict=True),
+                             *zip(self.output_names, (logits, present_keys, present_values), strict=True)):
+            bind = binding.bind_input if name in self.INPUTS else binding.bind_output
+            dtype = np.int64 if tensor.dtype == torch.int64 else np.float32
+            bind(name, *where, dtype, tuple(tensor.shape), tensor.data_ptr())
+        if self.device.type == "cuda":  # torch's writes of the inputs done before ONNX Runtime's stream reads
+            torch.cuda.current_stream(self.device).synchronize()
+        self.session.run_with_iobinding(binding)  # returns once the outputs are written
+        return logits, present_keys, present_values
+
+    def prefill(self, slot: int, ids: list[int]) -> np.ndarray[Any, Any]:
+        torch, n = self.torch, len(ids)
+        tokens = torch.tensor([ids], dtype=torch.int64, device=self.device)
+        logits, keys, values = self.run(tokens, self.placeholder, self.placeholder, np.zeros(1, np.int64))
+        self.keys[:, slot, :, :n], self.values[:, slot, :, :n] = keys[:, 0], values[:, 0]
+        self.lengths[slot] = n
+        return logits[0].cpu().numpy()  # type: ignore[no-any-return]
+
+    def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
+        torch = self.torch
+        lengths = self.lengths[np.asarray(slots)]
+        index = torch.tensor(slots, device=self.device)
+        past = int(lengths.max())
+        logits, keys, values = self.run(
+            torch.tensor(tokens, dtype=torch.int64, device=self.device)[:, None],
+            self.keys[:, :, :, :past].index_select(1, index), self.values[:, :, :, :past].index_select(1, index),
+            lengths)
+        at = torch.from_numpy(lengths).to(self.device)
+        self.keys[:, index, :, at] = keys[:, :, :, 0].permute(1, 0, 2, 3)
+        self.values[:, index, :, at] = values[:, :, :, 0].permute(1, 0, 2, 3)
+        self.lengths[np.asarray(slots)] += 1
+        return logits.cpu().numpy()  # type: ignore[no-any-return]
 
 
 class Detokenizer:
@@ -290,14 +390,14 @@ class Engine:
 
     @classmethod
     def from_folder(cls, folder: str, slots: int, max_queue: int, default_max_tokens: int, request_timeout_s: float,
-                    threads: int = 0) -> Engine:
+                    threads: int = 0, tensorrt: bool = False) -> Engine:
         """An exported version's folder: decoder.onnx, tokenizer.json, generation.json."""
         from tokenizers import Tokenizer
 
         with open(os.path.join(folder, "generation.json")) as fh:
             shape = json.load(fh)
-        decoder = KVDecoder(os.path.join(folder, "decoder.onnx"), shape["n_layers"], shape["n_heads"],
-                            shape["head_dim"], shape["seq_len"], slots, threads)
+        decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), shape["n_layers"], shape["n_heads"],
+                                 shape["head_dim"], shape["seq_len"], slots, threads, tensorrt)
         tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         return cls(decoder, tokenizer, int(shape["seq_len"]), slots, max_queue, default_max_tokens, request_timeout_s)
 

@@ -117,7 +117,8 @@ class TritonPythonModel:
         self.engine = Engine.from_folder(
             folder, slots=int(params["max_slots"]), max_queue=int(params["max_queue"]),
             default_max_tokens=int(params["default_max_tokens"]),
-            request_timeout_s=float(params["request_timeout_s"]), threads=int(params.get("intra_op_thread_count", "0")))
+            request_timeout_s=float(params["request_timeout_s"]), threads=int(params.get("intra_op_thread_count", "0")),
+            tensorrt=params.get("tensorrt") == "true")
         self.metrics = Metrics(args["model_name"], args["model_version"])
         self.engine.start()
         self.stopped = threading.Event()

@@ -1,0 +1,182 @@
+"""The generation engine alone, in-process: continuous batching over the KV-cache decoder, no
+Triton, front or HTTP around it, at several concurrencies, with the cache in the host's memory
+(:class:`KVDecoder`, the CPU default) and in the device's (:class:`DeviceKVDecoder`, the GPU
+default), side by side, rounds interleaved.
+
+    .venvs/runtime/bin/python benchmarks/serve_engine.py [--preset cpu-tiny] [--prompt 32] [--new 64]
+        [--concurrency 1 8 32] [--slots 8] [--rounds 3] [--decoders host device] [--output FILE]
+
+A GPT of the preset (random weights: speed does not depend on them; ``params.yaml``'s
+``train.presets`` and ``tokenize.vocab_size``), exported to ``decoder.onnx`` by the export step's
+own function, run by ONNX Runtime on the best provider this onnxruntime has (CUDA on a GPU
+machine with onnxruntime-gpu, else the CPU on every core). Each measurement submits
+``max(16, concurrency)`` requests of random prompts, ``concurrency`` at a time, each for exactly
+``--new`` tokens (``ignore_eos``), greedy; figures: output tokens/s over the measurement, per
+request time to first token and inter-token latency (p50). Before the timings, every decoder's
+greedy continuations of four prompts are checked against PyTorch's reference (the canary's rule);
+a mismatch is printed and ends the run with exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from tasks.export import export_decoder  # noqa: E402
+from tasks.lib import tokens  # noqa: E402
+from tasks.lib.model import GPT, GPTConfig, generate_greedy  # noqa: E402
+from tasks.triton_models.llm_generate.engine import (  # noqa: E402
+    DeviceKVDecoder,
+    Engine,
+    KVDecoder,
+    SamplingParams,
+    generate,
+)
+
+DECODERS = {"host": KVDecoder, "device": DeviceKVDecoder}
+
+
+def random_texts(count: int, seed: int = 0) -> list[str]:
+    """Documents of made-up words: enough distinct pairs for a BPE to fill a vocabulary of thousands."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(20_000)]
+    return [" ".join(rng.choice(words, size=120)) for _ in range(count)]
+
+
+def build(preset: str, folder: Path) -> tuple[GPT, Any, Path]:
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    shape = params["train"]["presets"][preset]
+    tokenizer = tokens.train_tokenizer(random_texts(3000), int(params["tokenize"]["vocab_size"]))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), **shape)).eval()
+    path = folder / "decoder.onnx"
+    export_decoder(model, path, int(params["export"]["opset"]))
+    return model, tokenizer, path
+
+
+def open_engine(kind: str, model: GPT, tokenizer: Any, path: Path, slots: int, queue: int) -> Engine:
+    c = model.config
+    decoder = DECODERS[kind](str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, slots)
+    return Engine(decoder, tokenizer, c.seq_len, slots, queue, 16, 600.0).start()
+
+
+def check_parity(engine: Engine, model: GPT, vocab: int, prompt: int, new: int) -> int:
+    """Greedy continuations of four random prompts, run together, against PyTorch's (batch 1):
+    how many differ."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, vocab, size=prompt).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    results: list[list[int]] = [[] for _ in prompts]
+
+    def one(i: int) -> None:
+        results[i] = generate(engine, prompts[i], params, timeout_s=600).tokens
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    with torch.no_grad():
+        expected = [generate_greedy(model, p, new) for p in prompts]
+    return sum(got != want for got, want in zip(results, expected, strict=True))
+
+
+def measure(engine: Engine, vocab: int, prompt: int, new: int, concurrency: int) -> dict[str, float]:
+    requests = max(16, concurrency)
+    rng = np.random.default_rng(concurrency)
+    prompts = [rng.integers(0, vocab, size=prompt).tolist() for _ in range(requests)]
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    ttft: list[float] = []
+    itl: list[float] = []
+    lock = threading.Lock()
+    next_index = [0]
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if next_index[0] >= requests:
+                    return
+                index = next_index[0]
+                next_index[0] += 1
+            sequence = generate(engine, prompts[index], params, timeout_s=600)
+            with lock:
+                ttft.append(sequence.first_token_at - sequence.submitted)
+                itl.append((sequence.last_token_at - sequence.first_token_at) / max(1, len(sequence.tokens) - 1))
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    return {"output_tok_s": requests * new / wall, "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
+            "itl_p50_ms": 1000 * float(np.percentile(itl, 50))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="cpu-tiny")
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--slots", type=int, default=8, help="the engine's slots (serve.max_slots)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is shown)")
+    parser.add_argument("--decoders", nargs="+", choices=list(DECODERS), default=list(DECODERS))
+    parser.add_argument("--output", type=Path, help="write the figures here as JSON")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        model, tokenizer, path = build(args.preset, Path(tmp))
+        vocab = model.config.vocab_size
+        engines = {kind: open_engine(kind, model, tokenizer, path, args.slots, max(args.concurrency))
+                   for kind in args.decoders}
+        provider = next(iter(engines.values())).decoder.session.get_providers()[0]
+        print(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, context "
+              f"{model.config.seq_len}, prompts of {args.prompt}, {args.new} new tokens, {args.slots} slots; "
+              f"ONNX Runtime on {provider}", flush=True)
+        mismatches = {kind: check_parity(engine, model, vocab, args.prompt, args.new) for kind, engine in engines.items()}
+        print("greedy continuations differing from PyTorch's (of 4): "
+              + ", ".join(f"{kind} {n}" for kind, n in mismatches.items()), flush=True)
+        runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+        for engine in engines.values():  # warm-up: first runs allocate and tune
+            measure(engine, vocab, args.prompt, args.new, max(args.concurrency))
+        for _ in range(args.rounds):
+            for concurrency in args.concurrency:
+                for kind, engine in engines.items():
+                    runs.setdefault((kind, concurrency), []).append(
+                        measure(engine, vocab, args.prompt, args.new, concurrency))
+        for engine in engines.values():
+            engine.stop()
+
+    rows = {f"{kind} c{concurrency}": {key: statistics.median(r[key] for r in found) for key in found[0]}
+            for (kind, concurrency), found in runs.items()}
+    print("| cache | concurrency | output tok/s | TTFT p50 ms | ITL p50 ms |\n|---|---|---|---|---|")
+    for (kind, concurrency) in runs:
+        row = rows[f"{kind} c{concurrency}"]
+        print(f"| {kind} | {concurrency} | {row['output_tok_s']:.0f} | {row['ttft_p50_ms']:.2f} | {row['itl_p50_ms']:.2f} |")
+    if args.output:
+        args.output.write_text(json.dumps({"preset": args.preset, "provider": provider, "prompt": args.prompt,
+                                           "new": args.new, "slots": args.slots, "mismatches": mismatches,
+                                           "rows": rows}, indent=1))
+    if any(mismatches.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
