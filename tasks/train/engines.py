@@ -143,7 +143,12 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, model: nn.Module, settings: TrainSettings, env: Dist, make_optimizer: MakeOptimizer) -> None:
         import deepspeed
+        import deepspeed.ops
 
+        # DeepSpeed's shared-memory all-reduce serves its inference alone, yet on CPUs every process
+        # compiles it with g++ at its first start (~30 s, in each training pod too): training's
+        # collectives go through torch.distributed either way
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.settings, self.env = settings, env
         model.to(env.device)
         self.model, self.optimizer, _, _ = deepspeed.initialize(
