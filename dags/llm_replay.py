@@ -15,7 +15,7 @@ import datetime as dt
 from airflow.sdk import DAG, Param
 from alerts import on_run_failure, step_defaults
 
-from launcher import distributed_step, mapped_step, result, run_output_uri, shard_arguments, step
+from launcher import distributed_step, result, run_output_uri, step, tokenize_steps
 from pipeline_params import pipeline_params
 
 params = pipeline_params()
@@ -47,25 +47,9 @@ with DAG(
                      "--run-id", "{{ run_id }}"])
     # the split the version's dataset had (tokenize.val_fraction then), whatever params.yaml says now
     split = ["--set", "val_fraction=" + result(plan, "val_fraction")]
-    shard_args = shard_arguments(
-        ["encode", "--snapshot", result(snapshot, "snapshot_uri"), "--tokenizer", result(plan, "tokenizer_uri"), *split],
-        output_root=run_output_uri("tokenize/shards"),
-        num_shards=str(params.tokenize.num_shards),  # the merged dataset is the same for any count
-    )
-    encode = mapped_step("tokenize_shard", "tasks.tokenize", shard_args)
-    merge = step(
-        "tokenize_merge",
-        "tasks.tokenize",
-        [
-            "merge",
-            "--snapshot", result(snapshot, "snapshot_uri"),
-            "--tokenizer", result(plan, "tokenizer_uri"),
-            "--num-shards", str(params.tokenize.num_shards),
-            "--shards", run_output_uri("tokenize/shards"),
-            "--output", run_output_uri("tokenize/dataset"),
-            *split,
-        ],
-    )
+    merge = tokenize_steps(result(snapshot, "snapshot_uri"), result(plan, "tokenizer_uri"),
+                           str(params.tokenize.num_shards),  # the merged dataset is the same for any count
+                           extra=split)
     train = distributed_step(
         "train",
         "tasks.train",
@@ -84,4 +68,3 @@ with DAG(
     step("replay_compare", "tasks.replay",
          ["compare", "--model-version", "{{ params.version }}", "--model", result(train, "model_uri"),
           "--output", run_output_uri("compare")])
-    encode >> merge  # merge reads the shards' folder, written by the mapped encode tasks

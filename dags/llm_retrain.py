@@ -21,12 +21,11 @@ from alerts import on_run_failure, step_defaults
 from launcher import (
     answer,
     distributed_step,
-    mapped_step,
     result,
     run_output_uri,
     scheduling,
-    shard_arguments,
     step,
+    tokenize_steps,
 )
 from pipeline_params import pipeline_params, raw_data_asset
 from tasks.config import TrainSettings, choices
@@ -196,28 +195,8 @@ with DAG(
             "--tokenizer", "{{ params.tokenizer_uri or '' }}",
         ],
     )
-    shard_args = shard_arguments(
-        [
-            "encode",
-            "--snapshot", result(snapshot, "snapshot_uri"),
-            "--tokenizer", result(tokenizer, "tokenizer_uri"),
-        ],
-        output_root=run_output_uri("tokenize/shards"),
-        num_shards="{{ params.num_shards }}",
-    )
-    encode = mapped_step("tokenize_shard", "tasks.tokenize", shard_args)
-    merge = step(
-        "tokenize_merge",
-        "tasks.tokenize",
-        [
-            "merge",
-            "--snapshot", result(snapshot, "snapshot_uri"),
-            "--tokenizer", result(tokenizer, "tokenizer_uri"),
-            "--num-shards", "{{ params.num_shards }}",
-            "--shards", run_output_uri("tokenize/shards"),
-            "--output", run_output_uri("tokenize/dataset"),
-        ],
-    )
+    merge = tokenize_steps(result(snapshot, "snapshot_uri"), result(tokenizer, "tokenizer_uri"),
+                           "{{ params.num_shards }}")
 
     train = distributed_step(
         "train",
@@ -361,7 +340,6 @@ with DAG(
     # The edges come from the data: each step is downstream of the steps whose results its
     # arguments read (launcher.result). What follows orders steps that read no result:
     validate >> tokenizer  # nothing is tokenized before the snapshot passed validation
-    encode >> merge  # merge reads the shards' folder, written by the mapped encode tasks
     export >> deploy_gate >> deploy  # skip_deploy: the export is kept, the canary is not run
     deploy >> approval_gate >> approve  # (approve's body reads deploy's and evaluate's results)
     finish >> release.as_teardown() >> report

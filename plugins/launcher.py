@@ -495,3 +495,18 @@ def shard_arguments(arguments: list[str], *, output_root: str, num_shards: str, 
     for planner, _ in planned.iter_references():  # the plan's own task
         downstream_of_what_it_reads(planner, sources)
     return planned
+
+
+def tokenize_steps(snapshot_uri: Any, tokenizer_uri: Any, num_shards: str, extra: Sequence[str] = ()) -> BaseOperator:
+    """A DAG's tokenization: the snapshot encoded in ``num_shards`` mapped tasks
+    (``tokenize_shard``), merged into one dataset (``tokenize_merge``, whose result holds
+    ``dataset_uri``); ``extra`` goes to both (e.g. a recorded ``--set val_fraction=``)."""
+    shards = run_output_uri("tokenize/shards")
+    source = ["--snapshot", snapshot_uri, "--tokenizer", tokenizer_uri, *extra]
+    encode = mapped_step("tokenize_shard", "tasks.tokenize",
+                         shard_arguments(["encode", *source], output_root=shards, num_shards=num_shards))
+    merge = step("tokenize_merge", "tasks.tokenize",
+                 ["merge", *source, "--num-shards", num_shards, "--shards", shards,
+                  "--output", run_output_uri("tokenize/dataset")])
+    encode >> merge  # merge reads the shards' folder, written by the mapped encode tasks
+    return merge
