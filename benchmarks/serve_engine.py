@@ -44,6 +44,7 @@ from tasks.triton_models.llm_generate.engine import (  # noqa: E402
     Engine,
     KVDecoder,
     SamplingParams,
+    check_sampling,
     generate,
 )
 
@@ -75,12 +76,17 @@ def open_engine(kind: str, model: GPT, tokenizer: Any, path: Path, slots: int, q
     return Engine(decoder, tokenizer, c.seq_len, slots, queue, 16, 600.0).start()
 
 
+def sampling(engine: Engine, prompt: int, new: int) -> SamplingParams:
+    """Greedy, exactly ``new`` tokens: refused (one line) where prompt and new exceed the context."""
+    return check_sampling(new, new, prompt, engine.context, ignore_eos=True)
+
+
 def check_parity(engine: Engine, model: GPT, vocab: int, prompt: int, new: int) -> int:
     """Greedy continuations of four random prompts, run together, against PyTorch's (batch 1):
     how many differ."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, vocab, size=prompt).tolist() for _ in range(4)]
-    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    params = sampling(engine, prompt, new)
     results: list[list[int]] = [[] for _ in prompts]
 
     def one(i: int) -> None:
@@ -100,9 +106,11 @@ def measure(engine: Engine, vocab: int, prompt: int, new: int, concurrency: int)
     requests = max(16, concurrency)
     rng = np.random.default_rng(concurrency)
     prompts = [rng.integers(0, vocab, size=prompt).tolist() for _ in range(requests)]
-    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    params = sampling(engine, prompt, new)
     ttft: list[float] = []
     itl: list[float] = []
+    produced: list[int] = []
+    failed: list[str] = []
     lock = threading.Lock()
     next_index = [0]
 
@@ -115,6 +123,9 @@ def measure(engine: Engine, vocab: int, prompt: int, new: int, concurrency: int)
                 next_index[0] += 1
             sequence = generate(engine, prompts[index], params, timeout_s=600)
             with lock:
+                produced.append(len(sequence.tokens))
+                if sequence.finish_reason != "length":
+                    failed.append(str(sequence.finish_reason))
                 ttft.append(sequence.first_token_at - sequence.submitted)
                 itl.append((sequence.last_token_at - sequence.first_token_at) / max(1, len(sequence.tokens) - 1))
 
@@ -125,7 +136,10 @@ def measure(engine: Engine, vocab: int, prompt: int, new: int, concurrency: int)
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
-    return {"output_tok_s": requests * new / wall, "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
+    if failed or len(produced) < requests:
+        raise SystemExit(f"concurrency {concurrency}: {len(failed)} requests ended early ({sorted(set(failed))}), "
+                         f"{requests - len(produced)} never answered")
+    return {"output_tok_s": sum(produced) / wall, "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
             "itl_p50_ms": 1000 * float(np.percentile(itl, 50))}
 
 

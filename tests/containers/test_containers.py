@@ -80,13 +80,15 @@ def test_serving_image_installs_what_the_python_backend_models_import() -> None:
         imported |= set(re.findall(r"^(?:import|from) (\w+)", source.read_text(), flags=re.M))
     provided = set(sys.stdlib_module_names) | siblings | {"__future__", "triton_python_backend_utils"}
     serving = (REPO_ROOT / "containers" / "Dockerfile.serving").read_text()
-    installed = set(re.search(r"-c /tmp/runtime.txt ([\w ]+)\$engine", serving).group(1).split())  # type: ignore[union-attr]
-    # the engine's ONNX Runtime by device: the CUDA build (the same module) and torch, in which
-    # the engine keeps a GPU's KV cache (imported there only), or the CPU build
-    engines = [e.split()[:2] for e in re.findall(r'engine="([^"]+)"', serving)]
-    assert engines == [["onnxruntime-gpu", "torch"], ["onnxruntime"]], engines
+    installed = set(re.search(r'-c /tmp/runtime.txt ([\w ]+)"\$engine"', serving).group(1).split())  # type: ignore[union-attr]
+    # the engine's ONNX Runtime by device: the CUDA build (the same module) with the lock's torch
+    # in its CUDA build, in which the engine keeps a GPU's KV cache (imported there only), or the
+    # CPU build; docker-compose.yaml's Triton (on the CPU) builds the latter
+    assert re.search(r"echo onnxruntime-gpu \|\| echo onnxruntime\)", serving)
+    assert "torch==\\1+cu130" in serving and "download.pytorch.org/whl/cu130" in serving
     assert imported - provided == installed | {"onnxruntime"} == {"numpy", "onnxruntime", "tokenizers"}
     assert "ARG DEVICE=gpu" in serving and "USER 1000" in serving
+    assert load_compose()["services"]["triton"]["build"]["args"] == {"DEVICE": "cpu"}
 
 
 def load_compose() -> dict[str, Any]:

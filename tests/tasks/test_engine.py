@@ -115,6 +115,18 @@ def test_providers_cuda_in_full_float32_and_tensorrt_only_where_asked_and_loadab
     assert tensorrt[1]["trt_profile_max_shapes"].startswith("input_ids:4x48,past_keys:2x4x4x47x8")
 
 
+def test_a_gpu_provider_that_fails_to_start_is_an_error_not_a_cpu_engine(exported: tuple[GPT, Any, Path],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime logs a provider that fails to start (a missing CUDA library) and runs on the
+    CPU: a GPU pod would then serve from its CPU without a word. The decoder refuses instead."""
+    model, _, path = exported
+    c = model.config
+    monkeypatch.setattr(KVDecoder, "providers", staticmethod(
+        lambda ort, shape, slots, tensorrt=False: [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]))
+    with pytest.raises(RuntimeError, match="runs it on CPUExecutionProvider, not CUDAExecutionProvider"):
+        KVDecoder.open(str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, 2)
+
+
 def cuda_provider_present() -> bool:
     import onnxruntime as ort
 

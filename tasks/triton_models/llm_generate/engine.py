@@ -2,7 +2,9 @@
 
 Self-contained (numpy, onnxruntime, tokenizers; torch on GPUs): it ships in each exported
 version's folder beside the Triton model that drives it (``model.py``), and the export step and
-benchmarks import the same file, so what is parity-checked is what serves.
+benchmarks import the same file, so what is parity-checked is what serves (the export checks the
+host cache, on the CPU; the GPU's cache is the same arithmetic, tests/tasks/test_engine.py runs
+both).
 
 - :class:`KVDecoder`: ``decoder.onnx`` (the model's :meth:`GPT.forward_cached`) with a key/value
   cache preallocated for ``slots`` sequences of the full context; a prefill writes a prompt's
@@ -131,13 +133,14 @@ class KVDecoder:
     """``decoder.onnx`` and the key/value cache of ``slots`` sequences."""
 
     INPUTS = ("input_ids", "past_keys", "past_values", "past_lengths")
+    OUTPUTS = ("logits", "present_keys", "present_values")  # (batch, vocab), the new positions' keys, values
     keys: Any  # (layers, slots, heads, context, head_dim): numpy here, torch in DeviceKVDecoder
     values: Any
     placeholder: Any  # the masked one-position past of a prefill
 
     def __init__(self, onnx_path: str, layers: int, heads: int, head_dim: int, context: int, slots: int,
                  threads: int = 0, session: Any = None) -> None:
-        self.session = session or self.open_session(onnx_path, (layers, heads, head_dim, context), slots, threads)
+        self.session = session or self.open_session(onnx_path, (layers, heads, head_dim, context), slots, threads)[0]
         self.shape = (layers, slots, heads, context, head_dim)
         self.lengths = np.zeros(slots, np.int64)
         self.allocate()
@@ -147,13 +150,17 @@ class KVDecoder:
              threads: int = 0, tensorrt: bool = False) -> KVDecoder:
         """The decoder for wherever ONNX Runtime runs it: on a GPU (CUDA or TensorRT provider) the
         cache lives in the GPU's memory (:class:`DeviceKVDecoder`), else in the host's."""
-        session = cls.open_session(onnx_path, (layers, heads, head_dim, context), slots, threads, tensorrt)
-        kind = KVDecoder if session.get_providers()[0] == "CPUExecutionProvider" else DeviceKVDecoder
+        session, asked = cls.open_session(onnx_path, (layers, heads, head_dim, context), slots, threads, tensorrt)
+        if session.get_providers()[0] != asked[0]:  # ONNX Runtime logs a provider that failed to start, then goes on
+            raise RuntimeError(f"{onnx_path}: ONNX Runtime runs it on {session.get_providers()[0]}, not {asked[0]} "
+                               "(its log above says why: a missing CUDA, cuDNN or TensorRT library)")
+        kind = KVDecoder if asked[0] == "CPUExecutionProvider" else DeviceKVDecoder
         return kind(onnx_path, layers, heads, head_dim, context, slots, threads, session)
 
     @classmethod
     def open_session(cls, onnx_path: str, shape: tuple[int, int, int, int], slots: int, threads: int,
-                     tensorrt: bool = False) -> Any:
+                     tensorrt: bool = False) -> tuple[Any, list[str]]:
+        """The session, and the providers it was asked for, best first."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -163,7 +170,9 @@ class KVDecoder:
         # for work took the CPU from the busy ones (a good canary's inter-token latency read 5x
         # stable's at 50% in a test)
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        return ort.InferenceSession(onnx_path, options, providers=cls.providers(ort, shape, slots, tensorrt))
+        providers = cls.providers(ort, shape, slots, tensorrt)
+        session = ort.InferenceSession(onnx_path, options, providers=providers)
+        return session, [p if isinstance(p, str) else p[0] for p in providers]
 
     def allocate(self) -> None:
         self.keys, self.values = np.zeros(self.shape, np.float32), np.zeros(self.shape, np.float32)
@@ -239,8 +248,7 @@ class DeviceKVDecoder(KVDecoder):
         self.values = torch.zeros_like(self.keys)
         layers, _, heads, _, head_dim = self.shape
         self.placeholder = torch.zeros((layers, 1, heads, 1, head_dim), dtype=torch.float32, device=self.device)
-        self.vocab = int(self.session.get_outputs()[0].shape[-1])
-        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.vocab = int(next(o.shape[-1] for o in self.session.get_outputs() if o.name == "logits"))
 
     def run(self, ids: Any, past_keys: Any, past_values: Any, lengths: np.ndarray[Any, Any]) -> tuple[Any, Any, Any]:
         torch = self.torch
@@ -252,11 +260,11 @@ class DeviceKVDecoder(KVDecoder):
         past_lengths = torch.from_numpy(lengths).to(self.device)
         binding = self.session.io_binding()
         where = (self.device.type, self.device.index or 0)
+        dtypes = {torch.int64: np.int64, torch.float32: np.float32}
         for name, tensor in (*zip(self.INPUTS, (ids, past_keys, past_values, past_lengths), strict=True),
-                             *zip(self.output_names, (logits, present_keys, present_values), strict=True)):
+                             *zip(self.OUTPUTS, (logits, present_keys, present_values), strict=True)):
             bind = binding.bind_input if name in self.INPUTS else binding.bind_output
-            dtype = np.int64 if tensor.dtype == torch.int64 else np.float32
-            bind(name, *where, dtype, tuple(tensor.shape), tensor.data_ptr())
+            bind(name, *where, dtypes[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
         if self.device.type == "cuda":  # torch's writes of the inputs done before ONNX Runtime's stream reads
             torch.cuda.current_stream(self.device).synchronize()
         self.session.run_with_iobinding(binding)  # returns once the outputs are written
