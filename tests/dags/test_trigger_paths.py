@@ -33,13 +33,13 @@ pytestmark = pytest.mark.integration
 AIRFLOW = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
 DAG_ID = "llm_retrain"
 # a short run: enough to reach register (whose arguments read the run's date), export and deploy
-# one training node: seven runs share two cores, and this test is about how runs start
+# one training node: six runs share two cores, and this test is about how runs start
 CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_nodes": 1,
         "train_max_steps": 12}  # 12: apart from other tests' runs
-# The backfill: three weekly intervals (Sundays at midnight; the other DAG tests run at 06:00, so
+# The backfill: two weekly intervals (Sundays at midnight; the other DAG tests run at 06:00, so
 # these dates are free) over raw data of its own, 14 days ending 11-21: the first interval's
-# window (11-01..11-07) has no data, the next two have a week each.
-BACKFILL_FROM, BACKFILL_TO = "2026-11-08", "2026-11-22"
+# window (11-01..11-07) has no data, the second (11-08..11-14) a week.
+BACKFILL_FROM, BACKFILL_TO = "2026-11-08", "2026-11-15"
 BACKFILL_RAW = "s3://raw/test-backfill"
 SCREENSHOTS = REPO_ROOT / ".test-artifacts" / "ui"
 
@@ -122,7 +122,7 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], st
     # the models (tests/tasks/test_serving.py tests the latency rollback); this test is about
     # how runs are triggered
     params["canary"].update(max_latency_ratio=1e9, text_max_latency_ratio=1e9)
-    # seven runs share two cores: lighter than the defaults where that changes nothing checked
+    # six runs share two cores: lighter than the defaults where that changes nothing checked
     # here (the evaluation, export parity and canary steps have tests of their own)
     params["evaluate"]["max_eval_tokens"] = 4096
     params["export"]["parity_windows"] = 4
@@ -265,7 +265,7 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
 
     def all_created() -> bool:
         seen[:] = [(r["run_type"], r["logical_date"], r["state"]) for r in ours()]
-        return len(seen) == 6
+        return len(seen) == 5
 
     try:
         wait_for("the backfill to create its runs", all_created, timeout_s=60)
@@ -280,10 +280,10 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         runs = ours()
         return runs if all(r["state"] in ("success", "failed") for r in runs) else None
 
-    runs = wait_for("six runs to finish", finished, timeout_s=1200, every_s=5)
+    runs = wait_for("five runs to finish", finished, timeout_s=1200, every_s=5)
     backfill = sorted((r for r in runs if r["run_type"] == "backfill"), key=lambda r: r["logical_date"])
     manual = [r for r in runs if r["run_type"] == "manual"]
-    assert [r["logical_date"][:10] for r in backfill] == ["2026-11-08", "2026-11-15", "2026-11-22"]
+    assert [r["logical_date"][:10] for r in backfill] == ["2026-11-08", "2026-11-15"]
     assert len(manual) == 3 and from_the_form in {r["dag_run_id"] for r in manual}
     assert sum(r["logical_date"] is None for r in manual) == 2
 
@@ -317,9 +317,10 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         assert tags["logical_date"] == when[:10], (run["dag_run_id"], tags)
         end = run["conf"].get("end_date") or run["logical_date"][:10]  # a backfill reads its interval's window
         assert tags["data_version"].startswith(f"data-{end}-7d-") and tags["data_end"] == end, tags
-    # two intervals, two windows: two data versions and two registered versions
-    backfilled = dict(registered_version(r["dag_run_id"]) for r in backfill[1:])
-    assert len(backfilled) == 2 and len({tags["data_version"] for tags in backfilled.values()}) == 2, backfilled
+    # four runs at once, four windows: four data versions and four registered versions, none
+    # overwriting another's
+    registered = dict(registered_version(r["dag_run_id"]) for r in [*backfill[1:], *manual])
+    assert len(registered) == 4 and len({tags["data_version"] for tags in registered.values()}) == 4, registered
     screenshot_run(airflow_api, from_the_form)
     check_the_approval(airflow_api, approval_run)
 
