@@ -52,6 +52,30 @@ def engine_of(exported: tuple[GPT, Any, Path], slots: int = 4, queue: int = 8, t
     return Engine(decoder, tokenizer, c.seq_len, slots, queue, 8, timeout_s).start()
 
 
+def staggered(engine: Engine, prompts: list[list[int]], max_tokens: list[int], every_s: float,
+              timeout_s: float = 60.0) -> list[Sequence]:
+    """Greedy requests submitted ``every_s`` apart (later ones join a batch already decoding),
+    each on a thread of its own, as a server's clients; the engine is stopped after them."""
+    results: list[Sequence | None] = [None] * len(prompts)
+
+    def run(index: int) -> None:
+        time.sleep(every_s * index)
+        ids = prompts[index]
+        results[index] = generate(engine, ids, check_sampling(max_tokens[index], 8, len(ids), engine.context),
+                                  timeout_s=timeout_s)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout_s + every_s * len(prompts))
+    finally:
+        engine.stop()
+    assert all(results), results
+    return [r for r in results if r is not None]
+
+
 def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
     return ids
@@ -68,25 +92,11 @@ def test_requests_joining_a_running_batch_get_the_reference_continuations(export
     engine = engine_of(exported, decoder_kind=decoder_kind)
     prompts = [prompt_ids(tokenizer, t) for t in ("Return the", "raise ValueError", "café", "items in bucket 3",
                                                    "Return the number of items", "if it is")]
-    results: list[Sequence | None] = [None] * len(prompts)
-
-    def run(index: int) -> None:
-        time.sleep(0.01 * index)  # staggered: later ones join a batch already decoding
-        ids = prompts[index]
-        results[index] = generate(engine, ids, check_sampling(CONTEXT - len(ids), 8, len(ids), CONTEXT))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-    finally:
-        engine.stop()
+    results = staggered(engine, prompts, [CONTEXT - len(ids) for ids in prompts], 0.01)
     for ids, result in zip(prompts, results, strict=True):
-        assert result is not None and result.finish_reason in ("stop", "length")
+        assert result.finish_reason in ("stop", "length")
         assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_id)
-    assert engine.stats.steps < sum(len(r.tokens) for r in results if r)  # decode steps were shared
+    assert engine.stats.steps < sum(len(r.tokens) for r in results)  # decode steps were shared
     assert engine.in_use == 0 and len(engine.free) == 4
 
 
@@ -162,23 +172,9 @@ def test_on_a_gpu_the_engine_runs_on_cuda_with_the_cache_on_the_gpu_and_the_refe
     assert decoder.session.get_provider_options()["CUDAExecutionProvider"]["use_tf32"] == "0"
     engine = Engine(decoder, tokenizer, c.seq_len, 4, 8, 8, 120).start()
     prompts = [prompt_ids(tokenizer, t) for t in TEXTS[:8]]
-    results: list[Sequence | None] = [None] * len(prompts)
-
-    def run(index: int) -> None:
-        time.sleep(0.02 * index)
-        results[index] = generate(engine, prompts[index], check_sampling(128, 8, len(prompts[index]), c.seq_len),
-                                  timeout_s=120)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(180)
-    finally:
-        engine.stop()
+    results = staggered(engine, prompts, [128] * len(prompts), 0.02, timeout_s=120)
     for ids, result in zip(prompts, results, strict=True):
-        assert result is not None and result.finish_reason in ("stop", "length"), result
+        assert result.finish_reason in ("stop", "length"), result
         assert result.tokens == generate_greedy(model, ids, 128, engine.eos_id)
     assert engine.in_use == 0 and engine.stats.failed == 0
 
