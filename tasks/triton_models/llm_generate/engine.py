@@ -234,9 +234,10 @@ class KVDecoder:
 
 class DeviceKVDecoder(KVDecoder):
     """The cache in the accelerator's memory (torch tensors) and bound to the session by address
-    (ONNX Runtime's IO binding): a step moves only token ids in and the batch's logits out, where
-    the host cache would copy every active sequence's past keys and values to the GPU and back
-    per token. torch does the cache's gather and scatter (the GPU serving image has it)."""
+    (ONNX Runtime's IO binding): a step moves only token ids and lengths in and the batch's logits
+    out, where the host cache would copy every active sequence's past keys and values to the GPU
+    and the new ones back per token. torch does the cache's gather and scatter (the GPU serving
+    image has it)."""
 
     def allocate(self) -> None:
         import torch
@@ -250,14 +251,14 @@ class DeviceKVDecoder(KVDecoder):
         self.placeholder = torch.zeros((layers, 1, heads, 1, head_dim), dtype=torch.float32, device=self.device)
         self.vocab = int(next(o.shape[-1] for o in self.session.get_outputs() if o.name == "logits"))
 
-    def run(self, ids: Any, past_keys: Any, past_values: Any, lengths: np.ndarray[Any, Any]) -> tuple[Any, Any, Any]:
+    def run(self, ids: Any, past_keys: Any, past_values: Any, past_lengths: Any) -> tuple[Any, Any, Any]:
+        """One run of the decoder on tensors already on the device; returns its outputs there."""
         torch = self.torch
         batch, new = ids.shape
         layers, _, heads, _, head_dim = self.shape
         logits = torch.empty((batch, self.vocab), dtype=torch.float32, device=self.device)
         present_keys = torch.empty((layers, batch, heads, new, head_dim), dtype=torch.float32, device=self.device)
         present_values = torch.empty_like(present_keys)
-        past_lengths = torch.from_numpy(lengths).to(self.device)
         binding = self.session.io_binding()
         where = (self.device.type, self.device.index or 0)
         dtypes = {torch.int64: np.int64, torch.float32: np.float32}
@@ -273,24 +274,25 @@ class DeviceKVDecoder(KVDecoder):
     def prefill(self, slot: int, ids: list[int]) -> np.ndarray[Any, Any]:
         torch, n = self.torch, len(ids)
         tokens = torch.tensor([ids], dtype=torch.int64, device=self.device)
-        logits, keys, values = self.run(tokens, self.placeholder, self.placeholder, np.zeros(1, np.int64))
+        no_past = torch.zeros(1, dtype=torch.int64, device=self.device)
+        logits, keys, values = self.run(tokens, self.placeholder, self.placeholder, no_past)
         self.keys[:, slot, :, :n], self.values[:, slot, :, :n] = keys[:, 0], values[:, 0]
         self.lengths[slot] = n
         return logits[0].cpu().numpy()  # type: ignore[no-any-return]
 
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
         torch = self.torch
-        lengths = self.lengths[np.asarray(slots)]
-        index = torch.tensor(slots, device=self.device)
+        rows = np.asarray(slots)
+        lengths = self.lengths[rows]
         past = int(lengths.max())
+        index = torch.tensor(slots, device=self.device)
+        at = torch.from_numpy(lengths).to(self.device)  # each row's past length: masked, then written at
         logits, keys, values = self.run(
             torch.tensor(tokens, dtype=torch.int64, device=self.device)[:, None],
-            self.keys[:, :, :, :past].index_select(1, index), self.values[:, :, :, :past].index_select(1, index),
-            lengths)
-        at = torch.from_numpy(lengths).to(self.device)
+            self.keys[:, :, :, :past].index_select(1, index), self.values[:, :, :, :past].index_select(1, index), at)
         self.keys[:, index, :, at] = keys[:, :, :, 0].permute(1, 0, 2, 3)
         self.values[:, index, :, at] = values[:, :, :, 0].permute(1, 0, 2, 3)
-        self.lengths[np.asarray(slots)] += 1
+        self.lengths[rows] += 1
         return logits.cpu().numpy()  # type: ignore[no-any-return]
 
 
