@@ -24,8 +24,8 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from tasks.triton_models.llm_generate.engine import (  # noqa: E402
     Engine,
     KVDecoder,
     SamplingParams,
+    Sequence,
     check_sampling,
     generate,
 )
@@ -81,64 +82,36 @@ def sampling(engine: Engine, prompt: int, new: int) -> SamplingParams:
     return check_sampling(new, new, prompt, engine.context, ignore_eos=True)
 
 
+def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> list[Sequence]:
+    """Every prompt through the engine, ``concurrency`` clients at a time (a client's error raises here)."""
+    with ThreadPoolExecutor(concurrency) as clients:
+        return list(clients.map(lambda ids: generate(engine, ids, params, timeout_s=600), prompts))
+
+
 def check_parity(engine: Engine, model: GPT, vocab: int, prompt: int, new: int) -> int:
     """Greedy continuations of four random prompts, run together, against PyTorch's (batch 1):
     how many differ."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, vocab, size=prompt).tolist() for _ in range(4)]
-    params = sampling(engine, prompt, new)
-    results: list[list[int]] = [[] for _ in prompts]
-
-    def one(i: int) -> None:
-        results[i] = generate(engine, prompts[i], params, timeout_s=600).tokens
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = run_all(engine, prompts, sampling(engine, prompt, new), len(prompts))
     with torch.no_grad():
         expected = [generate_greedy(model, p, new) for p in prompts]
-    return sum(got != want for got, want in zip(results, expected, strict=True))
+    return sum(got.tokens != want for got, want in zip(results, expected, strict=True))
 
 
 def measure(engine: Engine, vocab: int, prompt: int, new: int, concurrency: int) -> dict[str, float]:
     requests = max(16, concurrency)
     rng = np.random.default_rng(concurrency)
     prompts = [rng.integers(0, vocab, size=prompt).tolist() for _ in range(requests)]
-    params = sampling(engine, prompt, new)
-    ttft: list[float] = []
-    itl: list[float] = []
-    produced: list[int] = []
-    failed: list[str] = []
-    lock = threading.Lock()
-    next_index = [0]
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if next_index[0] >= requests:
-                    return
-                index = next_index[0]
-                next_index[0] += 1
-            sequence = generate(engine, prompts[index], params, timeout_s=600)
-            with lock:
-                produced.append(len(sequence.tokens))
-                if sequence.finish_reason != "length":
-                    failed.append(str(sequence.finish_reason))
-                ttft.append(sequence.first_token_at - sequence.submitted)
-                itl.append((sequence.last_token_at - sequence.first_token_at) / max(1, len(sequence.tokens) - 1))
-
     started = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    done = run_all(engine, prompts, sampling(engine, prompt, new), concurrency)
     wall = time.perf_counter() - started
-    if failed or len(produced) < requests:
-        raise SystemExit(f"concurrency {concurrency}: {len(failed)} requests ended early ({sorted(set(failed))}), "
-                         f"{requests - len(produced)} never answered")
+    failed = [str(sequence.finish_reason) for sequence in done if sequence.finish_reason != "length"]
+    if failed:
+        raise SystemExit(f"concurrency {concurrency}: {len(failed)} requests ended early ({sorted(set(failed))})")
+    produced = [len(sequence.tokens) for sequence in done]
+    ttft = [sequence.first_token_at - sequence.submitted for sequence in done]
+    itl = [(sequence.last_token_at - sequence.first_token_at) / max(1, len(sequence.tokens) - 1) for sequence in done]
     return {"output_tok_s": sum(produced) / wall, "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
             "itl_p50_ms": 1000 * float(np.percentile(itl, 50))}
 
