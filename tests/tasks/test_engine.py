@@ -110,7 +110,7 @@ class GpuOnnxRuntime:
 
 def test_providers_cuda_in_full_float32_and_tensorrt_only_where_asked_and_loadable(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """FP16 (TensorRT) and TF32 (CUDA's default) change greedy text, which the canary compares with
+    """FP16 (TensorRT) and TF32 (CUDA's default) can change greedy text, which the canary compares with
     PyTorch's: CUDA runs in full float32, TensorRT only when serve.generate.tensorrt asks and
     its library loads (else ONNX Runtime would retry on CUDA without the options asked for)."""
     from tasks.triton_models.llm_generate import engine
@@ -151,7 +151,7 @@ def cuda_provider_present() -> bool:
 def test_on_a_gpu_the_engine_runs_on_cuda_with_the_cache_on_the_gpu_and_the_reference_continuations(
         tmp_path: Path) -> None:
     """What a GPU Triton pod runs: :meth:`KVDecoder.open` picks the CUDA provider (full float32:
-    TF32 changes greedy text) and keeps the cache in the GPU's memory. A model of 256 tokens'
+    TF32 can change greedy text) and keeps the cache in the GPU's memory. A model of 256 tokens'
     context, eight prompts on four slots joining a running batch: every greedy continuation of
     up to 128 tokens equals PyTorch's on the CPU, token for token."""
     import onnxruntime as ort

@@ -204,7 +204,7 @@ class KVDecoder:
                 "trt_profile_max_shapes": shapes(slots, context, context - 1)}))
         if "CUDAExecutionProvider" in available:
             # full float32 matrix products: TF32 (the CUDA provider's default on Ampere and later)
-            # changes greedy continuations, which must equal the PyTorch reference's (the canary)
+            # can change greedy continuations, which must equal the PyTorch reference's (the canary)
             chosen.append(("CUDAExecutionProvider", {"use_tf32": "0"}))
         return [*chosen, "CPUExecutionProvider"]
 
