@@ -4,7 +4,7 @@ request captured, and with every request captured while S3 is frozen (SIGSTOP), 
     make up && make pipeline    # a champion serving
     .venvs/runtime/bin/python benchmarks/capture.py [--requests 600] [--concurrency 4]
 
-Three fronts of today's code (``tasks.openai_api``) on free ports before the stack's Triton, one
+Three fronts of today's code (``tasks.serving.front``) on free ports before the stack's Triton, one
 per mode, get the same streamed greedy completions in turn (round robin, ``--concurrency``
 clients): held-out opening words, 16 new tokens. Per mode: the client's time to first token and
 whole-stream time (p50, p90, p99), failed requests, and the capture's counts. For the frozen
@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 def start_front(port: int, rate: float, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.openai_api", "--port", str(port), "--triton-url",
+    proc = subprocess.Popen([sys.executable, "-m", "tasks.serving.front", "--port", str(port), "--triton-url",
                              env["TRITON_URL"], "--capture-rate", str(rate), "--capture-uri", "s3://raw/benchmark-capture"],
                             cwd=REPO_ROOT, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30

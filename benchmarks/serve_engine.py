@@ -39,7 +39,7 @@ import yaml  # noqa: E402
 from tasks.export import export_decoder  # noqa: E402
 from tasks.lib import tokens  # noqa: E402
 from tasks.lib.model import GPT, GPTConfig, generate_greedy  # noqa: E402
-from tasks.triton_models.llm_generate.engine import (  # noqa: E402
+from tasks.serving.triton_models.llm_generate.engine import (  # noqa: E402
     DeviceKVDecoder,
     Engine,
     KVDecoder,

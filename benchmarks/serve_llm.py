@@ -12,7 +12,7 @@ the Triton versions and the Hugging Face checkpoint (``hf/``) that vLLM serves a
 tokenizer from. Systems (``--systems``), each reached through an OpenAI ``/v1/completions``
 endpoint, streamed:
 
-- ``baseline``: today's engine, the BLS loop (``tasks/triton_models/llm_generate_loop``: one call
+- ``baseline``: today's engine, the BLS loop (``tasks/serving/triton_models/llm_generate_loop``: one call
   of the logits model per token, no KV cache, one request at a time, as ``serve.instances``
   configured it), loaded in the same Triton beside its logits model, behind a second OpenAI front
   process (the same code). It is not decoupled: a streamed request gets one event at the end, so
@@ -82,7 +82,7 @@ from tasks.lib import triton
 AIPERF = REPO_ROOT / ".venvs" / "aiperf" / "bin" / "aiperf"
 VLLM_PYTHON = REPO_ROOT / ".venvs" / "vllm" / "bin" / "python"
 LOOP_MODEL = "llm_generate_loop"
-LOOP_SOURCE = REPO_ROOT / "tasks" / "triton_models" / LOOP_MODEL / "model.py"
+LOOP_SOURCE = REPO_ROOT / "tasks" / "serving" / "triton_models" / LOOP_MODEL / "model.py"
 SYSTEMS = {"baseline": "BLS loop (today), OpenAI front", "engine": "engine, OpenAI front",
            "vllm": "vLLM CPU build", "pytorch": "PyTorch in-process, KV cache, batch 1",
            "onnxruntime": "engine's decoder in-process, batch 1"}
@@ -142,8 +142,8 @@ def spawn(command: list[str], log: Path, env: Mapping[str, str]) -> subprocess.P
 
 
 def start_front(port: int, triton_url: str, params: Path, log: Path) -> subprocess.Popen[bytes]:
-    """A second OpenAI front (tasks.openai_api), its engine model and timeout from ``params``."""
-    proc = spawn([sys.executable, "-m", "tasks.openai_api", "--port", str(port), "--triton-url", triton_url], log,
+    """A second OpenAI front (tasks.serving.front), its engine model and timeout from ``params``."""
+    proc = spawn([sys.executable, "-m", "tasks.serving.front", "--port", str(port), "--triton-url", triton_url], log,
                  {**os.environ, "PIPELINE_PARAMS": str(params), "PYTHONPATH": str(REPO_ROOT)})
     if not wait_http(f"http://127.0.0.1:{port}/health", proc, 60):
         stop_process(proc)
@@ -357,7 +357,7 @@ def pytorch_steps(model: Any) -> tuple[Callable[[list[int]], int], Callable[[int
 def onnxruntime_steps(folder: Path) -> tuple[Callable[[list[int]], int], Callable[[int], int]]:
     """Prefill and decode by the engine's own :class:`KVDecoder` (``decoder.onnx``), one slot,
     ONNX Runtime on every core as the engine runs it, without the server around it."""
-    from tasks.triton_models.llm_generate.engine import KVDecoder
+    from tasks.serving.triton_models.llm_generate.engine import KVDecoder
 
     shape = json.loads((folder / "generation.json").read_text())
     decoder = KVDecoder(str(folder / "decoder.onnx"), shape["n_layers"], shape["n_heads"], shape["head_dim"],

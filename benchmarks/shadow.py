@@ -71,8 +71,8 @@ def main() -> None:
         run_step("tasks.deploy", "canary", "--model-version", stable, "--export", str(exports[stable]), "--output",
                  str(folder / "deploy"), "--no-promote", env=env)
         os.environ.update(env)
-        from tasks.lib import canary
-        from tasks.lib.serving import serving_platform
+        from tasks.serving import canary
+        from tasks.serving.platforms import serving_platform
 
         serving = serving_platform(settings)
         reference = serving.stage(str(exports[stable]), int(stable), folder)

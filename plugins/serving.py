@@ -1,4 +1,4 @@
-"""Serving in a cluster: the objects the deploy step drives (``tasks/lib/serving.py``).
+"""Serving in a cluster: the objects the deploy step drives (``tasks/serving/platforms.py``).
 
     python plugins/serving.py --install | kubectl create -f -    # once: the objects and deploy's initial state
     python plugins/serving.py | kubectl apply -f -                # after any change (image, resources): safe
@@ -20,7 +20,7 @@ and gateway are changed with ``kubectl patch``, never by re-applying it.
   through the downward API, so deploy moves a track to a version with one merge patch, and the
   Deployment rolls surge-first (``maxUnavailable: 0``): a track never has fewer ready pods.
   Ready = ``/v2/health/ready`` (the models loaded; a model that fails to load stops the pod).
-  Beside Triton, the pod runs the OpenAI-compatible API (``tasks/openai_api.py``, the runtime
+  Beside Triton, the pod runs the OpenAI-compatible API (``tasks/serving/front.py``, the runtime
   image) on its ``openai`` port, translating ``/v1/*`` to the local Triton's generate endpoints.
   Both tracks start at 0 replicas (``--install``): the first deploy gives them a version.
   Its pods run in the ``llm-serving`` PriorityClass (``plugins/cluster.py``: cluster-scoped, with
@@ -55,12 +55,18 @@ from cluster import DEPLOYER_LABEL, pinned_image
 
 from pipeline_params import Settings, pipeline_params
 from tasks.config import ServeKubernetes, ServeSettings
+from tasks.serving.contract import (
+    ANNOTATION,
+    BASELINE,
+    NO_VERSION,
+    ROUTED_ACTIONS,
+    TRACK_HEADER,
+    VERSION_HEADER,
+    WEIGHT_SCALE,
+)
+from tasks.serving.contract import TRACKS as ROUTE_TRACKS
 
-TRACKS = ("stable", "canary", "baseline")  # baseline: the stable version beside the canary, at its size
-ANNOTATION = "llm-pipeline/"
-TRACK_HEADER = "X-Serving-Track"
-VERSION_HEADER = "X-Model-Version"
-NO_VERSION = "none"  # a header value may not be empty
+TRACKS = (*ROUTE_TRACKS, BASELINE)  # baseline: the stable version beside the canary, at its size
 # a track's pod template annotations deploy sets (its init container reads them)
 DEPLOY_ANNOTATIONS = (f"{ANNOTATION}model-version", f"{ANNOTATION}export-uri")
 
@@ -124,12 +130,12 @@ def track_deployment(params: Settings, track: str, install: bool = False) -> dic
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
                          {"name": "shm", "mountPath": "/dev/shm"}, {"name": "scratch", "mountPath": "/tmp"}],
     }
-    # the OpenAI-compatible API beside the pod's Triton (tasks/openai_api.py): the route's /v1 rules
+    # the OpenAI-compatible API beside the pod's Triton (tasks/serving/front.py): the route's /v1 rules
     openai = {
         "name": "openai",
         "image": step_image,
         "imagePullPolicy": cluster.image_pull_policy,
-        "command": ["python", "-m", "tasks.openai_api", "--host", "0.0.0.0", "--port", str(ports["openai"]),
+        "command": ["python", "-m", "tasks.serving.front", "--host", "0.0.0.0", "--port", str(ports["openai"]),
                     "--triton-url", f"http://127.0.0.1:{ports['http']}"],
         "ports": [{"name": "openai", "containerPort": ports["openai"]}],
         # the served-traffic capture's S3 keys (serve.capture): the front's alone, Triton's container has none
@@ -211,9 +217,6 @@ def track_service(params: Settings, track: str) -> dict[str, Any]:
     }
 
 
-ROUTED_ACTIONS = ("infer", "generate", "generate_stream")  # as the local router's (tasks/lib/router.py)
-
-
 def public_triton_paths(serve: ServeSettings) -> list[str]:
     """What clients may call of Triton's: each served model's inference paths and metadata,
     the server's health and metadata."""
@@ -236,7 +239,7 @@ def http_route(params: Settings) -> dict[str, Any]:
                 "filters": [{"type": "ResponseHeaderModifier", "responseHeaderModifier": stamp}]}
 
     def weighted(matches: list[dict[str, Any]], port: int) -> dict[str, Any]:
-        return {"matches": matches, "backendRefs": [backend("stable", 1000, port), backend("canary", 0, port)]}
+        return {"matches": matches, "backendRefs": [backend("stable", WEIGHT_SCALE, port), backend("canary", 0, port)]}
 
     triton_paths = [{"path": {"type": "Exact", "value": path}} for path in public_triton_paths(params.serve)]
     state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}

@@ -498,13 +498,13 @@ def _triton_env() -> dict[str, str]:
 
 
 def _openai_api_command() -> list[str]:
-    """The OpenAI-compatible front (tasks/openai_api.py): the router sends /v1/* to it."""
-    return [sys.executable, "-m", "tasks.openai_api", "--port", str(ports()["openai_api"]),
+    """The OpenAI-compatible front (tasks/serving/front.py): the router sends /v1/* to it."""
+    return [sys.executable, "-m", "tasks.serving.front", "--port", str(ports()["openai_api"]),
             "--triton-url", client_env()["TRITON_URL"]]
 
 
 def _router_command() -> list[str]:
-    from tasks.lib.router import nginx_binary, write_router_config
+    from tasks.serving.router import nginx_binary, write_router_config
 
     port = ports()
     conf = write_router_config(router_dir(), port["router"], port["triton_http"], port["openai_api"],
@@ -582,7 +582,7 @@ def init_compose_stack() -> None:
     create_buckets(env)
     router, triton = urllib.parse.urlsplit(env["ROUTER_URL"]), urllib.parse.urlsplit(env["TRITON_URL"])
     openai, internal = urllib.parse.urlsplit(env["OPENAI_API_URL"]), urllib.parse.urlsplit(env["ROUTER_INTERNAL_URL"])
-    from tasks.lib.router import write_router_config
+    from tasks.serving.router import write_router_config
 
     write_router_config(Path(env["ROUTER_DIR"]), router.port or 80, triton.port or 80, openai.port or 80,
                         internal.port or 80,
@@ -763,7 +763,7 @@ def route_versions_ready(client: Any, serve: ServeSettings, routes: Path | None 
     """The versions the router's saved route (in ``routes``, the local router's folder by default)
     sends traffic to (stable, any canary), and whether Triton (``client``) has each of them READY
     in both models."""
-    from tasks.lib.router import saved_route
+    from tasks.serving.router import saved_route
 
     versions = saved_route(routes or router_dir()).versions()
     return versions, all(client.model_ready(model, version) for model in (serve.triton_model, serve.generate_model)
@@ -785,7 +785,7 @@ def reconcile_serving(env: Mapping[str, str] | None = None) -> list[int]:
     (``ROUTER_DIR``) are: the local stack's by default, the container's in docker-compose.yaml
     (its ``serving-reconcile`` service). Returns the versions it had to load."""
     from tasks.lib.errors import StepError
-    from tasks.lib.serving import serve_versions
+    from tasks.serving.platforms import serve_versions
 
     env = env or client_env()
     routes = Path(env["ROUTER_DIR"])
@@ -810,8 +810,8 @@ def publish_saved_route(env: Mapping[str, str]) -> None:
     """The router's saved route, pushed again (a Pushgateway restarted without its persistence
     file, or with one older than the route, holds another route:
     without it the alert on versions Triton does not serve would see no route until a deploy)."""
-    from tasks.lib.router import saved_route
-    from tasks.lib.serving import publish_route
+    from tasks.serving.platforms import publish_route
+    from tasks.serving.router import saved_route
 
     if env.get("PUSHGATEWAY_URL"):
         publish_route(saved_route(Path(env["ROUTER_DIR"])), env)

@@ -648,11 +648,15 @@ class Capture:
     flush_s: float
     """Records are written at most this long after their request."""
     max_pending: int
-    """Records waiting to be written; beyond, new ones are dropped (counted), never waited for."""
+    """Records waiting to be written; beyond, new ones are dropped (counted), never waited for ..."""
+    max_pending_bytes: int
+    """... and their text, in bytes: a few huge prompts cannot fill the memory either."""
+    max_field_chars: int
+    """A captured prompt, answer or error longer than this is cut to it, with a marker saying how much was cut."""
 
     def __post_init__(self) -> None:
         _fractions(self, "rate")
-        _positive(self, "flush_s", "max_pending")
+        _positive(self, "flush_s", "max_pending", "max_pending_bytes", "max_field_chars")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -798,6 +802,10 @@ class DriftSettings:
     """Share of byte-fallback tokens (non-ASCII bytes the vocabulary never merged) above the reference's."""
     max_perplexity_ratio: float
     """The champion's perplexity on the prompts over its perplexity on reference text of the same lengths."""
+    max_prompt_tokens: int
+    """A prompt counts with at most this many tokens: a handful of huge prompts cannot make the token distribution."""
+    min_clients: int
+    """Drift must be seen in the prompts of at least this many distinct clients (hashed addresses) for a verdict."""
     cooldown_h: float
     """After drift started a retrain, no other for the same champion for this long."""
     state_uri: str
@@ -805,7 +813,7 @@ class DriftSettings:
 
     def __post_init__(self) -> None:
         _positive(self, "window_h", "min_prompts", "max_prompts", "reference_tokens", "null_samples",
-                  "max_perplexity_ratio")
+                  "max_perplexity_ratio", "max_prompt_tokens", "min_clients")
         _at_least_zero(self, "max_js_excess", "cooldown_h")
         _fractions(self, "max_byte_fallback_excess")
 

@@ -12,7 +12,7 @@ mirrors a copy of every ``/v1`` request to N (users get stable's answer only) wh
 generator sends the export's reference prompts, and :func:`canary.judge_shadow` compares the
 two answers to each request (errors, text, TTFT and inter-token latency, paired). Only then
 are the traffic steps of params.yaml ``canary.steps`` walked. At each step the router sends that share of real traffic (a bounded load generator
-replaying held-out text) to N, and :mod:`tasks.lib.canary` compares N with stable on the same
+replaying held-out text) to N, and :mod:`tasks.serving.canary` compares N with stable on the same
 window: error rate, finite logits, next-token agreement with the export's reference, latency
 (Mann-Whitney U). Each check passes, fails or is inconclusive (too few samples, a latency
 between its "clearly fine" and "clearly bad" ratios): an inconclusive step is analysed again on
@@ -33,7 +33,7 @@ unless ``canary.deploy_older_data`` says so: one line, exit 99 (a gate: the task
 Idempotent: a retried or restarted deploy finds a leftover canary and rolls it back before
 starting again from weight 0, or finds N already serving and only makes sure it is promoted.
 Two deploys never run at once (a lock beside the router's configuration, or on the HTTPRoute).
-Where versions are served and how traffic is split is :mod:`tasks.lib.serving`'s concern: one
+Where versions are served and how traffic is split is :mod:`tasks.serving.platforms`'s concern: one
 local Triton behind nginx, or in a cluster a Triton Deployment per track behind a Gateway API
 HTTPRoute; this module only walks the rollout.
 
@@ -60,14 +60,15 @@ import numpy as np
 
 from tasks.config import CanarySettings, ServeSettings
 from tasks.contract import DECISIONS, EXTEND, PROMOTE, ROLL_BACK
-from tasks.lib import canary, storage, triton
+from tasks.lib import storage, triton
 from tasks.lib.errors import GateRejected, StepError, Terminated, absent, first_line, registry_error
 from tasks.lib.model_store import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
 from tasks.lib.params import load_settings
 from tasks.lib.polling import wait_until
-from tasks.lib.serving import PromotionFailed, Serving, serving_platform, stage_version
 from tasks.lib.step import log, raise_on_sigterm, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
+from tasks.serving import canary
+from tasks.serving.platforms import PromotionFailed, Serving, serving_platform, stage_version
 
 HELD = "held"  # a rollout waiting for a person's decision
 

@@ -58,11 +58,12 @@ from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
-TRITON_MODELS = REPO_ROOT / "tasks" / "triton_models"
+TRITON_MODELS = REPO_ROOT / "tasks" / "serving" / "triton_models"
 ONNX_INPUTS, ONNX_OUTPUTS = ["input_ids"], ["logits", "next_token"]
 DECODER_INPUTS = ["input_ids", "past_keys", "past_values", "past_lengths"]
 DECODER_OUTPUTS = ["logits", "present_keys", "present_values"]
 ENGINE_FILES = ("model.py", "engine.py")
+CONTRACT = REPO_ROOT / "tasks" / "serving" / "contract.py"  # the limits the engine shares with the front
 
 
 class NextToken(torch.nn.Module):
@@ -129,7 +130,7 @@ def generation_shape(model: GPT) -> dict[str, int]:
 def check_decoder(model: GPT, decoder_path: Path, tokenizer: Any, prompts: list[str], windows: list[np.ndarray[Any, Any]],
                   atol: float, new_tokens: int) -> dict[str, Any]:
     """The KV-cache decoder against PyTorch (see the module docstring); raises StepError."""
-    from tasks.triton_models.llm_generate.engine import Engine, KVDecoder, check_sampling, generate
+    from tasks.serving.triton_models.llm_generate.engine import Engine, KVDecoder, check_sampling, generate
 
     c = model.config
     shape = generation_shape(model)
@@ -295,6 +296,7 @@ def write_repository(out: Path, version: str, onnx_path: Path, decoder_path: Pat
     (logits_dir / "model.json").write_text(json.dumps({k: shape[k] for k in ("vocab_size", "seq_len")}))
     for name in ENGINE_FILES:
         shutil.copy(TRITON_MODELS / "llm_generate" / name, generate_dir / name)
+    shutil.copy(CONTRACT, generate_dir / "serving_contract.py")  # what engine.py imports there
     shutil.copy(decoder_path, generate_dir / "decoder.onnx")
     shutil.copy(tokenizer_path, generate_dir / "tokenizer.json")
     (generate_dir / "generation.json").write_text(json.dumps(shape))

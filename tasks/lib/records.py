@@ -29,7 +29,7 @@ REQUIRED_FIELDS = ("id", "text", "source", "created_at")
 PARTITION_RE = re.compile(r"/date=(\d{4}-\d{2}-\d{2})/[^/]+\.jsonl$")
 # C0/C1 control characters except tab and newline; also lone surrogates cannot occur after decoding
 CONTROL_CHARS_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-# personal data: validation bounds the share of records holding it, capture (tasks/lib/capture.py)
+# personal data: validation bounds the share of records holding it, capture (tasks/serving/capture.py)
 # replaces it in what it logs
 # (bounded repeats, as RFC 5321's lengths: linear time on any text, where open-ended runs backtracked
 # quadratically on a long word)

@@ -7,7 +7,7 @@ as a config override (that is how a
 deploy picks which versions are loaded). Backends:
 
 - ``python``: Triton's python backend running ONNX Runtime on ``model.onnx``
-  (``tasks/triton_models/llm/model.py``): the only backend of the tritonserver that installs on
+  (``tasks/serving/triton_models/llm/model.py``): the only backend of the tritonserver that installs on
   these machines (PyTriton's wheel).
 - ``onnxruntime_onnx``: the same ``model.onnx`` on Triton's ONNX Runtime backend (NVIDIA's
   tritonserver image, CPU or GPU).
@@ -74,7 +74,7 @@ def logits_model_config(name: str, backend: str, serve: ServeSettings, gpu: bool
 
 def generate_model_config(name: str, serve: ServeSettings) -> dict[str, Any]:
     """``llm_generate``: text in, text out or streamed (python backend, decoupled): the engine of
-    ``tasks/triton_models/llm_generate`` (continuous batching over the KV-cache decoder). Inputs
+    ``tasks/serving/triton_models/llm_generate`` (continuous batching over the KV-cache decoder). Inputs
     follow Triton's LLM backends (``text_input``, ``max_tokens``, ``stream``, sampling scalars)."""
     generate = serve.generate
     optional = [("max_tokens", "TYPE_INT32"), ("temperature", "TYPE_FP32"), ("top_k", "TYPE_INT32"),

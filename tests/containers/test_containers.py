@@ -75,7 +75,7 @@ def test_serving_image_installs_what_the_python_backend_models_import() -> None:
     ONNX Runtime's CUDA build and torch, tests/tasks/test_engine.py's GPU test)."""
     imported: set[str] = set()
     siblings = set()  # a model's own modules beside its model.py (the engine)
-    for source in sorted((REPO_ROOT / "tasks" / "triton_models").glob("*/*.py")):
+    for source in sorted((REPO_ROOT / "tasks" / "serving" / "triton_models").glob("*/*.py")):
         siblings.add(source.stem)
         imported |= set(re.findall(r"^(?:import|from) (\w+)", source.read_text(), flags=re.M))
     provided = set(sys.stdlib_module_names) | siblings | {"__future__", "triton_python_backend_utils"}

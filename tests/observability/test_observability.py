@@ -62,9 +62,9 @@ def test_exposition_and_group_path() -> None:
 def test_the_route_alert_reads_the_series_deploy_pushes() -> None:
     """The versions the route serves, one series per track, one HELP for the name; the alert
     rule reads that name (a rename would leave it silently never firing)."""
-    from tasks.lib import serving
+    from tasks.serving import platforms
 
-    name = serving.ROUTE_METRIC
+    name = platforms.ROUTE_METRIC
     text = metrics.exposition({f'{name}{{track="stable",version="4"}}': 1.0, f'{name}{{track="canary",version="5"}}': 1.0},
                               {name: "routed"})
     assert text == (f'# HELP {name} routed\n# TYPE {name} gauge\n{name}{{track="stable",version="4"}} 1.0\n'

@@ -13,7 +13,7 @@ import pytest
 from helpers import run_module
 
 from tasks.config import load
-from tasks.lib.router import nginx_binary
+from tasks.serving.router import nginx_binary
 
 
 @pytest.mark.integration

@@ -273,7 +273,7 @@ def test_a_router_started_by_older_code_is_replaced_by_up(stack_env: dict[str, s
     config by `up`, the saved route kept."""
     import json
 
-    from tasks.lib.router import nginx_binary
+    from tasks.serving.router import nginx_binary
 
     old_state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}
     listeners = "\n".join(

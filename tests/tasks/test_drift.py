@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tasks.config import Capture
-from tasks.lib.capture import TrafficCapture, served_record
 from tasks.lib.params import load_settings
+from tasks.serving.capture import TrafficCapture, served_record
 
 
 def test_js_divergence_is_zero_for_the_same_and_one_bit_for_disjoint_distributions() -> None:
@@ -55,7 +55,8 @@ def test_a_bound_passed_is_named_and_none_passed_is_no_drift() -> None:
 
 
 def capture(tmp_path: Path, **changes: object) -> TrafficCapture:
-    settings = dataclasses.replace(Capture(rate=1.0, uri=str(tmp_path / "served"), flush_s=60, max_pending=3), **changes)
+    settings = dataclasses.replace(Capture(rate=1.0, uri=str(tmp_path / "served"), flush_s=60, max_pending=3,
+                                                         max_pending_bytes=1 << 20, max_field_chars=4096), **changes)
     return TrafficCapture(settings, random.Random(0))  # type: ignore[arg-type]
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tasks.lib import tokens
 from tasks.lib.model import GPT, GPTConfig, generate_greedy
-from tasks.triton_models.llm_generate.engine import (  # the file Triton loads beside model.py
+from tasks.serving.triton_models.llm_generate.engine import (  # the file Triton loads beside model.py
     Detokenizer,
     DeviceKVDecoder,
     Engine,
@@ -113,7 +113,7 @@ def test_providers_cuda_in_full_float32_and_tensorrt_only_where_asked_and_loadab
     """FP16 (TensorRT) and TF32 (CUDA's default) can change greedy text, which the canary compares with
     PyTorch's: CUDA runs in full float32, TensorRT only when serve.generate.tensorrt asks and
     its library loads (else ONNX Runtime would retry on CUDA without the options asked for)."""
-    from tasks.triton_models.llm_generate import engine
+    from tasks.serving.triton_models.llm_generate import engine
 
     shape = (2, 4, 8, 48)
     cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})
@@ -352,7 +352,7 @@ def test_incremental_deltas_match_decoders_that_read_the_previous_piece(kind: st
 
 
 def test_greedy_sampling_is_argmax_and_top_k_one_is_greedy() -> None:
-    from tasks.triton_models.llm_generate.engine import SamplingParams, sample
+    from tasks.serving.triton_models.llm_generate.engine import SamplingParams, sample
 
     logits = np.asarray([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
     rng = np.random.default_rng(0)

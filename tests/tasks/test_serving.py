@@ -44,9 +44,10 @@ from helpers import (
 from kube_api import FakeKubeApi, apply_json_patch, kubectl_apply, merge_patch, role_allows
 
 from tasks.config import ServeSettings, load
-from tasks.lib import serving, triton
+from tasks.lib import triton
 from tasks.lib.errors import StepError
-from tasks.lib.router import Route, split_conf
+from tasks.serving import platforms
+from tasks.serving.router import Route, split_conf
 
 # short canary steps: the analysis needs samples, not minutes
 CANARY = ["--set", "step_duration_s=3", "--set", "rate_rps=40", "--set", "min_samples=8", "--set", "text_rps=16",
@@ -126,7 +127,7 @@ def test_stable_gets_the_canarys_load_where_the_split_leaves_it_too_few_samples(
     """Both versions answer the same load and the step's load stays the same: where stable's
     routed share falls short, the rate is split between the router (all to the canary at 100%)
     and a stream straight to stable (logits requests and streams alike)."""
-    from tasks.lib.canary import split_rates
+    from tasks.serving.canary import split_rates
 
     assert split_rates(25, 10, 100.0, 3, 8) == (12.5, 12.5)
     routed, direct = split_rates(25, 10, 96.0, 3, 8)  # 8 routed to stable: short of 10
@@ -143,7 +144,7 @@ def test_with_a_fresh_baseline_the_canary_is_judged_against_it_alone() -> None:
     """Kayenta's rule: the long-running stable pods, warm and differently loaded, are not the
     baseline; the pod of the stable version started beside the canary is. Routed stable
     requests 5x faster than both new pods do not make a canary as fast as its baseline slower."""
-    from tasks.lib.canary import Sample, judge_step
+    from tasks.serving.canary import Sample, judge_step
 
     rng = np.random.default_rng(1)
 
@@ -162,7 +163,7 @@ def test_with_a_fresh_baseline_the_canary_is_judged_against_it_alone() -> None:
 def test_a_router_reload_outwaits_the_longest_stream() -> None:
     """Old nginx workers finish the streams they carry (a request may hold its slot for the
     engine's timeout); a route change waits for them, and nginx ends them past that."""
-    from tasks.lib.router import OLD_WORKERS_TIMEOUT_S, NginxRouter, nginx_conf
+    from tasks.serving.router import OLD_WORKERS_TIMEOUT_S, NginxRouter, nginx_conf
 
     assert serve_settings().generate.request_timeout_s < OLD_WORKERS_TIMEOUT_S
     assert NginxRouter(Path("."), "http://x", "http://y").timeout_s > OLD_WORKERS_TIMEOUT_S
@@ -170,7 +171,7 @@ def test_a_router_reload_outwaits_the_longest_stream() -> None:
 
 
 def test_mann_whitney_flags_a_slower_canary_only() -> None:
-    from tasks.lib.canary import latency_test
+    from tasks.serving.canary import latency_test
 
     rng = np.random.default_rng(0)
     base = list(rng.lognormal(0, 0.2, 200))
@@ -189,7 +190,7 @@ def test_each_check_passes_fails_or_is_inconclusive() -> None:
     """Slower than "clearly fine" but not "clearly bad" (between max_latency_ratio and it times
     clearly_slower_factor), or too few samples: inconclusive, measured again; the step's verdict
     is its worst check's, failures named first."""
-    from tasks.lib.canary import FAIL, INCONCLUSIVE, PASS, _recorder, enough, latency_verdict, verdict_of
+    from tasks.serving.canary import FAIL, INCONCLUSIVE, PASS, _recorder, enough, latency_verdict, verdict_of
 
     params = canary_settings(max_latency_ratio=1.5, clearly_slower_factor=2.0, latency_alpha=0.01)
     assert latency_verdict({"p_value": 0.2, "median_ratio": 5.0}, 1.5, params) == PASS  # not significant
@@ -215,7 +216,7 @@ def shadow_pairs(count: int, changed_every: int = 0, slower_ms: float = 0.0, fai
     """What the front records of ``count`` requests answered by stable and copied to a shadow of
     equal weights, but for the given faults (every ``changed_every``-th answer changed, each
     copy ``slower_ms`` later to its first token, every ``failing_every``-th copy failed)."""
-    from tasks.lib.canary import TextSample
+    from tasks.serving.canary import TextSample
 
     rng = np.random.default_rng(seed)
     pairs = []
@@ -238,7 +239,7 @@ def shadow_pairs(count: int, changed_every: int = 0, slower_ms: float = 0.0, fai
 def test_the_shadow_is_judged_request_by_request() -> None:
     """An identical shadow passes; a fifth of its answers changed, 300 ms more to the first
     token, or failing copies fail; too few pairs, or copies never recorded, do not pass."""
-    from tasks.lib.canary import judge_shadow
+    from tasks.serving.canary import judge_shadow
 
     params = canary_settings(text_min_samples=6)
     same = judge_shadow(shadow_pairs(40), 3, 4, params)
@@ -278,7 +279,7 @@ def test_the_shadow_is_judged_request_by_request() -> None:
 
 
 def test_a_shadow_route_mirrors_v1_only_and_marks_both_requests(tmp_path: Path) -> None:
-    from tasks.lib.router import mirror_conf, nginx_conf
+    from tasks.serving.router import mirror_conf, nginx_conf
 
     assert mirror_conf(Route(2)).startswith("#") and "mirror /_shadow;" in mirror_conf(Route(2, shadow=3))
     shadowing = split_conf(Route(2, shadow=3))
@@ -309,33 +310,33 @@ def rendered_serving_objects(install: bool = True) -> list[dict[str, Any]]:
 
 def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
     objects = {o["metadata"]["name"]: o for o in rendered_serving_objects() if o["kind"] != "Service"}
-    names = {track: f"triton-{track}" for track in serving.TRACKS}
-    route = apply_json_patch(objects["llm-serving"], serving.route_patch(names, Route(4, 5, 12.5, 7), 8003))
+    names = {track: f"triton-{track}" for track in platforms.TRACKS}
+    route = apply_json_patch(objects["llm-serving"], platforms.route_patch(names, Route(4, 5, 12.5, 7), 8003))
     ports = {"/v2": 8000, "/v1": 8003}  # Triton's paths and the OpenAI front's: split alike
-    for rule in serving.WEIGHTED_RULES:
+    for rule in platforms.WEIGHTED_RULES:
         backends = route["spec"]["rules"][rule]["backendRefs"]
         prefix = route["spec"]["rules"][rule]["matches"][0]["path"]["value"][:3]
         assert [(b["name"], b["port"], b["weight"]) for b in backends] == \
             [("triton-stable", ports[prefix], 875), ("triton-canary", ports[prefix], 125)]
         assert [b["filters"][0]["responseHeaderModifier"]["set"][0]["value"] for b in backends] == ["4", "5"]
-    assert {route["spec"]["rules"][r]["matches"][0]["path"]["value"][:3] for r in serving.WEIGHTED_RULES} == set(ports)
+    assert {route["spec"]["rules"][r]["matches"][0]["path"]["value"][:3] for r in platforms.WEIGHTED_RULES} == set(ports)
     assert json.loads(route["metadata"]["annotations"]["llm-pipeline/route"])["generation"] == 7
-    first = apply_json_patch(objects["llm-serving"], serving.route_patch(names, Route(4), 8003))
-    for rule in serving.WEIGHTED_RULES:
+    first = apply_json_patch(objects["llm-serving"], platforms.route_patch(names, Route(4), 8003))
+    for rule in platforms.WEIGHTED_RULES:
         assert [b["weight"] for b in first["spec"]["rules"][rule]["backendRefs"]] == [1000, 0]
     # a shadow: the /v1 rule mirrors to the canary track's front and marks requests for its records
-    shadowing = apply_json_patch(first, serving.route_patch(names, Route(4, None, 0.0, 8, shadow=5), 8003))
-    mirror = shadowing["spec"]["rules"][serving.MIRRORED_RULE]["filters"]
+    shadowing = apply_json_patch(first, platforms.route_patch(names, Route(4, None, 0.0, 8, shadow=5), 8003))
+    mirror = shadowing["spec"]["rules"][platforms.MIRRORED_RULE]["filters"]
     assert [f["type"] for f in mirror] == ["RequestHeaderModifier", "RequestMirror"]
     assert mirror[1]["requestMirror"]["backendRef"] == {"name": "triton-canary", "port": 8003}
     assert [b["weight"] for b in shadowing["spec"]["rules"][1]["backendRefs"]] == [1000, 0]
     assert mirror[0]["requestHeaderModifier"] == {"set": [{"name": "X-Shadow-Record", "value": "1"}],
                                                   "remove": ["X-Shadow-Copy"]}  # (a client's own copy mark)
-    unshadowed = apply_json_patch(shadowing, serving.route_patch(names, Route(4, 5, 10.0, 9), 8003))
-    assert unshadowed["spec"]["rules"][serving.MIRRORED_RULE]["filters"] == [  # clients' marks removed
+    unshadowed = apply_json_patch(shadowing, platforms.route_patch(names, Route(4, 5, 10.0, 9), 8003))
+    assert unshadowed["spec"]["rules"][platforms.MIRRORED_RULE]["filters"] == [  # clients' marks removed
         {"type": "RequestHeaderModifier",
          "requestHeaderModifier": {"remove": ["X-Shadow-Record", "X-Shadow-Copy", "X-Shadow-Pair"]}}]
-    canary = merge_patch(objects["triton-canary"], serving.deployment_patch(5, "s3://pipeline/runs/x/export", 1))
+    canary = merge_patch(objects["triton-canary"], platforms.deployment_patch(5, "s3://pipeline/runs/x/export", 1))
     assert canary["spec"]["replicas"] == 1
     assert canary["spec"]["template"]["metadata"]["annotations"]["llm-pipeline/model-version"] == "5"
     assert canary["spec"]["template"]["spec"] == objects["triton-canary"]["spec"]["template"]["spec"]
@@ -343,9 +344,9 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # a hand-edited route (backends swapped) is refused, not mis-weighted
     swapped = json.loads(json.dumps(objects["llm-serving"]))
-    swapped["spec"]["rules"][serving.WEIGHTED_RULES[-1]]["backendRefs"].reverse()
+    swapped["spec"]["rules"][platforms.WEIGHTED_RULES[-1]]["backendRefs"].reverse()
     with pytest.raises(AssertionError, match="test failed"):
-        apply_json_patch(swapped, serving.route_patch(names, Route(4, 5, 50.0, 1), 8003))
+        apply_json_patch(swapped, platforms.route_patch(names, Route(4, 5, 50.0, 1), 8003))
 
 
 def test_reapplying_the_serving_objects_keeps_what_deploy_set() -> None:
@@ -357,9 +358,9 @@ def test_reapplying_the_serving_objects_keeps_what_deploy_set() -> None:
 
     live = {key(o): o for o in rendered_serving_objects()}  # kubectl create: no last-applied annotation
     stable, canary, route = ("Deployment", "triton-stable"), ("Deployment", "triton-canary"), ("HTTPRoute", "llm-serving")
-    live[stable] = merge_patch(live[stable], serving.deployment_patch(4, "s3://pipeline/runs/a/export", 2))
-    live[canary] = merge_patch(live[canary], serving.deployment_patch(5, "s3://pipeline/runs/b/export", 1))
-    live[route] = apply_json_patch(live[route], serving.route_patch({t: f"triton-{t}" for t in serving.TRACKS},
+    live[stable] = merge_patch(live[stable], platforms.deployment_patch(4, "s3://pipeline/runs/a/export", 2))
+    live[canary] = merge_patch(live[canary], platforms.deployment_patch(5, "s3://pipeline/runs/b/export", 1))
+    live[route] = apply_json_patch(live[route], platforms.route_patch({t: f"triton-{t}" for t in platforms.TRACKS},
                                                                     Route(4, 5, 10.0, 3), 8003))
     deployed = copy.deepcopy(live)
     plain = {key(o): o for o in rendered_serving_objects(install=False)}
@@ -392,17 +393,17 @@ def test_reapplying_the_serving_objects_keeps_what_deploy_set() -> None:
 def test_rollout_and_route_readiness_read_the_status_fields() -> None:
     deployment = {"metadata": {"generation": 3}, "spec": {"replicas": 2},
                   "status": {"observedGeneration": 3, "replicas": 3, "updatedReplicas": 2, "availableReplicas": 2}}
-    assert not serving.deployment_rolled_out(deployment)  # an old pod still runs
+    assert not platforms.deployment_rolled_out(deployment)  # an old pod still runs
     deployment["status"]["replicas"] = 2
-    assert serving.deployment_rolled_out(deployment)
+    assert platforms.deployment_rolled_out(deployment)
     deployment["metadata"]["generation"] = 4  # patched, not yet seen by the controller
-    assert not serving.deployment_rolled_out(deployment)
+    assert not platforms.deployment_rolled_out(deployment)
     accepted = {"type": "Accepted", "status": "True", "observedGeneration": 6}
     route = {"metadata": {"generation": 6}, "status": {"parents": [{"conditions": [accepted]}]}}
-    assert serving.route_accepted(route)
+    assert platforms.route_accepted(route)
     route["metadata"]["generation"] = 7
-    assert not serving.route_accepted(route)
-    assert not serving.route_accepted({"metadata": {"generation": 1}, "status": {"parents": []}})
+    assert not platforms.route_accepted(route)
+    assert not platforms.route_accepted({"metadata": {"generation": 1}, "status": {"parents": []}})
 
 
 # -- cluster: KubernetesServing against an in-process API server (tests/kube_api.py) ---------
@@ -412,7 +413,7 @@ NAMESPACE = "llm-pipeline"
 
 
 @pytest.fixture
-def cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[FakeKubeApi, serving.KubernetesServing]]:
+def cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[FakeKubeApi, platforms.KubernetesServing]]:
     """The serving objects as ``--install`` creates them, behind a fake API server, and the deploy
     step's view of them (short timeouts: a rollout that is not done in a second never will be)."""
     from tasks.lib.kube import KubeApi
@@ -425,7 +426,7 @@ def cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[F
     rendered = rendered_serving_objects()
     objects = [o for o in rendered if o["kind"] in ("Deployment", "HTTPRoute")]
     with FakeKubeApi(NAMESPACE, objects) as fake:
-        yield fake, serving.KubernetesServing(serve, NAMESPACE, KubeApi(fake.url, "token", None, timeout_s=5))
+        yield fake, platforms.KubernetesServing(serve, NAMESPACE, KubeApi(fake.url, "token", None, timeout_s=5))
     # every call made (deploy's, and the test's own as deploy would make them) is one the deploy
     # account's Role grants: a call it lacks would fail with 403 in a cluster
     role = next(o for o in rendered if o["kind"] == "Role")
@@ -441,20 +442,20 @@ def stub_export(folder: Path, version: int) -> str:
     return str(export)
 
 
-def track(fake: FakeKubeApi, name: str) -> serving.TrackState:
-    return serving.TrackState.of(fake.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/triton-{name}"))
+def track(fake: FakeKubeApi, name: str) -> platforms.TrackState:
+    return platforms.TrackState.of(fake.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/triton-{name}"))
 
 
 def weights(fake: FakeKubeApi) -> list[tuple[int, str]]:
     """The public route's (weight, version header) per backend, the same in both weighted rules."""
     route = fake.get(f"/apis/gateway.networking.k8s.io/v1/namespaces/{NAMESPACE}/httproutes/llm-serving")
     rules = [[(b["weight"], b["filters"][0]["responseHeaderModifier"]["set"][0]["value"]) for b in
-              route["spec"]["rules"][r]["backendRefs"]] for r in serving.WEIGHTED_RULES]
+              route["spec"]["rules"][r]["backendRefs"]] for r in platforms.WEIGHTED_RULES]
     assert all(rule == rules[0] for rule in rules), rules
     return rules[0]
 
 
-def first_version(kube: serving.KubernetesServing, export: str) -> None:
+def first_version(kube: platforms.KubernetesServing, export: str) -> None:
     """Version 4 serving, as a first deploy leaves it."""
     with kube.lock():
         kube.stage(export, 4, Path())
@@ -478,7 +479,7 @@ def test_a_step_judged_against_a_fresh_baseline_waits_for_its_samples_too() -> N
 
 
 def test_a_fresh_baseline_of_stable_starts_with_the_canary_and_goes_with_it(
-        cluster: tuple[FakeKubeApi, serving.KubernetesServing], tmp_path: Path) -> None:
+        cluster: tuple[FakeKubeApi, platforms.KubernetesServing], tmp_path: Path) -> None:
     """prepare starts the baseline track on stable's version and export at the canary's size
     (1 pod), beside the canary; the analysis's stable side goes to its own Service (no route
     weight: users never reach it); a rollback and a promotion both empty it."""
@@ -490,8 +491,8 @@ def test_a_fresh_baseline_of_stable_starts_with_the_canary_and_goes_with_it(
         with kube.lock():
             kube.stage(exports[version], version, tmp_path)
             kube.prepare(4, version)
-            assert track(fake, "baseline") == serving.TrackState(4, exports[4], 1)
-            assert track(fake, "canary") == serving.TrackState(version, exports[version], 1)
+            assert track(fake, "baseline") == platforms.TrackState(4, exports[4], 1)
+            assert track(fake, "canary") == platforms.TrackState(version, exports[version], 1)
             # through the internal route's track-header rule: the same gateway hop as the canary's requests
             assert kube.baseline_target(4) == ("http://gateway-internal.example/v2/models/llm/versions/4/infer",
                                                {"X-Serving-Track": "baseline"})
@@ -508,38 +509,38 @@ def test_a_fresh_baseline_of_stable_starts_with_the_canary_and_goes_with_it(
     assert track(fake, "stable").version == 6
     with kube.lock():  # a manual rollback is not analysed: no baseline started for it
         kube.prepare(6, 4, analysed=False)
-        assert track(fake, "baseline").replicas == 0 and track(fake, "canary") == serving.TrackState(4, exports[4], 1)
+        assert track(fake, "baseline").replicas == 0 and track(fake, "canary") == platforms.TrackState(4, exports[4], 1)
         # a stable track that does not name stable's version (hand-edited): no baseline from it, one line
         with pytest.raises(StepError, match=r"names version 6 .*not stable version 5: no baseline can be started"):
             kube.prepare(5, 4)
 
 
 def test_a_promotion_the_stable_track_cannot_take_is_undone(
-        cluster: tuple[FakeKubeApi, serving.KubernetesServing], tmp_path: Path) -> None:
+        cluster: tuple[FakeKubeApi, platforms.KubernetesServing], tmp_path: Path) -> None:
     """The stable Deployment never rolls out to the promoted version (its pods never get ready):
     it is put back on the version it served (whose pods surge-first rolling never removed), the
     failure says so, and traffic can go back to it; route, tracks and registry then agree."""
     fake, kube = cluster
     exports = {v: stub_export(tmp_path, v) for v in (4, 5)}
     first_version(kube, exports[4])
-    assert track(fake, "stable") == serving.TrackState(4, exports[4], 2) and weights(fake) == [(1000, "4"), (0, "none")]
-    fake.stuck = lambda d: d["metadata"]["name"] == "triton-stable" and serving.TrackState.of(d).version == 5
+    assert track(fake, "stable") == platforms.TrackState(4, exports[4], 2) and weights(fake) == [(1000, "4"), (0, "none")]
+    fake.stuck = lambda d: d["metadata"]["name"] == "triton-stable" and platforms.TrackState.of(d).version == 5
     with kube.lock():
         kube.stage(exports[5], 5, tmp_path)
         kube.prepare(4, 5)
         kube.route(4, 5, 100.0)
-        with pytest.raises(serving.PromotionFailed, match=r"triton-stable \(version 5\) not ready after 1s.*"
+        with pytest.raises(platforms.PromotionFailed, match=r"triton-stable \(version 5\) not ready after 1s.*"
                                                           r"the stable track is back on version 4") as failed:
             kube.promote(5)
         assert failed.value.restored
-        assert track(fake, "stable") == serving.TrackState(4, exports[4], 2)
+        assert track(fake, "stable") == platforms.TrackState(4, exports[4], 2)
         kube.roll_back(4)
     assert weights(fake) == [(1000, "4"), (0, "none")] and track(fake, "canary").replicas == 0
     assert (kube.live().stable, kube.live().canary) == (4, None)
 
 
 def test_a_promotion_killed_midway_is_undone_by_the_next_deploy(
-        cluster: tuple[FakeKubeApi, serving.KubernetesServing], tmp_path: Path) -> None:
+        cluster: tuple[FakeKubeApi, platforms.KubernetesServing], tmp_path: Path) -> None:
     """A deploy killed while the stable track rolled to the new version (SIGKILL: nothing ran
     after) left the route on the canary at 100% and the stable Deployment naming the new version:
     the retry puts the stable track back on what it recorded before moving traffic to it."""
@@ -551,26 +552,26 @@ def test_a_promotion_killed_midway_is_undone_by_the_next_deploy(
         kube.prepare(4, 5)
         kube.route(4, 5, 100.0)
         kube.api.call("PATCH", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/triton-stable",  # promote's first write
-                      serving.deployment_patch(5, exports[5], 2, previous=track(fake, "stable")),
+                      platforms.deployment_patch(5, exports[5], 2, previous=track(fake, "stable")),
                       "application/merge-patch+json")
-    retry = serving.KubernetesServing(kube.serve, NAMESPACE, kube.api)  # a new process: nothing in memory
+    retry = platforms.KubernetesServing(kube.serve, NAMESPACE, kube.api)  # a new process: nothing in memory
     live = retry.live()
     assert (live.stable, live.canary, live.canary_weight) == (4, 5, 100.0)
     with retry.lock():
         retry.roll_back(live.stable)  # as a retried deploy does with a leftover canary
-    assert track(fake, "stable") == serving.TrackState(4, exports[4], 2)
+    assert track(fake, "stable") == platforms.TrackState(4, exports[4], 2)
     assert weights(fake) == [(1000, "4"), (0, "none")] and track(fake, "canary").replicas == 0
     # a stable track naming another version with no record of what it served: refused, one line
     kube.api.call("PATCH", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/triton-stable",
-                  {"metadata": {"annotations": {serving.PREVIOUS_VERSION_KEY: ""}},
-                   **serving.deployment_patch(5, exports[5], 2)}, "application/merge-patch+json")
+                  {"metadata": {"annotations": {platforms.PREVIOUS_VERSION_KEY: ""}},
+                   **platforms.deployment_patch(5, exports[5], 2)}, "application/merge-patch+json")
     with retry.lock(), pytest.raises(StepError, match="names version 5, not stable version 4, and does not record"):
         retry.roll_back(4)
     assert weights(fake) == [(1000, "4"), (0, "none")]  # no traffic moved to it
 
 
 def test_a_deploy_terminated_mid_canary_moves_traffic_back_to_stable(
-        cluster: tuple[FakeKubeApi, serving.KubernetesServing], tmp_path: Path) -> None:
+        cluster: tuple[FakeKubeApi, platforms.KubernetesServing], tmp_path: Path) -> None:
     """SIGTERM (an evicted deploy pod) while a canary takes 10%: the handler raises in the main
     thread, traffic goes back to stable and the canary track empties before the lock is released."""
     from tasks import deploy
@@ -613,7 +614,7 @@ def serving_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
 def test_a_route_change_returns_once_the_old_router_workers_are_gone(stack_env: dict[str, str]) -> None:
     """Until its old worker exits, nginx can still answer a request by the old split: a 100%
     canary step once counted a request answered by stable; an unloaded version would fail one."""
-    from tasks.lib.router import NginxRouter
+    from tasks.serving.router import NginxRouter
 
     router = NginxRouter(Path(stack_env["ROUTER_DIR"]), stack_env["ROUTER_URL"], stack_env["ROUTER_INTERNAL_URL"])
     for _ in range(3):
@@ -762,7 +763,7 @@ class StableWatcher:
         self.thread = threading.Thread(target=self.loop, daemon=True)
 
     def loop(self) -> None:
-        from tasks.lib.canary import _one_request
+        from tasks.serving.canary import _one_request
 
         while not self.stop.is_set():
             sample = _one_request(f"{self.url}/v2/models/llm/infer", {}, self.ids, [-1], 10.0)
@@ -1179,7 +1180,7 @@ def eventually(read: Any, wanted: Any, timeout_s: float = 60.0) -> Any:
 def check_flood_was_refused(flood: Flood) -> None:
     """The flood got the router's 429s with one line, and no more answers than its client's rate
     and burst allow over the time it flooded; the slow client was cut off."""
-    from tasks.lib.router import ClientLimits
+    from tasks.serving.router import ClientLimits
 
     limits = ClientLimits.from_params()
     allowed = limits.rate_per_client * flood.seconds * 1.1 + limits.burst

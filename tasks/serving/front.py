@@ -3,7 +3,7 @@
 generate extension on the engine model (``generate_stream`` for ``stream: true``, SSE relayed
 chunk by chunk as tokens are produced; ``generate`` otherwise).
 
-    python -m tasks.openai_api --port 8003 --triton-url http://127.0.0.1:8000
+    python -m tasks.serving.front --port 8003 --triton-url http://127.0.0.1:8000
 
 Which version answers is decided in front of this server, exactly as for Triton's own paths: the
 local nginx router picks the version by its canary split and passes it in ``X-Route-Version``
@@ -26,7 +26,7 @@ answer with the shadow's. Unmarked requests are not recorded.
 
 Capture: a sample (``serve.capture.rate``) of the requests this server answered, with their
 answers, the version that answered, latency and token counts, e-mail addresses scrubbed, goes to
-``serve.capture.uri`` by date (:mod:`tasks.lib.capture`: a bounded buffer written in the
+``serve.capture.uri`` by date (:mod:`tasks.serving.capture`: a bounded buffer written in the
 background, never in a request's way); ``POST /capture/flush`` writes it at once and ``GET
 /capture/stats`` counts what was kept, written and dropped (neither is routed by the router).
 Shadow copies are not captured (the user's own request is).
@@ -55,8 +55,8 @@ from typing import Any, NoReturn
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 # the router's split choice and shadow marks (a client's own headers are overwritten there)
-from tasks.lib.capture import TrafficCapture, served_record
-from tasks.lib.router import COPY_HEADER, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER
+from tasks.serving.capture import TrafficCapture, served_record
+from tasks.serving.contract import COPY_HEADER, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER
 
 log = logging.getLogger("openai_api")
 MAX_BODY = 1 << 20
@@ -547,7 +547,7 @@ def main() -> None:
 
     settings = load_settings()
     serve = settings.serve
-    parser = argparse.ArgumentParser(prog="python -m tasks.openai_api", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tasks.serving.front", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--triton-url", required=True, help="Triton's HTTP endpoint (its generate extension)")

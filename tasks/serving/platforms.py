@@ -3,7 +3,7 @@
 The deploy step (``tasks/deploy.py``) walks a canary through :class:`Serving` only:
 
 - :class:`LocalServing` (embedded default): one Triton process with explicit model control
-  serves both versions from its model repository; the nginx router of ``tasks/lib/router.py``
+  serves both versions from its model repository; the nginx router of ``tasks/serving/router.py``
   splits the traffic by rewriting the path to ``/versions/<v>/``.
 - :class:`KubernetesServing` (cluster mode): a Triton Deployment per *track* (``stable``,
   ``canary``; rendered by ``plugins/serving.py``), each serving one version that its init
@@ -38,17 +38,23 @@ from tasks.lib import metrics, storage, triton
 from tasks.lib.errors import StepError, Terminated, first_line
 from tasks.lib.kube import KubeApi, KubeError, Lease, LeaseLost
 from tasks.lib.polling import wait_until
-from tasks.lib.router import COPY_HEADER, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER, NginxRouter, Route
 from tasks.lib.step import log, stopping
+from tasks.serving.contract import (
+    ANNOTATION,
+    BASELINE,
+    COPY_HEADER,
+    NO_VERSION,
+    PAIR_HEADER,
+    RECORD_HEADER,
+    ROUTE_HEADER,
+    TRACK_HEADER,
+    TRACKS,
+    WEIGHT_SCALE,
+)
+from tasks.serving.router import NginxRouter, Route
 
-TRACKS = ("stable", "canary")  # the route's weighted backends, in its order
-BASELINE = "baseline"  # a Deployment of the stable version at the canary's size, beside it (no route weight)
 WEIGHTED_RULES = (0, 1)  # of the public HTTPRoute (plugins/serving.py): Triton's allowlist, then /v1
 MIRRORED_RULE = 1  # its /v1 rule: the text endpoint a shadow is judged on
-WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% steps expressible
-ANNOTATION = "llm-pipeline/"
-TRACK_HEADER = "X-Serving-Track"  # rules of the internal HTTPRoute: this header picks one track
-NO_VERSION = "none"  # the version header of a backend serving none (a header may not be empty)
 VERSION_KEY, EXPORT_KEY = f"{ANNOTATION}model-version", f"{ANNOTATION}export-uri"
 # on a Deployment's own metadata (not its pods'): what the stable track served before a promotion
 PREVIOUS_VERSION_KEY, PREVIOUS_EXPORT_KEY = f"{ANNOTATION}previous-model-version", f"{ANNOTATION}previous-export-uri"
@@ -170,7 +176,7 @@ class Serving(Protocol):
         ...
 
     def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
-        """The OpenAI fronts' records of those requests (:class:`tasks.openai_api.ShadowRecords`),
+        """The OpenAI fronts' records of those requests (:class:`tasks.serving.front.ShadowRecords`),
         each with the ``version`` that answered it."""
         ...
 

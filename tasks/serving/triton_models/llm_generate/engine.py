@@ -38,6 +38,11 @@ from typing import Any
 
 import numpy as np
 
+try:  # in a Triton model repository: the export copies the serving contract beside this file
+    from serving_contract import ENGINE_MAX_STOPS, MAX_STOP_CHARS, SAMPLING_LIMITS
+except ImportError:  # imported from the repository (the export's parity check, tests, benchmarks)
+    from tasks.serving.contract import ENGINE_MAX_STOPS, MAX_STOP_CHARS, SAMPLING_LIMITS
+
 EOS = "<|endoftext|>"
 REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
 
@@ -65,8 +70,6 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-LIMITS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1 << 20), "seed": (0, (1 << 63) - 1)}
-MAX_STOPS, MAX_STOP_CHARS = 5, 64  # OpenAI's 4, plus the chat template's (tasks/openai_api.py)
 
 
 def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_tokens: int, context: int,
@@ -75,7 +78,7 @@ def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_token
                    ignore_eos: bool | None = None) -> SamplingParams:
     """The request's sampling settings, or :class:`RequestError` naming the first bad one."""
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
-        low, high = LIMITS[name]
+        low, high = SAMPLING_LIMITS[name]
         if (value is not None and not (low <= value <= high)) or (name == "top_p" and value == 0.0):
             raise RequestError(f"{name} {value!r}: expected {'(0' if name == 'top_p' else f'[{low}'}, {high}]")
     if prompt_tokens == 0:
@@ -91,8 +94,8 @@ def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_token
         raise RequestError(f"prompt of {prompt_tokens} tokens plus max_tokens {max_tokens} exceeds the model's "
                            f"context of {context} tokens")
     stops = tuple(stop or ())
-    if len(stops) > MAX_STOPS or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops):
-        raise RequestError(f"stop {list(stops)!r}: expected at most {MAX_STOPS} non-empty strings of at most "
+    if len(stops) > ENGINE_MAX_STOPS or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"stop {list(stops)!r}: expected at most {ENGINE_MAX_STOPS} non-empty strings of at most "
                            f"{MAX_STOP_CHARS} characters")
     return SamplingParams(int(max_tokens), float(temperature or 0.0), int(top_k or 0),
                           1.0 if top_p is None else float(top_p), seed, stops, bool(ignore_eos))

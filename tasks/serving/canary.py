@@ -47,7 +47,7 @@ import numpy as np
 
 from tasks.config import CanarySettings
 from tasks.lib import step, triton
-from tasks.lib.router import PAIR_HEADER
+from tasks.serving.contract import PAIR_HEADER
 
 T = TypeVar("T")
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"

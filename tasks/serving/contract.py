@@ -1,0 +1,41 @@
+"""What the serving parts agree on, defined once: the router (``router.py``, nginx), the cluster
+objects (``plugins/serving.py``: Airflow's image holds this file), the OpenAI front
+(``front.py``), the deploy step (``platforms.py``, ``canary.py``) and the engine
+(``triton_models/llm_generate/engine.py``: the export copies this file beside it, into every
+exported version).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+# -- the split: tracks, weights, routed paths -------------------------------------------------------
+TRACKS = ("stable", "canary")  # the public route's weighted backends, in its order
+BASELINE = "baseline"  # the stable version at the canary's size, beside it (no route weight; clusters)
+WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% steps expressible
+NO_VERSION = "none"  # the version header of a backend serving none (a header may not be empty)
+ANNOTATION = "llm-pipeline/"  # the prefix of the rollout state's annotations on cluster objects
+ROUTED_MODELS = ("llm", "llm_generate")  # Triton's models clients reach (logits; text in, text out)
+ROUTED_ACTIONS = ("infer", "generate", "generate_stream")  # the inference paths of each routed model
+
+# -- headers ----------------------------------------------------------------------------------------
+VERSION_HEADER = "X-Model-Version"  # on every answer: the version that answered
+ROUTE_HEADER = "X-Route-Version"  # router -> front: the version the split picked
+# While a version shadows stable, deploy's own /v1 requests carry a pair id (32 hex digits) and are
+# marked for the record, their mirrored copies too: the front keeps both answers under the id
+RECORD_HEADER, PAIR_HEADER = "X-Shadow-Record", "X-Shadow-Pair"
+COPY_HEADER = "X-Shadow-Copy"  # on a mirrored copy only: the front answers 202 and generates it in the background
+TRACK_HEADER = "X-Serving-Track"  # the internal HTTPRoute's rules: picks one track (clusters)
+CLIENT_HEADER = "X-Client-Address"  # router -> front: the client's address, kept hashed by the capture
+# Set only by the router or gateway: the public entry removes a client's own (nginx overwrites or
+# empties them; the public HTTPRoute's RequestHeaderModifier removes them), so no client picks a
+# version, fills deploy's shadow records or speaks for another client
+INTERNAL_HEADERS = (ROUTE_HEADER, RECORD_HEADER, PAIR_HEADER, COPY_HEADER, TRACK_HEADER, CLIENT_HEADER)
+
+# -- request limits (the front's request models and the engine's checks) -----------------------------
+MAX_BODY_BYTES = 1 << 20  # a request body: the router's public listener and the front refuse larger (413)
+SAMPLING_LIMITS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 1 << 20), "seed": (0, (1 << 63) - 1)}
+MAX_TOKENS_LIMIT = 1 << 20  # above any context: the engine's own check names the model's context
+MAX_STOPS = 4  # OpenAI's limit on a request's stop strings
+ENGINE_MAX_STOPS, MAX_STOP_CHARS = MAX_STOPS + 1, 64  # the engine takes the chat template's stop too
+CHAT_STOP = "\nUser:"  # the plain chat template's turn marker (models without a template of their own)
