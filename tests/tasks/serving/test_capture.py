@@ -1,0 +1,63 @@
+"""The served-traffic capture (tasks/serving/capture.py) in this process: its sample, its bounds,
+its writer; against the real front: tests/tasks/serving/test_front.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+from tasks.config import Capture
+from tasks.serving.capture import TrafficCapture, served_record
+
+
+def capture(tmp_path: Path, **changes: object) -> TrafficCapture:
+    settings = dataclasses.replace(Capture(rate=1.0, uri=str(tmp_path / "served"), flush_s=60, max_pending=3,
+                                                         max_pending_bytes=1 << 20, max_field_chars=4096), **changes)
+    return TrafficCapture(settings, random.Random(0))  # type: ignore[arg-type]
+
+
+def record(prompt: str = "Write to ann@example.org today") -> dict[str, object]:
+    return served_record(endpoint="completions", version="5", prompt=prompt, completion="Mail bob@x.io", prompt_tokens=7,
+                         completion_tokens=3, status=200, latency_ms=41.25, ttft_ms=6.5, stream=True, error="")
+
+
+def test_the_capture_writes_scrubbed_records_by_date_and_drops_beyond_its_bound(tmp_path: Path) -> None:
+    kept = capture(tmp_path)
+    for _ in range(5):
+        if kept.take():
+            kept.offer(record())
+    assert kept.stats["sampled"] == 3 and kept.stats["dropped_full"] == 2  # never waits for room
+    assert kept.pending[0]["prompt"] == "Write to ann@example.org today"  # raw until the writer scrubs it
+    stats = asyncio.run(kept.flush())
+    assert stats["written"] == 3 and stats["parts"] == 1 and not kept.pending
+    parts = list((tmp_path / "served").glob("date=*/part-*.jsonl"))
+    lines = [json.loads(line) for line in parts[0].read_text().splitlines()]
+    assert parts[0].parent.name == f"date={lines[0]['time'][:10]}" and len(lines) == 3
+    assert lines[0]["prompt"] == "Write to <email> today" and lines[0]["completion"] == "Mail <email>"
+    assert lines[0]["version"] == "5" and lines[0]["ttft_ms"] == 6.5
+
+
+def test_a_sample_takes_its_share_and_a_failed_write_only_drops_records(tmp_path: Path) -> None:
+    sampled = capture(tmp_path, rate=0.25, max_pending=10_000)
+    assert 850 < sum(sampled.take() for _ in range(4000)) < 1150
+    assert not capture(tmp_path, rate=0.0).take()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    broken = capture(tmp_path, uri=str(blocked / "served"))  # a file where the folder would be
+    broken.offer(record())
+    assert asyncio.run(broken.flush())["dropped_write"] == 1  # counted, not raised
+
+
+def test_scrubbing_a_megabyte_word_takes_linear_time() -> None:
+    """The writer scrubs every captured prompt: an e-mail pattern with open-ended repeats
+    backtracked quadratically on one long word (8 kB: 62 ms; 1 MB: minutes)."""
+    import time
+
+    from tasks.lib.records import scrub
+
+    started = time.perf_counter()
+    assert scrub("a" * 1_000_000 + " x@y.io") == "a" * 1_000_000 + " <email>"
+    assert time.perf_counter() - started < 5  # minutes with the old pattern
