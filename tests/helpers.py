@@ -205,3 +205,35 @@ def sync_dags_to_db() -> None:
 
     DagBundlesManager().sync_bundles_to_db()
     sync_bag_to_db(DagBag(dag_folder=str(REPO_ROOT / "dags")), "dags-folder", None)
+
+
+# a GPT small enough for serving tests: its export, Triton's load and generation take seconds
+SMALL = {"vocab_size": 1000, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4}
+
+
+def register_gpt(name: str, tokenizer_uri: str, seed: int, **overrides: int) -> str:
+    """A GPT of a given seed and size, registered the way the register step does."""
+    import mlflow
+    import torch
+
+    from tasks.lib.model import FORMAT_VERSION, GPT, GPTConfig
+    from tasks.lib.model_store import log_model
+
+    torch.manual_seed(seed)
+    config = GPTConfig(**{**SMALL, **overrides})
+    model = GPT(config).eval()
+    token_hash = tokenizer_uri.rsplit("sha256-", 1)[1].split("/")[0]
+    description = {"format_version": FORMAT_VERSION, "config": config.to_dict(), "tokenizer_uri": tokenizer_uri,
+                   "tokenizer_hash": token_hash}
+    with mlflow.start_run(run_name=f"serving test {name} seed {seed}"):
+        model_uri = log_model(model, description)
+    version = mlflow.register_model(model_uri, name, tags={"model_description": json.dumps(description)})
+    return str(version.version)
+
+
+def export(version: str, out: Path, env: dict[str, str], eval_text: Path) -> dict[str, Any]:
+    """``tasks.export`` of a registered version, its result."""
+    proc = run_module("tasks.export", "--model-version", version, "--output", str(out),
+                      "--eval-set", str(eval_text), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return step_result(proc)

@@ -2,12 +2,14 @@
 (``{uri}/date=YYYY-MM-DD/part-<host>-<pid>-<time>-<n>.jsonl``) for the drift check.
 
 Off the request path by construction: a request only appends a small dict to a bounded buffer
-(dropped, and counted, when the buffer is full); a background task writes the buffer every
-``flush_s`` in a worker thread, one S3 object per date (a single PUT: a reader sees a whole part
-or none); a failed write drops its records (counted, logged once per failure), and the next
-flush starts afresh. The sample is decided before a request's record is made, and prompts,
-answers and errors are scrubbed of e-mail addresses (validation's rule) by the writer thread: a
-request pays for neither.
+(bounded in records and in bytes: dropped, and counted, when full); each prompt, answer and
+error is cut to ``max_field_chars`` first (marked), so what one record costs the writer is
+bounded too. A background task writes the buffer every ``flush_s`` in a worker thread, one S3
+object per date (a single PUT: a reader sees a whole part or none); a record that cannot be
+written (text that does not encode) is dropped alone and counted; a failed write drops its
+batch (counted, logged once per failure), and the next flush starts afresh. The sample is
+decided before a request's record is made, and personal data (:func:`tasks.lib.records.scrub`)
+is replaced by the writer thread: a request pays for neither.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class TrafficCapture:
         self.rng = rng or random.Random()
         self.origin = f"{socket.gethostname()}-{os.getpid()}"
         self.parts = 0
-        self.stats = {"sampled": 0, "written": 0, "dropped_full": 0, "dropped_write": 0, "parts": 0}
+        self.pending_bytes = 0  # of the pending records' text (what their size is made of)
+        self.stats = {"sampled": 0, "written": 0, "dropped_full": 0, "dropped_write": 0, "dropped_bad": 0, "parts": 0}
         self.lock = asyncio.Lock()  # one flush at a time (the timer's and an explicit one)
 
     @property
@@ -51,14 +54,20 @@ class TrafficCapture:
         before its record is made: a request the sample leaves costs nothing)."""
         if not self.enabled or self.rng.random() >= self.settings.rate:
             return False
-        if len(self.pending) >= self.settings.max_pending:
+        if len(self.pending) >= self.settings.max_pending or self.pending_bytes >= self.settings.max_pending_bytes:
             self.stats["dropped_full"] += 1
             return False
         return True
 
     def offer(self, record: dict[str, Any]) -> None:
-        """Keep a record :meth:`take` made room for (raw: scrubbed by the writer, off the request path)."""
+        """Keep a record :meth:`take` made room for, its text fields cut to ``max_field_chars``
+        (scrubbed later by the writer, off the request path)."""
+        for name in SCRUBBED:
+            if isinstance(text := record.get(name), str) and len(text) > self.settings.max_field_chars:
+                record[name] = cut(text, self.settings.max_field_chars)
+        record["_bytes"] = sum(len(text) for name in SCRUBBED if isinstance(text := record.get(name), str))
         self.stats["sampled"] += 1
+        self.pending_bytes += record["_bytes"]
         self.pending.append(record)
 
     async def run(self) -> None:
@@ -74,10 +83,12 @@ class TrafficCapture:
         """Write what is pending now (records arriving meanwhile wait for the next flush)."""
         async with self.lock:
             batch = [self.pending.popleft() for _ in range(len(self.pending))]
+            self.pending_bytes -= sum(record.pop("_bytes", 0) for record in batch)
             if batch:
                 try:
-                    written = await asyncio.to_thread(self._write, batch)
-                    self.stats["written"] += len(batch)
+                    written, bad = await asyncio.to_thread(self._write, batch)
+                    self.stats["written"] += len(batch) - bad
+                    self.stats["dropped_bad"] += bad
                     self.stats["parts"] += written
                 except Exception as exc:  # S3 down or refusing: the records are lost, requests are not
                     self.stats["dropped_write"] += len(batch)
@@ -85,24 +96,38 @@ class TrafficCapture:
                                 str(exc)[:200])
         return dict(self.stats)
 
-    def _write(self, batch: list[dict[str, Any]]) -> int:
+    def _write(self, batch: list[dict[str, Any]]) -> tuple[int, int]:
+        """Write ``batch``: the parts written, and the records dropped because they cannot be."""
         by_date: dict[str, list[bytes]] = {}
+        bad = 0
         for record in batch:
-            scrubbed = {**record, **{k: scrub(record[k]) for k in SCRUBBED if isinstance(record.get(k), str)}}
-            line = json.dumps(scrubbed, ensure_ascii=False, sort_keys=True).encode("utf-8") + b"\n"
+            try:
+                scrubbed = {**record, **{k: scrub(record[k]) for k in SCRUBBED if isinstance(record.get(k), str)}}
+                line = json.dumps(scrubbed, ensure_ascii=False, sort_keys=True).encode("utf-8") + b"\n"
+            except (UnicodeError, TypeError, ValueError) as exc:  # e.g. a lone surrogate from a header byte
+                bad += 1
+                log.warning("capture: a record dropped, it cannot be written (%s)", str(exc)[:200])
+                continue
             by_date.setdefault(record["time"][:10], []).append(line)
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
         for date, lines in sorted(by_date.items()):
             self.parts += 1
             name = f"part-{self.origin}-{stamp}-{self.parts:06d}.jsonl"
             storage.write_bytes(storage.join(self.settings.uri, f"date={date}", name), b"".join(lines))
-        return len(by_date)
+        return len(by_date), bad
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were cut."""
+    marker = f" [...{len(text) - limit} characters cut]"
+    return text[:max(limit - len(marker), 0)] + marker
 
 
 def served_record(*, endpoint: str, version: str, prompt: str, completion: str, prompt_tokens: int,
                   completion_tokens: int, status: int, latency_ms: float, ttft_ms: float | None,
-                  stream: bool, error: str) -> dict[str, Any]:
-    """One captured request and its answer, as the drift check reads it (scrubbed when written)."""
+                  stream: bool, error: str, client: str = "") -> dict[str, Any]:
+    """One captured request and its answer, as the drift check reads it (scrubbed when written);
+    ``client``: the client's address, hashed (``""``: unknown)."""
     return {
         "time": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
         "endpoint": endpoint,
@@ -116,4 +141,5 @@ def served_record(*, endpoint: str, version: str, prompt: str, completion: str, 
         "ttft_ms": None if ttft_ms is None else round(ttft_ms, 3),
         "stream": stream,
         "error": error,
+        "client": client,
     }

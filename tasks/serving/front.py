@@ -1,40 +1,49 @@
 """The OpenAI-compatible API in front of Triton: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``. A thin translator, no second engine: each request becomes one call of Triton's
-generate extension on the engine model (``generate_stream`` for ``stream: true``, SSE relayed
-chunk by chunk as tokens are produced; ``generate`` otherwise).
+``/v1/models`` (and ``/openapi.json``, their OpenAPI document). A thin translator, no second
+engine: each request becomes one call of Triton's generate extension on the engine model
+(``generate_stream``: SSE relayed chunk by chunk for ``stream: true``, gathered into one answer
+otherwise).
 
     python -m tasks.serving.front --port 8003 --triton-url http://127.0.0.1:8000
+
+Requests: the body is read whole, bounded by :data:`~tasks.serving.contract.MAX_BODY_BYTES`
+(413 beyond), whether it arrives at once, in pieces or chunked; :mod:`tasks.serving.protocol`
+validates it (one path for completions, chat and a shadow's copy). A client that goes away
+cancels its request, streamed or not: the handler is cancelled (aiohttp's
+``handler_cancellation``), which closes the upstream stream, and Triton, failing to write the
+next token, cancels the request in the engine, freeing its slot.
 
 Which version answers is decided in front of this server, exactly as for Triton's own paths: the
 local nginx router picks the version by its canary split and passes it in ``X-Route-Version``
 (this server then calls ``/v2/models/<m>/versions/<v>/...``) and adds ``X-Model-Version`` to the
 answer; in a cluster each track's pod runs this server beside a Triton serving one version, and
-the HTTPRoute splits between tracks. Without the header the unversioned path is called.
-
-Chat: the model is not chat-tuned, so messages are joined by a plain documented template
-(:func:`chat_prompt`): one ``Role: content`` line per message, then ``Assistant:``; the answer
-stops at the next ``\\nUser:`` line.
+the HTTPRoute splits between tracks. Without the header the unversioned path is called. Every
+header of :data:`~tasks.serving.contract.INTERNAL_HEADERS` is set by the router or gateway only
+(a client's own is removed at the public entry).
 
 Shadow records: while deploy shadows stable with a new version, the router mirrors each ``/v1``
 request (the copy marked ``X-Shadow-Copy``: answered 202 at once, generated in the background),
 and marks deploy's own requests and their copies for the record (``X-Shadow-Record``, one
 ``X-Shadow-Pair`` id for both; in a cluster the HTTPRoute's filters do). This server then keeps
-what each marked request answered (version, status, time to first token, inter-token gaps, the text
-chunks) in a bounded in-memory table (:class:`ShadowRecords`), which deploy reads by request id
-(``POST /shadow/records``, not routed by the router: only deploy reaches it) to pair stable's
-answer with the shadow's. Unmarked requests are not recorded.
+what each marked request answered (version, status, time to first token, inter-token gaps, the
+engine's own per-token times, the text chunks) in a bounded in-memory table
+(:class:`ShadowRecords`), which deploy reads by request id (``POST /shadow/records``, not routed
+by the router: only deploy reaches it) to pair stable's answer with the shadow's. Unmarked
+requests are not recorded.
 
 Capture: a sample (``serve.capture.rate``) of the requests this server answered, with their
-answers, the version that answered, latency and token counts, e-mail addresses scrubbed, goes to
-``serve.capture.uri`` by date (:mod:`tasks.serving.capture`: a bounded buffer written in the
-background, never in a request's way); ``POST /capture/flush`` writes it at once and ``GET
-/capture/stats`` counts what was kept, written and dropped (neither is routed by the router).
-Shadow copies are not captured (the user's own request is).
+answers, the version that answered, latency, token counts and the client (its address, hashed),
+goes to ``serve.capture.uri`` by date (:mod:`tasks.serving.capture`: a bounded buffer written in
+the background, never in a request's way); a refused request is captured as its refusal alone,
+never its body. ``POST /capture/flush`` writes it at once and ``GET /capture/stats`` counts what
+was kept, written and dropped (neither is routed by the router). Shadow copies are not captured
+(the user's own request is).
 
 Errors follow OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): a bad
 request (malformed JSON, invalid UTF-8, an unknown model, out-of-range values, a prompt that does
-not fit the context: the engine's own one-line reason) is a 400 (404 for an unknown model); a
-full engine queue is a 429; an unreachable or failing server a 502/503.
+not fit the context: the engine's own one-line reason) is a 400 (404 for an unknown model or
+path, 413 for a body too large); a full engine queue is a 429; an unreachable or failing server
+a 502/503. No input a client sends gets a 5xx of this server's own making.
 """
 
 from __future__ import annotations
@@ -43,99 +52,52 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
-# the router's split choice and shadow marks (a client's own headers are overwritten there)
 from tasks.serving.capture import TrafficCapture, served_record
-from tasks.serving.contract import COPY_HEADER, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER
+from tasks.serving.contract import (
+    CHAT_STOP,
+    CLIENT_HEADER,
+    COPY_HEADER,
+    MAX_BODY_BYTES,
+    PAIR_HEADER,
+    RECORD_HEADER,
+    ROUTE_HEADER,
+)
+from tasks.serving.protocol import (
+    ApiError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    Usage,
+    openapi,
+    parse_request,
+)
 
-log = logging.getLogger("openai_api")
-MAX_BODY = 1 << 20
-CHAT_ROLES = ("system", "user", "assistant")
-CHAT_STOP = "\nUser:"
-MAX_STOPS = 4  # OpenAI's limit; chat adds CHAT_STOP to them (the engine takes 5)
-SAMPLING = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+log = logging.getLogger("front")
 MAX_COPIES = 64  # a shadow's copies generating at once; more are dropped
 DROPPED = "dropped"  # a recorded copy's error when it was never generated
-UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None, "tools": None,
-               "functions": None, "top_logprobs": None}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
-
-
-def message_text(message: Any) -> str | None:
-    """A chat message's text: its content, or its content parts when all are text; else None."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, list):  # content parts: text only
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        content = "".join(t for t in texts if isinstance(t, str)) if len(texts) == len(content) else None
-    return content if isinstance(content, str) else None
-
-
-def chat_prompt(messages: Any) -> str:
-    """``System: ...\\nUser: ...\\nAssistant: ...\\n`` for each message, then ``Assistant:``."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages: expected a non-empty list of {role, content}", "messages")
-    lines = []
-    for index, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        content = message_text(message)
-        if role not in CHAT_ROLES or not isinstance(content, str):
-            raise ApiError(400, f"messages[{index}]: expected role one of {', '.join(CHAT_ROLES)} and text content",
-                           "messages")
-        lines.append(f"{role.capitalize()}: {content}\n")
-    return "".join(lines) + "Assistant:"
-
-
-def engine_inputs(body: dict[str, Any], prompt: str, extra_stop: list[str]) -> dict[str, Any]:
-    """The generate-extension body for the engine (names of ``llm_generate``'s inputs)."""
-    for name, default in UNSUPPORTED.items():
-        if body.get(name) not in (None, default):
-            raise ApiError(400, f"{name}: not supported by this server (only {name}={default!r})", name)
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, "prompt is not valid UTF-8 (a lone surrogate)", "prompt") from None
-    inputs: dict[str, Any] = {"text_input": prompt}
-    for name, kind in SAMPLING.items():
-        value = body.get("max_completion_tokens" if name == "max_tokens" and body.get("max_tokens") is None else name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and int(value) != value):
-            raise ApiError(400, f"{name} {value!r}: expected a number{' (integer)' if kind is int else ''}", name)
-        inputs[name] = kind(value)
-    ignore_eos = body.get("ignore_eos")  # vLLM's extension, sent by benchmark clients (aiperf)
-    if ignore_eos is not None:
-        if not isinstance(ignore_eos, bool):
-            raise ApiError(400, f"ignore_eos {ignore_eos!r}: expected true or false", "ignore_eos")
-        inputs["ignore_eos"] = ignore_eos
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
-        raise ApiError(400, f"stop: expected a string or a list of at most {MAX_STOPS} strings", "stop")
-    if stops or extra_stop:
-        inputs["stop"] = json.dumps([*stops, *extra_stop])
-    return inputs
+CLIENT_KEY_ENV = "CAPTURE_CLIENT_KEY"  # keys the client hash: without it, equal addresses still hash equal
 
 
 class ShadowRecords:
@@ -156,9 +118,23 @@ class ShadowRecords:
         return [record for (request_id, _), record in self.table.items() if request_id in wanted]
 
 
+def routed_version(request: web.Request) -> str:
+    """The version the router picked: digits, or nothing (any other value is not the router's)."""
+    version = request.headers.get(ROUTE_HEADER, "")
+    return version if version.isascii() and version.isdigit() else ""
+
+
+def client_id(request: web.Request, key: bytes) -> str:
+    """The client, as the capture keeps it: its address (the router's, else the peer's), hashed."""
+    address = request.headers.get(CLIENT_HEADER) or request.remote or ""
+    if not address:
+        return ""
+    return hashlib.blake2b(address.encode("utf-8", "replace"), key=key, digest_size=8).hexdigest()
+
+
 class Api:
     """The aiohttp application's state: one upstream connection pool, the served names, the
-    shadow records."""
+    shadow records, the capture."""
 
     def __init__(self, triton_url: str, model: str, served_name: str, timeout_s: float,
                  capture: TrafficCapture | None = None) -> None:
@@ -169,6 +145,8 @@ class Api:
         self.copies: set[asyncio.Task[None]] = set()
         self.capture = capture
         self.capture_writer: asyncio.Task[None] | None = None
+        self.client_key = os.environ.get(CLIENT_KEY_ENV, "").encode()[:64]
+        self.openapi = openapi()
 
     async def start(self, app: web.Application) -> None:
         self.session = ClientSession(connector=TCPConnector(limit=512), timeout=self.timeout)
@@ -185,34 +163,24 @@ class Api:
         if self.session is not None:
             await self.session.close()
 
-    def upstream(self, request: web.Request, stream: bool) -> str:
-        version = request.headers.get(ROUTE_HEADER, "")
-        versioned = f"/versions/{version}" if version.isdigit() else ""
-        return f"{self.triton_url}/v2/models/{self.model}{versioned}/{'generate_stream' if stream else 'generate'}"
+    def upstream(self, version: str) -> str:
+        versioned = f"/versions/{version}" if version else ""
+        return f"{self.triton_url}/v2/models/{self.model}{versioned}/generate_stream"
 
-    async def body(self, request: web.Request, raw: bytes | None = None) -> dict[str, Any]:
-        raw = raw if raw is not None else await request.content.read(MAX_BODY + 1)
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"request body larger than {MAX_BODY} bytes")
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})") from None
-        except json.JSONDecodeError as exc:
-            raise ApiError(400, f"request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body: expected a JSON object")
-        model = body.get("model")
-        if model not in (None, self.served_name):
-            raise ApiError(404, f"model {model!r} does not exist (this server serves {self.served_name!r})", "model",
-                           code="model_not_found")
-        return body
+    def parse(self, raw: bytes, chat: bool) -> CompletionRequest | ChatRequest:
+        request = parse_request(raw, chat)
+        if request.model not in (None, self.served_name):
+            raise ApiError(404, f"model {request.model!r} does not exist (this server serves {self.served_name!r})",
+                           "model", code="model_not_found")
+        return request
 
     # -- endpoints ------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.served_name, "object": "model", "created": 0, "owned_by": "llm-pipeline"}]})
+        return typed_response(ModelList(data=[ModelCard(id=self.served_name)]))
+
+    async def openapi_document(self, request: web.Request) -> web.Response:
+        return web.json_response(self.openapi)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.answer(request, chat=False)
@@ -223,8 +191,8 @@ class Api:
     async def shadow_records(self, request: web.Request) -> web.Response:
         """``{"ids": [...]}`` -> ``{"records": [...]}``: the recorded answers to those requests."""
         try:
-            ids = (await request.json()).get("ids")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            ids = json.loads(await request.read()).get("ids")
+        except (ValueError, AttributeError, RecursionError):
             ids = None
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise ApiError(400, 'expected a JSON object {"ids": [request ids]}', "ids")
@@ -235,31 +203,32 @@ class Api:
         request_id = pair if request.headers.get(RECORD_HEADER) and pair else ""
         if request.headers.get(COPY_HEADER):
             return await self.start_copy(request, chat, request_id)
-        holder: list[Reply] = []
+        reply = Reply(chat, self.served_name, routed_version(request))
         response: web.StreamResponse | None = None
         try:
-            response = await self.reply(request, chat, holder)
+            response = await self.reply(request, reply)
             return response
-        finally:  # whatever the outcome, also a client gone
-            reply = holder[0] if holder else None
+        finally:  # whatever the outcome, also a client gone (the handler cancelled)
             if request_id:
-                self.records.add(request_id, request.headers.get(ROUTE_HEADER, ""), record_of(reply, response))
-            if reply is not None and self.capture is not None and self.capture.take():
+                self.records.add(request_id, reply.route, record_of(reply, response))
+            if self.capture is not None and self.capture.take():
                 self.capture_reply(request, reply, response)
 
     def capture_reply(self, request: web.Request, reply: Reply, response: web.StreamResponse | None) -> None:
-        """Hand the answered request to the capture (the sample took it: :meth:`TrafficCapture.take`)."""
+        """Hand the request to the capture (the sample took it: :meth:`TrafficCapture.take`); a
+        refused one as its refusal alone (no prompt: it may be anything a client sent)."""
         try:
             assert self.capture is not None
+            status = response.status if response is not None else 499
+            refused = reply.refusal is not None
             arrivals = reply.arrivals
             self.capture.offer(served_record(
-                endpoint="chat" if reply.chat else "completions",
-                version=reply.version or request.headers.get(ROUTE_HEADER, ""),
-                prompt=reply.prompt, completion="".join(reply.text), prompt_tokens=reply.prompt_tokens,
-                completion_tokens=reply.completion_tokens, status=response.status if response is not None else 499,
+                endpoint="chat" if reply.chat else "completions", version=reply.version or reply.route,
+                prompt="" if refused else reply.prompt, completion="".join(reply.text),
+                prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens, status=status,
                 latency_ms=(time.perf_counter() - reply.started) * 1000,
                 ttft_ms=(arrivals[0] - reply.started) * 1000 if arrivals else None,
-                stream=reply.stream, error=reply.error))
+                stream=reply.stream, error=reply.error, client=client_id(request, self.client_key)))
         except Exception:  # a capture that breaks must never break the answer
             log.exception("capture: a record could not be made")
 
@@ -273,7 +242,7 @@ class Api:
         if self.capture is None:
             return web.json_response({"enabled": False})
         return web.json_response({"enabled": self.capture.enabled, "pending": len(self.capture.pending),
-                                  **self.capture.stats})
+                                  "pending_bytes": self.capture.pending_bytes, **self.capture.stats})
 
     async def start_copy(self, request: web.Request, chat: bool, request_id: str) -> web.Response:
         """A shadow's copy: answered 202 at once (the router drops the copy's answer anyway, and
@@ -281,103 +250,92 @@ class Api:
         background to its end, recorded when ``request_id`` names it. At most ``MAX_COPIES`` at
         once: a slow shadow's backlog is dropped (recorded as dropped: the shadow's judge reads
         that as inconclusive, not as the shadow's error), never queued."""
-        version = request.headers.get(ROUTE_HEADER, "")
-        raw = await request.content.read(MAX_BODY + 1)
+        version = routed_version(request)
+        raw = await request.read()  # whole, before the 202: the router has sent all of it by then
         if len(self.copies) >= MAX_COPIES:
             if request_id:
                 self.records.add(request_id, version, record_of(None, None, f"{DROPPED}: {MAX_COPIES} copies in flight"))
             return web.Response(status=503)
 
         async def run() -> None:
-            holder: list[Reply] = []
+            reply = Reply(chat, self.served_name, version)
             response: web.StreamResponse | None = None
             try:
-                response = await self.reply(request, chat, holder, raw, Discard())
+                response = await self.reply(request, reply, raw, Discard())
             finally:
                 if request_id:
-                    self.records.add(request_id, version, record_of(holder[0] if holder else None, response))
+                    self.records.add(request_id, version, record_of(reply, response))
 
         task = asyncio.create_task(run())
         self.copies.add(task)
         task.add_done_callback(self.copies.discard)
         return web.Response(status=202)
 
-    async def reply(self, request: web.Request, chat: bool, holder: list[Reply] | None = None,
-                    raw: bytes | None = None, sink: Discard | None = None) -> web.StreamResponse:
-        """The answer to one request (``holder``: gets its :class:`Reply`; ``raw``: its body,
-        already read; ``sink``: where a stream goes instead of the client)."""
+    async def reply(self, request: web.Request, reply: Reply, raw: bytes | None = None,
+                    sink: Discard | None = None) -> web.StreamResponse:
+        """The answer to one request (``raw``: its body, already read; ``sink``: where a stream
+        goes instead of the client)."""
         try:
-            body = await self.body(request, raw)
-            if chat:
-                inputs = engine_inputs(body, chat_prompt(body.get("messages")), [CHAT_STOP])
-                # what the user asked, without the chat template's framing (the drift check reads it)
-                asked = "\n".join(message_text(m) or "" for m in body["messages"] if m.get("role") == "user")
+            parsed = self.parse(raw if raw is not None else await request.read(), reply.chat)
+            if isinstance(parsed, ChatRequest):
+                inputs = parsed.engine_inputs(parsed.prompt(), [CHAT_STOP])
+                reply.prompt = parsed.asked()
             else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1:
-                    prompt = prompt[0]
-                if not isinstance(prompt, str):
-                    raise ApiError(400, "prompt: expected a string (token-id prompts and batches are not supported)",
-                                   "prompt")
-                inputs = engine_inputs(body, prompt, [])
-                asked = prompt
-            stream = bool(body.get("stream"))
-            reply = Reply(chat, self.served_name)
-            reply.prompt, reply.stream = asked, stream
-            usage_chunk = stream and bool((body.get("stream_options") or {}).get("include_usage"))
-            if holder is not None:
-                holder.append(reply)
-            if stream:
-                return await self.relay_stream(request, inputs, reply, usage_chunk, sink)
-            return await self.complete(request, inputs, reply)
+                inputs = parsed.engine_inputs(parsed.text, [])
+                reply.prompt = parsed.text
+            reply.stream = parsed.stream
+            if parsed.stream:
+                return await self.relay_stream(request, inputs, reply, parsed.usage_chunk, sink)
+            return await self.complete(inputs, reply)
         except ApiError as exc:
-            if holder is not None and holder:
-                holder[0].error = exc.message
-            return exc.response()
+            reply.refuse(exc)
+            return error_response(exc)
 
-    async def complete(self, request: web.Request, inputs: dict[str, Any], reply: Reply) -> web.Response:
+    async def complete(self, inputs: dict[str, Any], reply: Reply) -> web.Response:
+        """A whole answer, gathered from the engine's stream all the same: Triton notices a
+        client gone only when it writes to it, so a request whose engine sends one final event
+        (or Triton's non-streaming ``generate``) would generate on to its end, holding its slot,
+        after its client left; here the front's handler is cancelled, its upstream stream
+        closed, and Triton's next write cancels the request in the engine."""
         assert self.session is not None
         try:
-            async with self.session.post(self.upstream(request, False), json=inputs) as upstream:
-                data = await upstream.json(content_type=None)
-                if upstream.status != 200 or "error" in data:
-                    raise upstream_error(upstream.status, data)
+            async with self.session.post(self.upstream(reply.route), json={**inputs, "stream": True}) as upstream:
+                async for event in upstream_events(upstream):
+                    if reply.add(event):
+                        reply.arrivals.append(time.perf_counter())
         except (TimeoutError, ClientError) as exc:
             raise_unreachable(exc)
-        reply.add(data)
-        reply.arrivals.append(time.perf_counter())
         reply.complete = True
-        return web.json_response(reply.whole())
+        return typed_response(reply.whole())
 
     async def relay_stream(self, request: web.Request, inputs: dict[str, Any], reply: Reply,
                            usage_chunk: bool, sink: Discard | None = None) -> web.StreamResponse:
         assert self.session is not None
-        inputs = {**inputs, "stream": True}
         response: web.StreamResponse | None = None
         try:
-            async with self.session.post(self.upstream(request, True), json=inputs) as upstream:
-                events = sse_events(upstream)
-                first = await anext(events, None)  # an error before any token is an HTTP status, not a stream
-                if first is None or upstream.status != 200 or "error" in first:
-                    raise upstream_error(upstream.status, first or {"error": "the engine ended the stream with no answer"})
+            async with self.session.post(self.upstream(reply.route), json={**inputs, "stream": True}) as upstream:
+                events = upstream_events(upstream)
+                first = await anext(events)  # an error before any token is an HTTP status, not a stream
                 response = sink or web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                                "Cache-Control": "no-cache"})
                 await response.prepare(request)
                 event: dict[str, Any] | None = first
-                while event is not None:
-                    if "error" in event:
-                        reply.error = str(event["error"])
-                        await send_event(response, ApiError(500, reply.error, kind="server_error").body())
-                        break
-                    await send_event(response, reply.chunk(event))
-                    event = await anext(events, None)
+                try:
+                    while event is not None:
+                        await send_event(response, reply.chunk(event).model_dump_json(exclude_none=False))
+                        event = await anext(events, None)
+                except ApiError as exc:  # the engine failed mid-stream: the client saw tokens already
+                    reply.error = exc.message
+                    await send_event(response, exc.body().model_dump_json())
                 else:
                     if usage_chunk:
-                        await send_event(response, reply.usage_chunk())
+                        await send_event(response, reply.usage_chunk().model_dump_json())
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
                 reply.complete = not reply.error
                 return response
+        except StopAsyncIteration:
+            raise ApiError(502, "the engine ended the stream with no answer", kind="server_error") from None
         except (TimeoutError, ClientError) as exc:
             if response is None:
                 raise_unreachable(exc)
@@ -392,65 +350,73 @@ class Api:
 
 
 class Reply:
-    """Engine responses turned into OpenAI objects (completion or chat, whole or chunks)."""
+    """One answer as it is built: engine events turned into the OpenAI objects (completion or
+    chat, whole or chunks), with what the shadow's records and the capture keep of it."""
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, route: str) -> None:
+        self.chat, self.model, self.route = chat, model, route
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.text: list[str] = []
-        self.finish_reason: str | None = None
+        self.finish_reason: Any = None
         self.prompt_tokens = self.completion_tokens = 0
         self.sent_role = False
-        # for the shadow records: when it started, when each chunk of text left, what went wrong
+        # for the shadow records: when it started, when each chunk of text left, the engine's own
+        # per-token times (ms; NaN where the engine does not report them), what went wrong
         self.started = time.perf_counter()
         self.arrivals: list[float] = []
+        self.engine_ttft_ms = self.engine_itl_ms = math.nan
         self.error = ""
+        self.refusal: ApiError | None = None
         self.complete = False
         # for the capture: what was asked, how, and which version answered (the engine says)
         self.prompt, self.stream, self.version = "", False, ""
 
+    def refuse(self, exc: ApiError) -> None:
+        self.refusal, self.error = exc, exc.message
+
     def add(self, event: dict[str, Any]) -> str:
         delta = str(event.get("text_output", ""))
         self.text.append(delta)
-        self.finish_reason = str(event.get("finish_reason") or "") or None
+        reason = str(event.get("finish_reason") or "") or None
+        if reason not in (None, "stop", "length"):  # the engine ended it otherwise (stopping: "abort")
+            raise ApiError(503, f"the engine ended the request early ({reason})", kind="server_error")
+        self.finish_reason = reason
         self.prompt_tokens = int(event.get("prompt_tokens", self.prompt_tokens))
         self.completion_tokens = int(event.get("completion_tokens", self.completion_tokens))
         self.version = str(event.get("model_version") or self.version)
+        if "engine_ttft_ms" in event:  # the final event of an engine that times itself (-1: not measured)
+            self.engine_ttft_ms, self.engine_itl_ms = (
+                value if (value := float(event[name])) >= 0 else math.nan for name in ("engine_ttft_ms", "engine_itl_ms"))
         return delta
 
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens)
 
-    def head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def whole(self) -> dict[str, Any]:
+    def whole(self) -> Completion | ChatCompletion:
         text = "".join(self.text)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": self.finish_reason,
-                      "logprobs": None}
-            return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage()}
-        choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
-        return {**self.head("text_completion"), "choices": [choice], "usage": self.usage()}
+            return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage(), choices=[
+                ChatChoice(message=AssistantMessage(content=text), finish_reason=self.finish_reason)])
+        return Completion(id=self.id, created=self.created, model=self.model, usage=self.usage(), choices=[
+            CompletionChoice(text=text, finish_reason=self.finish_reason)])
 
-    def chunk(self, event: dict[str, Any]) -> dict[str, Any]:
+    def chunk(self, event: dict[str, Any]) -> Completion | ChatCompletionChunk:
         delta = self.add(event)
         if delta:
             self.arrivals.append(time.perf_counter())
         if self.chat:
-            content: dict[str, Any] = {"content": delta}
-            if not self.sent_role:
-                content["role"], self.sent_role = "assistant", True
-            choice = {"index": 0, "delta": content, "finish_reason": self.finish_reason, "logprobs": None}
-            return {**self.head("chat.completion.chunk"), "choices": [choice]}
-        return {**self.head("text_completion"),
-                "choices": [{"index": 0, "text": delta, "finish_reason": self.finish_reason, "logprobs": None}]}
+            role: Literal["assistant"] | None = None if self.sent_role else "assistant"
+            self.sent_role = True
+            return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[
+                ChatChunkChoice(delta=Delta(role=role, content=delta), finish_reason=self.finish_reason)])
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[CompletionChoice(text=delta, finish_reason=self.finish_reason)])
 
-    def usage_chunk(self) -> dict[str, Any]:
-        return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage()}
+    def usage_chunk(self) -> Completion | ChatCompletionChunk:
+        if self.chat:
+            return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())
 
 
 class Discard(web.StreamResponse):
@@ -469,36 +435,57 @@ class Discard(web.StreamResponse):
 def record_of(reply: Reply | None, response: web.StreamResponse | None, error: str = "") -> dict[str, Any]:
     """One answer as the shadow comparison reads it: ok (a 200 that ended whole), the time to
     its first text chunk and the mean gap between chunks (ms, from this server's receipt of the
-    request: the same hop for both answers of a pair), the chunks themselves."""
+    request: the same hop for both answers of a pair), the engine's own figures for both (NaN
+    where its engine does not report them), the chunks themselves."""
     status = response.status if response is not None else 0
     if reply is None:
-        return {"ok": False, "status": status, "ttft_ms": math.nan, "itl_ms": math.nan, "chunks": [],
-                "error": error or "refused before generation"}
+        return {"ok": False, "status": status, "ttft_ms": math.nan, "itl_ms": math.nan, "engine_ttft_ms": math.nan,
+                "engine_itl_ms": math.nan, "chunks": [], "error": error or "refused before generation"}
     arrivals = reply.arrivals
     ttft = (arrivals[0] - reply.started) * 1000 if arrivals else math.nan
     itl = (arrivals[-1] - arrivals[0]) * 1000 / (len(arrivals) - 1) if len(arrivals) > 1 else math.nan
     return {"ok": status == 200 and reply.complete, "status": status, "ttft_ms": ttft, "itl_ms": itl,
+            "engine_ttft_ms": reply.engine_ttft_ms, "engine_itl_ms": reply.engine_itl_ms,
             "chunks": [chunk for chunk in reply.text if chunk],
             "error": reply.error or ("" if reply.complete else "not completed")}
 
 
-async def sse_events(upstream: Any) -> AsyncIterator[dict[str, Any]]:
-    """The ``data:`` events of an SSE (or one JSON body, when Triton answered with an error)."""
+async def upstream_events(upstream: Any) -> AsyncIterator[dict[str, Any]]:
+    """The engine's events of a ``generate_stream`` answer; an error raises :class:`ApiError`:
+    Triton's status with the first event's error (a request the engine refused: 400, its queue
+    full: 503) or an error event mid-stream (200: the engine failed)."""
     if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-        yield await upstream.json(content_type=None)
-        return
+        try:
+            data = await upstream.json(content_type=None)
+        except ValueError:
+            data = {}
+        raise upstream_error(upstream.status, data if isinstance(data, dict) else {})
     async for line in upstream.content:
         if line.startswith(b"data:"):
-            yield json.loads(line[5:])
+            event = json.loads(line[5:])
+            if upstream.status != 200 or "error" in event:
+                raise upstream_error(upstream.status, event)
+            yield event
+    if upstream.status != 200:
+        raise upstream_error(upstream.status, {})
 
 
-async def send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+async def send_event(response: web.StreamResponse, payload: str) -> None:
+    await response.write(b"data: " + payload.encode() + b"\n\n")
+
+
+def typed_response(answer: Any, status: int = 200) -> web.Response:
+    """A response model, serialized by Pydantic."""
+    return web.Response(body=answer.model_dump_json(), status=status, content_type="application/json")
+
+
+def error_response(exc: ApiError) -> web.Response:
+    return typed_response(exc.body(), exc.status)
 
 
 def upstream_error(status: int, data: dict[str, Any]) -> ApiError:
     """Triton's error as the client's: its 400s are the engine's one-line reasons; an overloaded
-    engine (UNAVAILABLE, HTTP 503) is a 429."""
+    engine (UNAVAILABLE, HTTP 503) is a 429; an error mid-stream is the engine's failure."""
     message = str(data.get("error", f"upstream status {status}"))
     if "overloaded" in message:
         return ApiError(429, message, kind="rate_limit_error", code="overloaded")
@@ -515,11 +502,26 @@ def raise_unreachable(exc: BaseException) -> NoReturn:
 
 @web.middleware
 async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every refusal in OpenAI's shape: ours, aiohttp's own (unknown path, method, a body over
+    the limit) and, for a bug, a 500 that says so in one line (logged with its traceback)."""
     try:
         response: web.StreamResponse = await handler(request)
         return response
     except ApiError as exc:
-        return exc.response()
+        return error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes",
+                                       code="request_too_large"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}".lower()))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(ApiError(500, "internal error: the server failed this request (logged)",
+                                       kind="server_error"))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -529,12 +531,13 @@ async def health(request: web.Request) -> web.Response:
 def app(triton_url: str, model: str, served_name: str, timeout_s: float,
         capture: TrafficCapture | None = None) -> web.Application:
     api = Api(triton_url, model, served_name, timeout_s, capture)
-    application = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
+    application = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
     application.on_startup.append(api.start)
     application.on_cleanup.append(api.close)
     application.router.add_get("/v1/models", api.models)
     application.router.add_post("/v1/completions", api.completions)
     application.router.add_post("/v1/chat/completions", api.chat_completions)
+    application.router.add_get("/openapi.json", api.openapi_document)
     application.router.add_get("/health", health)
     application.router.add_post("/shadow/records", api.shadow_records)
     application.router.add_post("/capture/flush", api.capture_flush)
@@ -562,8 +565,10 @@ def main() -> None:
     capture = TrafficCapture(dataclasses.replace(serve.capture, rate=args.capture_rate, uri=args.capture_uri))
     if capture.enabled:
         log.info("capturing %.0f%% of answered requests to %s", 100 * args.capture_rate, args.capture_uri)
+    # handler_cancellation: a client that goes away cancels its handler, and with it the
+    # engine's work on its request (aiohttp lets handlers run on by default)
     web.run_app(app(args.triton_url, serve.generate_model, settings.pipeline.model_name, timeout, capture),
-                host=args.host, port=args.port, access_log=None, print=None)
+                host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,18 @@ from pathlib import Path
 
 from tasks.lib.errors import StepError
 from tasks.lib.polling import wait_until
-from tasks.serving.contract import COPY_HEADER, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER, ROUTED_ACTIONS, ROUTED_MODELS
+from tasks.serving.contract import (
+    CLIENT_HEADER,
+    COPY_HEADER,
+    INTERNAL_HEADERS,
+    MAX_BODY_BYTES,
+    PAIR_HEADER,
+    RECORD_HEADER,
+    ROUTE_HEADER,
+    ROUTED_ACTIONS,
+    ROUTED_MODELS,
+    VERSION_HEADER,
+)
 
 TEMP_KINDS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")  # nginx's temp folders, kept in the prefix
 SHADOW_LOCATION = "/_shadow"
@@ -105,41 +116,43 @@ def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: in
     limits = limits or ClientLimits.from_params()
     models, actions = "|".join(ROUTED_MODELS), "|".join(ROUTED_ACTIONS)
     temp = "\n".join(f"    {kind}_temp_path {prefix / 'tmp' / kind};" for kind in TEMP_KINDS)
-    to_triton = """proxy_http_version 1.1;
+    to_triton = f"""proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
-            proxy_read_timeout 300s;"""
+            proxy_read_timeout 300s;
+            {internal_headers({})}"""
     def routed(internal: bool) -> str:
         # only deploy's listener passes the record mark and pair id on: public requests are
         # mirrored while a version shadows, never recorded (their text stays nobody's table)
         record, pair = ("$shadow_record", "$shadow_pair_id") if internal else ('""', '""')
         copy_record = "1" if internal else '""'
+        to_front = {ROUTE_HEADER: "$model_version", RECORD_HEADER: record, PAIR_HEADER: pair,
+                    CLIENT_HEADER: "$remote_addr"}
+        to_shadow = {ROUTE_HEADER: "$shadow_version", RECORD_HEADER: copy_record, PAIR_HEADER: pair, COPY_HEADER: "1",
+                     CLIENT_HEADER: "$remote_addr"}
         return f"""location = /router/state {{ default_type application/json; return 200 $route_state; }}
         location ~ ^/v2/models/(?<model>{models})/(?<action>{actions})$ {{
             if ($model_version = "") {{ return 503; }}
             {to_triton}
             proxy_pass http://triton/v2/models/$model/versions/$model_version/$action;
-            add_header X-Model-Version $model_version always;
+            add_header {VERSION_HEADER} $model_version always;
         }}
         location /v1/ {{
             if ($model_version = "") {{ return 503; }}
             include {prefix / 'mirror.conf'};
-            {to_triton}
-            proxy_set_header {ROUTE_HEADER} $model_version;
-            proxy_set_header {RECORD_HEADER} {record};
-            proxy_set_header {PAIR_HEADER} {pair};
-            proxy_set_header {COPY_HEADER} "";
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 300s;
+            {internal_headers(to_front)}
             proxy_pass http://openai;
-            add_header X-Model-Version $model_version always;
+            add_header {VERSION_HEADER} $model_version always;
         }}
         location = {SHADOW_LOCATION} {{  # the copy of a /v1 request for the shadow version (nginx mirror)
             internal;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
-            proxy_set_header {ROUTE_HEADER} $shadow_version;
-            proxy_set_header {RECORD_HEADER} {copy_record};
-            proxy_set_header {PAIR_HEADER} {pair};
-            proxy_set_header {COPY_HEADER} 1;
+            {internal_headers(to_shadow)}
             proxy_pass http://openai$request_uri;
         }}
         location ~ ^/v2(/health/(live|ready)|/models/({models}))?$ {{
@@ -161,10 +174,12 @@ events {{ worker_connections 1024; }}
 http {{
     access_log {prefix / 'access.log'};
 {temp}
-    client_max_body_size 16m;
+    # what the front and Triton take: larger bodies are refused here (413), never read further
+    client_max_body_size {MAX_BODY_BYTES};
     # bodies and buffered answers stay in memory, never in temp files: a root master runs its
-    # workers as nobody, who may not reach the prefix folder (a request over 16 KB had failed with 500)
-    client_body_buffer_size 16m;
+    # workers as nobody, who may not reach the prefix folder (a request over 16 KB had failed with
+    # 500); twice the largest body, as a chunked one of the limit spilled to a file (500) at once
+    client_body_buffer_size {2 * MAX_BODY_BYTES};
     proxy_max_temp_file_size 0;
     # a shadow's pair id: deploy's generator sends one per request (32 hex digits), read back by it
     map $http_x_shadow_pair $shadow_pair_id {{ "~^[0-9a-f]{{32}}$" $http_x_shadow_pair; default ""; }}
@@ -188,6 +203,11 @@ http {{
             default_type application/json;
             return 429 '{{"error": "too many requests from this client: at most {limits.rate_per_client} a second (a burst of {limits.burst}) and {limits.connections_per_client} connections"}}';
         }}
+        error_page 413 @too_large;
+        location @too_large {{
+            default_type application/json;
+            return 413 '{{"error": {{"message": "request body larger than {MAX_BODY_BYTES} bytes", "type": "invalid_request_error", "param": null, "code": "request_too_large"}}}}';
+        }}
         {routed(internal=False)}
     }}
     server {{  # internal: deploy's smoke test and stable's baseline, a version by its path
@@ -201,6 +221,12 @@ http {{
     }}
 }}
 """
+
+
+def internal_headers(values: dict[str, str]) -> str:
+    """``proxy_set_header`` for every header only the router sets: ``values``' own, the others
+    empty (nginx then sends none, a client's own value included)."""
+    return "\n            ".join(f'proxy_set_header {name} {values.get(name, chr(34) * 2)};' for name in INTERNAL_HEADERS)
 
 
 def mirror_conf(route: Route) -> str:

@@ -295,6 +295,27 @@ def test_invalid_utf8_prompts_are_refused(exported: tuple[GPT, Any, Path]) -> No
         engine.stop()
 
 
+def test_a_prompt_too_long_for_the_context_is_refused_by_its_size_before_tokenizing(
+        exported: tuple[GPT, Any, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of more bytes than ``context`` tokens of the longest can hold cannot fit: refused
+    by its length (a 16 MB prompt once held the model thread in the tokenizer for seconds); one
+    that may fit is tokenized and judged by its token count."""
+    engine = engine_of(exported)
+    try:
+        limit = engine.max_prompt_bytes
+        assert limit >= engine.context * 4
+        tokenized: list[str] = []
+        encode = engine.tokenizer.encode
+        monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: tokenized.append(text) or encode(text, **kw))
+        for prompt in ("x" * (limit + 1), ("x" * (limit + 1)).encode(), "é" * (limit // 2 + 1), "x" * (16 << 20)):
+            with pytest.raises(RequestError, match=rf"cannot fit the model's context of {engine.context} tokens"):
+                engine.encode(prompt)
+        assert tokenized == []
+        assert len(engine.encode("x" * limit)) > 0 and len(tokenized) == 1
+    finally:
+        engine.stop()
+
+
 class ByteTokenizer:
     """Token i is byte i: a character of several UTF-8 bytes spans several tokens."""
 

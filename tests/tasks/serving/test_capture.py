@@ -51,13 +51,31 @@ def test_a_sample_takes_its_share_and_a_failed_write_only_drops_records(tmp_path
     assert asyncio.run(broken.flush())["dropped_write"] == 1  # counted, not raised
 
 
-def test_scrubbing_a_megabyte_word_takes_linear_time() -> None:
-    """The writer scrubs every captured prompt: an e-mail pattern with open-ended repeats
-    backtracked quadratically on one long word (8 kB: 62 ms; 1 MB: minutes)."""
-    import time
+def test_a_record_is_cut_to_its_bound_and_the_buffer_is_bounded_in_bytes(tmp_path: Path) -> None:
+    """A megabyte prompt costs the writer what 4,096 characters do (marked as cut); past
+    max_pending_bytes of pending text new records are dropped, however few they are."""
+    bounded = capture(tmp_path, max_pending=100, max_pending_bytes=10_000)
+    huge = "a@b.io " * 150_000
+    for _ in range(4):
+        if bounded.take():
+            bounded.offer(record(prompt=huge))
+    kept = list(bounded.pending)
+    assert len(kept) == 3 and bounded.stats["dropped_full"] == 1  # 3 x 4,096 characters passed 10,000
+    assert all(len(r["prompt"]) == 4096 and r["prompt"].endswith(f"[...{len(huge) - 4096} characters cut]")
+               for r in kept)
+    assert bounded.pending_bytes == sum(len(r["prompt"]) + len(r["completion"]) for r in kept)
+    stats = asyncio.run(bounded.flush())
+    assert stats["written"] == 3 and bounded.pending_bytes == 0 and bounded.take()
 
-    from tasks.lib.records import scrub
 
-    started = time.perf_counter()
-    assert scrub("a" * 1_000_000 + " x@y.io") == "a" * 1_000_000 + " <email>"
-    assert time.perf_counter() - started < 5  # minutes with the old pattern
+def test_a_record_that_cannot_be_written_is_dropped_alone(tmp_path: Path) -> None:
+    """A lone surrogate (a header byte that was not UTF-8) fails its own record, not the batch."""
+    mixed = capture(tmp_path, max_pending=10)
+    for version in ("5", "\udcff", "6"):
+        assert mixed.take()
+        mixed.offer({**record(), "version": version})
+    stats = asyncio.run(mixed.flush())
+    assert stats["written"] == 2 and stats["dropped_bad"] == 1 and stats["dropped_write"] == 0, stats
+    lines = [json.loads(line) for part in (tmp_path / "served").glob("date=*/*.jsonl")
+             for line in part.read_text().splitlines()]
+    assert sorted(line["version"] for line in lines) == ["5", "6"]

@@ -363,7 +363,16 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+    taken: int = 0  # tokens sampled (EOS included)
     finish_reason: str | None = None
+
+    def timings_ms(self) -> tuple[float, float]:
+        """Time to first token (from submission) and the mean gap between tokens, as the engine
+        saw them: what the version itself did, whatever delays its answer on the way to a client."""
+        ttft = (self.first_token_at - self.submitted) * 1000 if self.first_token_at else float("nan")
+        gaps = self.taken - 1
+        itl = (self.last_token_at - self.first_token_at) * 1000 / gaps if gaps > 0 else float("nan")
+        return ttft, itl
 
 
 @dataclass
@@ -399,6 +408,7 @@ class Engine:
         self.wake = threading.Condition()
         self.stopping = False
         self.stats = Stats()
+        self._max_prompt_bytes: int | None = None
         self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
 
     @classmethod
@@ -416,7 +426,24 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
 
+    @property
+    def max_prompt_bytes(self) -> int:
+        """No prompt longer than this fits the context: ``context`` tokens of the vocabulary's
+        longest (in UTF-8 bytes, which over-counts byte-level tokens: a safe bound)."""
+        if self._max_prompt_bytes is None:
+            longest = max((len(token.encode("utf-8")) for token in self.tokenizer.get_vocab()), default=1)
+            self._max_prompt_bytes = self.context * max(longest, 4)  # 4: any one character, byte-fallback or not
+        return self._max_prompt_bytes
+
     def encode(self, prompt: str | bytes) -> list[int]:
+        """A prompt's token ids; one too long to fit the context is refused by its size before
+        it is tokenized (a 16 MB prompt would hold the engine's model thread for seconds)."""
+        size = len(prompt)  # bytes, or characters: each at least one byte
+        if isinstance(prompt, str) and size <= self.max_prompt_bytes:
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+        if size > self.max_prompt_bytes:
+            raise RequestError(f"prompt of {size} bytes cannot fit the model's context of {self.context} tokens "
+                               f"(at most {self.max_prompt_bytes} bytes)")
         if isinstance(prompt, bytes):
             try:
                 prompt = prompt.decode("utf-8")
@@ -529,6 +556,7 @@ class Engine:
             sequence.first_token_at = now
             self.stats.ttft_s.append(now - sequence.submitted)
         sequence.last_token_at = now
+        sequence.taken += 1
         if token == self.eos_id and not sequence.params.ignore_eos:
             self.finish(sequence, "stop", sequence.detok.flush())  # with the text held back for stop strings
             return
