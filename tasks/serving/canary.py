@@ -288,6 +288,23 @@ def paired_test(shadow_ms: list[float], stable_ms: list[float]) -> dict[str, flo
             "median_ratio": float(np.median(shadow_ms)) / max(float(np.median(stable_ms)), 1e-9)}
 
 
+ENGINE_TIMED, FRONT_TIMED = "as the engines timed them", "as the chunks reached the front"
+
+
+def paired_timings(both: list[dict[str, Any]], key: str, wanted: int) -> tuple[list[tuple[float, float]], str]:
+    """``(shadow, stable)`` figures of ``key`` per request, and how they were measured: by the
+    two engines themselves where both answers carry their timings (what the versions did,
+    whatever delays the chunks on their way: a front busy with other streams read stable's in
+    bursts, and an identical copy once looked 34x slower between tokens), else as the chunks
+    reached the front (versions whose engine does not time itself)."""
+    def finite_pairs(name: str) -> list[tuple[float, float]]:
+        values = [(p["shadow"].get(name, math.nan), p["stable"].get(name, math.nan)) for p in both]
+        return [(a, b) for a, b in values if math.isfinite(a) and math.isfinite(b)]
+
+    engine = finite_pairs(f"engine_{key}")
+    return (engine, ENGINE_TIMED) if len(engine) >= wanted else (finite_pairs(key), FRONT_TIMED)
+
+
 def token_agreement(mine: list[str], theirs: list[str]) -> tuple[float, int]:
     """The share of the longer answer's chunks (tokens) in the two answers' common prefix, and
     the index of the first differing chunk (the length of the prefix)."""
@@ -330,26 +347,29 @@ def judge_shadow(pairs: list[dict[str, Any]], stable: int, shadow: int, params: 
     exact = _share(sum("".join(p["shadow"]["chunks"]) == "".join(p["stable"]["chunks"]) for p in both), len(both))
     check("shadow_stable_agreement", exact >= params.shadow_min_stable_agreement if both else INCONCLUSIVE, exact,
           params.shadow_min_stable_agreement, f"{exact:.0%} of the shadow's answers equal stable's to the same request")
-    tests: dict[str, dict[str, float]] = {}
+    tests: dict[str, dict[str, Any]] = {}
     for key, label in (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency")):
-        paired = [(p["shadow"][key], p["stable"][key]) for p in both
-                  if math.isfinite(p["shadow"][key]) and math.isfinite(p["stable"][key])]
+        paired, measured = paired_timings(both, key, wanted)
         name = f"shadow_{key.removesuffix('_ms')}"
         if len(paired) < wanted:
             check(name, INCONCLUSIVE, len(paired), wanted, f"{len(paired)} paired {label}s: too few to compare")
             continue
-        test = tests[key] = paired_test([a for a, _ in paired], [b for _, b in paired])
+        test = tests[key] = {**paired_test([a for a, _ in paired], [b for _, b in paired]), "measured": measured}
         check(name, latency_verdict(test, params.text_max_latency_ratio, params), test["median_ratio"],
               params.text_max_latency_ratio,
-              f"median {label} {test['median_ratio']:.2f}x stable's on the same {len(paired)} requests "
-              f"(Wilcoxon signed-rank p={test['p_value']:.2g}, alpha {params.latency_alpha})")
+              f"median {label} {test['median_ratio']:.2f}x stable's on the same {len(paired)} requests, "
+              f"{measured} (Wilcoxon signed-rank p={test['p_value']:.2g}, alpha {params.latency_alpha})")
     users = [p["user"] for p in pairs]
 
     def side(records: list[dict[str, Any]]) -> dict[str, float]:
-        ttft = np.asarray([r["ttft_ms"] for r in records if math.isfinite(r["ttft_ms"])])
-        itl = np.asarray([r["itl_ms"] for r in records if math.isfinite(r["itl_ms"])])
+        def finite(key: str) -> np.ndarray[Any, Any]:
+            return np.asarray([v for r in records if math.isfinite(v := r.get(key, math.nan))])
+
+        ttft, itl = finite("ttft_ms"), finite("itl_ms")
         return {"ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
-                "itl_p50_ms": _percentile(itl, 50), "itl_p99_ms": _percentile(itl, 99)}
+                "itl_p50_ms": _percentile(itl, 50), "itl_p99_ms": _percentile(itl, 99),
+                "engine_ttft_p50_ms": _percentile(finite("engine_ttft_ms"), 50),
+                "engine_itl_p50_ms": _percentile(finite("engine_itl_ms"), 50)}
 
     return {"stage": "shadow", "weight": 0.0, "stable_version": stable, "shadow_version": shadow,
             "requests": len(pairs), "served": len(judged), "copies_ok": len(copies), "shadow_errors": len(failures),

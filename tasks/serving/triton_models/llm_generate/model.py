@@ -18,6 +18,7 @@ use, queue length, rejected and cancelled requests.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -119,6 +120,10 @@ class TritonPythonModel:
             default_max_tokens=int(params["default_max_tokens"]),
             request_timeout_s=float(params["request_timeout_s"]), threads=int(params.get("intra_op_thread_count", "0")),
             tensorrt=params.get("tensorrt") == "true")
+        # the engine's timings go out only where the configuration declares them (a version's
+        # model.py may run under a configuration an older export wrote)
+        outputs = {output["name"] for output in config.get("output", [])}
+        self.timed = {"engine_ttft_ms", "engine_itl_ms"} <= outputs
         self.metrics = Metrics(args["model_name"], args["model_version"])
         self.engine.start()
         self.stopped = threading.Event()
@@ -186,11 +191,15 @@ class TritonPythonModel:
         pieces: list[str] = []
 
         def response(text: str, reason: str, sequence: Sequence) -> Any:
-            return pb_utils.InferenceResponse(output_tensors=[
+            tensors = [
                 pb_utils.Tensor("text_output", np.asarray([text.encode()], dtype=object)),
                 pb_utils.Tensor("finish_reason", np.asarray([reason.encode()], dtype=object)),
                 pb_utils.Tensor("prompt_tokens", np.asarray([prompt_tokens], dtype=np.int32)),
-                pb_utils.Tensor("completion_tokens", np.asarray([len(sequence.tokens)], dtype=np.int32))])
+                pb_utils.Tensor("completion_tokens", np.asarray([len(sequence.tokens)], dtype=np.int32))]
+            if reason and self.timed:  # the final response: the engine's own timings (NaN is not JSON: -1)
+                tensors += [pb_utils.Tensor(name, np.asarray([value if math.isfinite(value) else -1.0], dtype=np.float32))
+                            for name, value in zip(("engine_ttft_ms", "engine_itl_ms"), sequence.timings_ms(), strict=True)]
+            return pb_utils.InferenceResponse(output_tensors=tensors)
 
         def emit(sequence: Sequence, delta: str, reason: str | None) -> None:
             if reason is None:
