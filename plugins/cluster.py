@@ -1,7 +1,7 @@
 """The cluster's own objects, before Airflow and serving go in (docs/kubernetes.md).
 
     python plugins/cluster.py base | kubectl apply -f -
-    AWS_ACCESS_KEY_ID=... MLFLOW_TRACKING_URI=... ROUTER_URL=... ROUTER_INTERNAL_URL=... python plugins/cluster.py secrets | kubectl apply -f -
+    AWS_ACCESS_KEY_ID=... CAPTURE_AWS_ACCESS_KEY_ID=... MLFLOW_TRACKING_URI=... ROUTER_URL=... ROUTER_INTERNAL_URL=... python plugins/cluster.py secrets | kubectl apply -f -
     python plugins/cluster.py helm-values > values.yaml
     helm install airflow apache-airflow/airflow -n llm-pipeline-airflow -f values.yaml
 
@@ -18,8 +18,10 @@
   KubernetesJobOperator and ``k8s_job.py``); the training and serving PriorityClasses; the Kueue
   LocalQueue the training Jobs are labelled with.
 - ``secrets``: the Secrets the step pods read their endpoints and credentials from
-  (``launcher.kubernetes.env_from_secrets``), filled from the environment of whoever runs it, so
-  no value is ever written to a file in this repository; a missing variable is one error line.
+  (``launcher.kubernetes.env_from_secrets``), and the OpenAI front's own
+  (``serve.kubernetes.capture_secret``: ``CAPTURE_AWS_*``, keys your object store lets write
+  under ``serve.capture.uri`` and nothing else), filled from the environment of whoever runs it,
+  so no value is ever written to a file in this repository; a missing variable is one error line.
 - ``helm-values``: values for the official Airflow chart: KubernetesExecutor, the DAG image
   (DAGs and plugins baked in), our cluster policy as its ``airflowLocalSettings``, the workers'
   service account, remote task logs on S3.
@@ -76,8 +78,19 @@ SECRET_VARIABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+# The OpenAI front's Secret (serve.kubernetes.capture_secret): each key and the variable it is
+# filled from (the front's own keys, required; the object store's endpoint and region, the steps')
+CAPTURE_SECRET_VARIABLES: dict[str, tuple[str, bool]] = {
+    "AWS_ACCESS_KEY_ID": ("CAPTURE_AWS_ACCESS_KEY_ID", True), "AWS_SECRET_ACCESS_KEY": ("CAPTURE_AWS_SECRET_ACCESS_KEY", True),
+    "AWS_ENDPOINT_URL": ("AWS_ENDPOINT_URL", False), "AWS_DEFAULT_REGION": ("AWS_DEFAULT_REGION", False)}
+
+
 class MissingVariable(ValueError):
     pass
+
+
+class SharedCredential(ValueError):
+    """The OpenAI front given the steps' storage keys or Secret."""
 
 
 # name[:tag]@sha256:<64 hex>; the name may hold a registry's port (registry:5000/team/image)
@@ -200,10 +213,38 @@ def secrets(env: dict[str, str], params: Settings | None = None) -> list[dict[st
             raise MissingVariable(f"Secret {name}: set {', '.join(missing)} in the environment")
         data = {key: env[key] for key in (*required, *optional) if env.get(key)}
         objects.append(_secret(name, cluster.namespace, data))
+    objects.append(capture_secret(env, params))
     # Airflow's components read it (the chart's `secret`): in Airflow's namespace
     objects.append(_secret(cluster.remote_logs.conn_secret, cluster.airflow_namespace,
                            {"AIRFLOW_CONN": json.dumps(remote_logs_connection(env))}))
     return objects
+
+
+def capture_secret_name(params: Settings) -> str:
+    """``serve.kubernetes.capture_secret``, refused where it names one of the steps' Secrets: the
+    OpenAI front is the process clients reach, and the steps' storage keys can replace the
+    exports Triton runs."""
+    name = params.serve.kubernetes.capture_secret
+    if name in params.launcher.kubernetes.env_from_secrets:
+        raise SharedCredential(f"serve.kubernetes.capture_secret {name!r} is one of the steps' Secrets "
+                               "(launcher.kubernetes.env_from_secrets): give the OpenAI front a Secret of its "
+                               "own, whose keys may only write under serve.capture.uri")
+    return name
+
+
+def capture_secret(env: dict[str, str], params: Settings) -> dict[str, Any]:
+    """The OpenAI front's Secret: its own S3 keys (``CAPTURE_AWS_*``), which your object store
+    must let write under ``serve.capture.uri`` alone (an IAM policy allowing ``s3:PutObject`` on
+    that prefix), and the steps' endpoint and region."""
+    name = capture_secret_name(params)
+    missing = [variable for variable, required in CAPTURE_SECRET_VARIABLES.values() if required and not env.get(variable)]
+    if missing:
+        raise MissingVariable(f"Secret {name}: set {', '.join(missing)} in the environment")
+    if env["CAPTURE_AWS_ACCESS_KEY_ID"] == env.get("AWS_ACCESS_KEY_ID"):
+        raise SharedCredential(f"Secret {name}: CAPTURE_AWS_ACCESS_KEY_ID is the steps' AWS_ACCESS_KEY_ID: give the "
+                               "OpenAI front keys of its own, which may only write under serve.capture.uri")
+    data = {key: env[variable] for key, (variable, _) in CAPTURE_SECRET_VARIABLES.items() if env.get(variable)}
+    return _secret(name, params.launcher.kubernetes.namespace, data)
 
 
 def remote_logs_connection(env: dict[str, str]) -> dict[str, Any]:
@@ -271,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             yaml.safe_dump_all(secrets(dict(os.environ)), sys.stdout, sort_keys=False)
         else:
             yaml.safe_dump(helm_values(), sys.stdout, sort_keys=False)
-    except MissingVariable as exc:
+    except (MissingVariable, SharedCredential) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -21,7 +21,9 @@ and gateway are changed with ``kubectl patch``, never by re-applying it.
   Deployment rolls surge-first (``maxUnavailable: 0``): a track never has fewer ready pods.
   Ready = ``/v2/health/ready`` (the models loaded; a model that fails to load stops the pod).
   Beside Triton, the pod runs the OpenAI-compatible API (``tasks/serving/front.py``, the runtime
-  image) on its ``openai`` port, translating ``/v1/*`` to the local Triton's generate endpoints.
+  image) on its ``openai`` port, translating ``/v1/*`` to the local Triton's generate endpoints,
+  with a Secret of its own (``serve.kubernetes.capture_secret``: keys that may only write the
+  served-traffic capture; the stage init container holds the steps' Secrets, Triton none).
   Both tracks start at 0 replicas (``--install``): the first deploy gives them a version.
   Its pods run in the ``llm-serving`` PriorityClass (``plugins/cluster.py``: cluster-scoped, with
   the cluster's own objects), above training's (a training Job admitted on full GPU nodes never
@@ -31,12 +33,15 @@ and gateway are changed with ``kubectl patch``, never by re-applying it.
 - A Gateway API ``HTTPRoute`` on the gateway's public listener: an allowlist (Triton's inference,
   generate and stream paths, health and metadata, exact; the OpenAI front's ``/v1/`` on the
   openai port), each split between the tracks by ``weight`` (per mille); each backend stamps
-  ``X-Model-Version`` on its responses. Deploy patches both rules together. Its annotations hold
-  the rollout state. Triton's repository control and a version's own paths match nothing: 404 at
-  the gateway.
+  ``X-Model-Version`` on its responses; each rule removes the internal headers a client sent
+  (``INTERNAL_HEADERS``: version, track, shadow marks, client address). Deploy patches both rules
+  together. Its annotations hold the rollout state. Triton's repository control and a version's
+  own paths match nothing: 404 at the gateway.
 - A second ``HTTPRoute`` (``<route>-internal``) on the gateway's internal listener (in-cluster
   only): ``X-Serving-Track: canary|stable`` reaches one track alone (the smoke test before any
-  traffic moves; the canary analysis's baseline). A client outside cannot pick a track.
+  traffic moves; the canary analysis's baseline); ``X-Serving-Track: shadow`` carries deploy's
+  paired shadow requests to stable, mirrored to the canary track. A client outside cannot pick
+  a track.
 - A Role + RoleBinding letting the deploy step's service account get and patch exactly these,
   and take the deploy lock (a ``coordination.k8s.io`` Lease).
 
@@ -51,15 +56,19 @@ import sys
 from typing import Any
 
 import yaml
-from cluster import DEPLOYER_LABEL, pinned_image
+from cluster import DEPLOYER_LABEL, capture_secret_name, pinned_image
 
 from pipeline_params import Settings, pipeline_params
 from tasks.config import ServeKubernetes, ServeSettings
 from tasks.serving.contract import (
     ANNOTATION,
     BASELINE,
+    COPY_HEADER,
+    INTERNAL_HEADERS,
     NO_VERSION,
+    RECORD_HEADER,
     ROUTED_ACTIONS,
+    SHADOW_TRACK,
     TRACK_HEADER,
     VERSION_HEADER,
     WEIGHT_SCALE,
@@ -138,8 +147,9 @@ def track_deployment(params: Settings, track: str, install: bool = False) -> dic
         "command": ["python", "-m", "tasks.serving.front", "--host", "0.0.0.0", "--port", str(ports["openai"]),
                     "--triton-url", f"http://127.0.0.1:{ports['http']}"],
         "ports": [{"name": "openai", "containerPort": ports["openai"]}],
-        # the served-traffic capture's S3 keys (serve.capture): the front's alone, Triton's container has none
-        "envFrom": [{"secretRef": {"name": settings.capture_secret}}],
+        # the served-traffic capture's S3 keys (serve.capture), which may write that alone: the
+        # front's own Secret (the stage init container holds the steps'; Triton's container none)
+        "envFrom": [{"secretRef": {"name": capture_secret_name(params)}}],
         "readinessProbe": _http_get("/health", 5, 3, "openai"),
         "livenessProbe": _http_get("/health", 10, 3, "openai"),
         "resources": cluster.kinds["cpu"].resources,
@@ -225,11 +235,20 @@ def public_triton_paths(serve: ServeSettings) -> list[str]:
             "/v2", "/v2/health/live", "/v2/health/ready"]
 
 
+def without_internal_headers() -> dict[str, Any]:
+    """A rule's filter removing the headers only the gateway and deploy may set (contract's
+    ``INTERNAL_HEADERS``) from a client's request: none picks a version or a track, fills
+    deploy's shadow records or speaks for another client."""
+    return {"type": "RequestHeaderModifier", "requestHeaderModifier": {"remove": list(INTERNAL_HEADERS)}}
+
+
 def http_route(params: Settings) -> dict[str, Any]:
     """The public route: an allowlist, split between the tracks by weight (rules 0: Triton's
-    inference, health and metadata paths, exact; 1: the OpenAI front's ``/v1``). Nothing else of
-    Triton's (repository control, a version's own paths) matches: the gateway answers 404.
-    Deploy's once created (``--install`` only): its weights and state are the live split."""
+    inference, health and metadata paths, exact; 1: the OpenAI front's ``/v1``), each removing
+    the internal headers a client sent (deploy's patches of rule 1's filters keep that removal,
+    adding the shadow's mirror). Nothing else of Triton's (repository control, a version's own
+    paths) matches: the gateway answers 404. Deploy's once created (``--install`` only): its
+    weights and state are the live split."""
     settings = params.serve.kubernetes
     names = {track: f"{settings.name}-{track}" for track in TRACKS}
 
@@ -239,7 +258,8 @@ def http_route(params: Settings) -> dict[str, Any]:
                 "filters": [{"type": "ResponseHeaderModifier", "responseHeaderModifier": stamp}]}
 
     def weighted(matches: list[dict[str, Any]], port: int) -> dict[str, Any]:
-        return {"matches": matches, "backendRefs": [backend("stable", WEIGHT_SCALE, port), backend("canary", 0, port)]}
+        return {"matches": matches, "filters": [without_internal_headers()],
+                "backendRefs": [backend("stable", WEIGHT_SCALE, port), backend("canary", 0, port)]}
 
     triton_paths = [{"path": {"type": "Exact", "value": path}} for path in public_triton_paths(params.serve)]
     state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}
@@ -262,14 +282,27 @@ def internal_route(params: Settings) -> dict[str, Any]:
     """Deploy's route, on the gateway's internal listener (not reachable from outside the
     cluster): ``X-Serving-Track: canary|stable|baseline`` reaches one track alone, Triton's model paths (a
     version's own included; not its repository control) and the OpenAI front's, for the smoke test before any traffic moves
-    and the canary analysis's baseline; through the same gateway hop as the split's requests."""
+    and the canary analysis's baseline; through the same gateway hop as the split's requests.
+    ``X-Serving-Track: shadow`` carries deploy's paired shadow requests (``X-Shadow-Pair``, which
+    the public route removes): stable's pods answer and record them, the canary track's (the
+    shadow's) gets a copy, recorded under the same pair id."""
     settings = params.serve.kubernetes
+    openai_port = settings.ports["openai"]
 
     def rule(prefix: str, track: str, port: int) -> dict[str, Any]:
         header = {"type": "Exact", "name": TRACK_HEADER, "value": track}
         return {"matches": [{"path": {"type": "PathPrefix", "value": prefix}, "headers": [header]}],
                 "backendRefs": [{"name": f"{settings.name}-{track}", "port": port}]}
 
+    # the shadow's copies go to the canary track alone, and only while deploy sends them (the
+    # shadow stage): marked for the record before the mirror, so both answers are kept
+    shadow = rule("/v1/", "stable", openai_port)
+    shadow["matches"][0]["headers"][0]["value"] = SHADOW_TRACK
+    shadow["filters"] = [
+        {"type": "RequestHeaderModifier",
+         "requestHeaderModifier": {"set": [{"name": RECORD_HEADER, "value": "1"}], "remove": [COPY_HEADER]}},
+        {"type": "RequestMirror",
+         "requestMirror": {"backendRef": {"name": f"{settings.name}-canary", "port": openai_port}}}]
     return {
         "apiVersion": "gateway.networking.k8s.io/v1",
         "kind": "HTTPRoute",
@@ -277,9 +310,9 @@ def internal_route(params: Settings) -> dict[str, Any]:
                      "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
         "spec": {
             "parentRefs": [_gateway_ref(settings, settings.gateway.internal_listener)],
-            "rules": [rule(prefix, track, settings.ports[port]) for prefix, port in (("/v2/models/", "http"),
-                                                                                        ("/v1/", "openai"))
-                      for track in ("canary", "stable", "baseline")],
+            "rules": [*(rule(prefix, track, settings.ports[port]) for prefix, port in (("/v2/models/", "http"),
+                                                                                         ("/v1/", "openai"))
+                        for track in ("canary", "stable", "baseline")), shadow],
         },
     }
 

@@ -14,6 +14,8 @@
                                         empty (TRITON_URL, TRITON_REPOSITORY, ROUTER_DIR; compose's serving-reconcile)
     python -m stack metrics-auth DIR   Prometheus' and the Pushgateway's logins from PROMETHEUS_PASSWORD and
                                        PUSHGATEWAY_PASSWORD, into DIR/prometheus and DIR/pushgateway (compose's)
+    python -m stack s3-identities DIR  SeaweedFS's identities (DIR/s3.json): the pipeline's keys (AWS_*) and the
+                                       OpenAI front's capture-only keys (CAPTURE_AWS_*) (compose's)
 
 Runs in the runtime environment (it holds ``weed`` and ``mlflow``). State lives in
 ``.stack/`` (or ``$STACK_DIR``): data, logs, PIDs, the generated S3 keys and ``stack.env``.
@@ -23,6 +25,7 @@ Ports come from the ``stack`` section of params.yaml; ``STACK_PORT_<NAME>`` over
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -36,11 +39,17 @@ from stack.servers import (
     ports,
     publish_saved_route,
     reconcile_serving,
+    s3_identities,
     status,
     up,
     write_env_file,
     write_metrics_auth,
+    write_private,
 )
+
+# docker-compose.yaml's s3-identities: the variables of each identity's keys (access, secret)
+S3_IDENTITY_VARIABLES = {"pipeline": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+                         "capture": ("CAPTURE_AWS_ACCESS_KEY_ID", "CAPTURE_AWS_SECRET_ACCESS_KEY")}
 
 
 def predict(prompt: str, max_tokens: int) -> int:
@@ -85,13 +94,37 @@ def write_compose_metrics_auth(folder: str) -> int:
     return 0
 
 
+def write_compose_s3_identities(folder: str) -> int:
+    """SeaweedFS's ``-s3.config`` into ``folder``/s3.json (a volume only SeaweedFS and this
+    one-shot mount), readable by the user its image runs as: the pipeline's identity and the
+    OpenAI front's, which may only write the capture (serve.capture.uri); one line when the folder
+    or a key is missing, or when both identities share an access key."""
+    from tasks.config import load
+
+    variables = [name for pair in S3_IDENTITY_VARIABLES.values() for name in pair]
+    missing = ([] if folder else ["a folder"]) + [name for name in variables if not os.environ.get(name)]
+    if missing:
+        print(f"error: s3-identities needs {', '.join(missing)} (in the environment)", file=sys.stderr)
+        return 2
+    keys = {identity: {"access_key": os.environ[access], "secret_key": os.environ[secret]}
+            for identity, (access, secret) in S3_IDENTITY_VARIABLES.items()}
+    try:
+        config = s3_identities(keys["pipeline"], keys["capture"], load().serve.capture.uri)
+    except ValueError as exc:
+        print(f"error: s3-identities: {exc} (CAPTURE_AWS_ACCESS_KEY_ID)", file=sys.stderr)
+        return 2
+    write_private(Path(folder) / "s3.json", json.dumps(config), mode=0o644)
+    print(f"S3 identities written to {folder}/s3.json")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "traffic", "compose-init",
-                                            "reconcile-serving", "mlflow-users", "metrics-auth"])
+                                            "reconcile-serving", "mlflow-users", "metrics-auth", "s3-identities"])
     parser.add_argument("prompt", nargs="?", default="",
                         help="with `predict`: the text to continue; with `traffic`: normal or drifted; with "
-                        "`metrics-auth`: the folder to write")
+                        "`metrics-auth` and `s3-identities`: the folder to write")
     parser.add_argument("--airflow", action="store_true", help="with `up`: also start Airflow (needs its venv)")
     parser.add_argument("--max-tokens", type=int, default=24, help="with `predict`: tokens to generate")
     parser.add_argument("--count", type=int, default=200, help="with `traffic`: prompts to send")
@@ -119,6 +152,8 @@ def main() -> int:
         return 0
     if args.command == "metrics-auth":  # docker-compose.yaml's: the container's environment
         return write_compose_metrics_auth(args.prompt)
+    if args.command == "s3-identities":  # docker-compose.yaml's: the container's environment
+        return write_compose_s3_identities(args.prompt)
     if args.command == "reconcile-serving":
         env = os.environ if "TRITON_URL" in os.environ else client_env()
         try:

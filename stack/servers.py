@@ -58,14 +58,24 @@ def write_private(path: Path, text: str, mode: int = 0o600) -> None:
     os.replace(staged, path)
 
 
-def credentials() -> dict[str, str]:
-    """S3 keys generated once per stack folder, never committed."""
-    path = state_dir() / "credentials.json"
+def _generated_keys(name: str, prefix: str) -> dict[str, str]:
+    """An S3 identity's keys, generated once per stack folder (``name``), never committed."""
+    path = state_dir() / name
     if not path.exists():
-        keys = {"access_key": "pipeline" + secrets.token_hex(6), "secret_key": secrets.token_urlsafe(30)}
+        keys = {"access_key": prefix + secrets.token_hex(6), "secret_key": secrets.token_urlsafe(30)}
         write_private(path, json.dumps(keys))
     loaded: dict[str, str] = json.loads(path.read_text())
     return loaded
+
+
+def credentials() -> dict[str, str]:
+    """The pipeline's S3 keys (the steps', MLflow's): every bucket."""
+    return _generated_keys("credentials.json", "pipeline")
+
+
+def capture_credentials() -> dict[str, str]:
+    """The OpenAI front's S3 keys: they may only write under ``serve.capture.uri`` (s3_identities)."""
+    return _generated_keys("capture-credentials.json", "capture")
 
 
 def _secret(name: str) -> str:
@@ -108,6 +118,13 @@ def client_env() -> dict[str, str]:
     }
 
 
+def capture_env() -> dict[str, str]:
+    """The OpenAI front's S3 environment: the stack's endpoint and the capture's keys alone."""
+    keys = capture_credentials()
+    return {"AWS_ACCESS_KEY_ID": keys["access_key"], "AWS_SECRET_ACCESS_KEY": keys["secret_key"],
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports()['s3']}"}
+
+
 # What people (and the tests) get from client_env() (`python -m stack env`) and the steps do not:
 # they only push to the Pushgateway. Left out of stack.env and of Airflow's environment, as
 # docker-compose.yaml gives its scheduler (where the steps run) no Prometheus login
@@ -148,6 +165,18 @@ def _listening(port: int) -> bool:
     return False
 
 
+# Never inherited by an isolated server from whoever runs `stack up` (a shell that sourced
+# stack.env, the tests, a developer's own cloud keys): any S3 key, the stack's logins, Airflow's secrets
+CREDENTIAL_PREFIXES = ("AWS_", "MLFLOW_", "PUSHGATEWAY_", "PROMETHEUS_", "AIRFLOW__")
+
+
+def without_stack_credentials(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less every credential and endpoint of the stack (client_env) it holds."""
+    stack = set(client_env())
+    return {key: value for key, value in environ.items()
+            if key not in stack and not key.startswith(CREDENTIAL_PREFIXES)}
+
+
 @dataclass(frozen=True)
 class Server:
     name: str
@@ -156,6 +185,9 @@ class Server:
     healthy: Callable[[], bool]
     start_timeout_s: float
     port: str | None = None  # its key in ports(): the port it serves on, refused when another process holds it
+    # its process holds the credentials of env() alone (see process_env); Airflow's components
+    # are not isolated: they run the steps, and a developer's AIRFLOW__ settings are meant for them
+    isolated: bool = True
 
     @property
     def pid_file(self) -> Path:
@@ -164,6 +196,13 @@ class Server:
     @property
     def log_file(self) -> Path:
         return state_dir() / f"{self.name}.log"
+
+    def process_env(self) -> dict[str, str]:
+        """Its process's environment: the starter's, less the stack's credentials where it is
+        isolated (SeaweedFS would adopt a starter's AWS keys as one more admin identity; the
+        OpenAI front must hold only its capture's keys), and env()."""
+        inherited = without_stack_credentials(os.environ) if self.isolated else dict(os.environ)
+        return {**inherited, **self.env()}
 
     def pid(self) -> int | None:
         try:
@@ -186,7 +225,7 @@ class Server:
                 self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env()},
+                env=self.process_env(),
                 cwd=state_dir(),
                 start_new_session=True,  # own process group: `down` stops its children too
             )
@@ -263,16 +302,39 @@ def _bin(name: str) -> str:
     return str(found) if found.exists() else (shutil.which(name) or name)
 
 
+def capture_actions(capture_uri: str) -> list[str]:
+    """SeaweedFS actions writing objects under ``capture_uri`` and nothing else. SeaweedFS 4.48
+    matches an action ending in ``*`` as a prefix of ``Write:<bucket>/<key>``: such a key writes
+    (and overwrites, deletes) objects under the prefix, and is refused (AccessDenied) reading,
+    listing, copying from elsewhere, and writing any other key or bucket (tests/stack). A capture
+    that is not on S3 needs none."""
+    if not capture_uri.startswith("s3://"):
+        return []
+    bucket, _, prefix = capture_uri.removeprefix("s3://").partition("/")
+    prefix = prefix.strip("/")
+    return [f"Write:{bucket}/{prefix + '/' if prefix else ''}*"]
+
+
+def s3_identities(pipeline: Mapping[str, str], capture: Mapping[str, str], capture_uri: str) -> dict[str, Any]:
+    """SeaweedFS's ``-s3.config``: the pipeline's identity (every bucket: the steps, MLflow) and
+    the OpenAI front's (``capture``: writes its capture, nothing else; the front is the public
+    process, and the pipeline's keys would let it replace the exports Triton runs). Each of
+    ``pipeline``, ``capture``: ``access_key`` and ``secret_key``."""
+    if pipeline["access_key"] == capture["access_key"]:
+        raise ValueError("the capture's S3 access key is the pipeline's: give the OpenAI front its own")
+
+    def identity(name: str, keys: Mapping[str, str], actions: list[str]) -> dict[str, Any]:
+        return {"name": name, "credentials": [{"accessKey": keys["access_key"], "secretKey": keys["secret_key"]}],
+                "actions": actions}
+
+    return {"identities": [identity("pipeline", pipeline, ["Admin", "Read", "Write", "List", "Tagging"]),
+                           identity("capture", capture, capture_actions(capture_uri))]}
+
+
 def _s3_json() -> Path:
-    keys = credentials()
-    identity = {
-        "name": "pipeline",
-        "credentials": [{"accessKey": keys["access_key"], "secretKey": keys["secret_key"]}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-    }
     path = state_dir() / "seaweedfs" / "s3.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_private(path, json.dumps({"identities": [identity]}))
+    config = s3_identities(credentials(), capture_credentials(), load().serve.capture.uri)
+    write_private(path, json.dumps(config))
     return path
 
 
@@ -302,13 +364,17 @@ def _seaweedfs_command() -> list[str]:
 
 
 def _s3_healthy() -> bool:
-    # SeaweedFS answers its health path without credentials once the S3 gateway is serving
-    return _http_ok(f"http://127.0.0.1:{ports()['s3']}/healthz") and _buckets_reachable()
+    # SeaweedFS answers its health path without credentials once the S3 gateway is serving; it
+    # reads its identities at start only: one started on an older s3.json (no capture identity)
+    # is restarted, or the front's captures would all be refused
+    return (_http_ok(f"http://127.0.0.1:{ports()['s3']}/healthz") and _buckets_reachable()
+            and _buckets_reachable(capture_env()))
 
 
-def _buckets_reachable() -> bool:
+def _buckets_reachable(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the S3 server takes the keys of ``env`` (the pipeline's by default)."""
     try:
-        _s3_client().list_buckets()
+        _s3_client(env).list_buckets()
         return True
     except Exception:
         return False
@@ -497,6 +563,14 @@ def _triton_env() -> dict[str, str]:
     }
 
 
+def _openai_api_env() -> dict[str, str]:
+    """The front writes its served-traffic capture (serve.capture) with the capture's keys alone:
+    it is the process clients reach, and the pipeline's keys could replace what Triton runs."""
+    # CAPTURE_CLIENT_KEY keys the hash of each client's address the capture keeps (the drift
+    # check counts clients by it): one per stack folder, so a restarted front hashes alike
+    return {"PYTHONPATH": str(REPO_ROOT), **capture_env(), "CAPTURE_CLIENT_KEY": _secret("capture_client_key")}
+
+
 def _openai_api_command() -> list[str]:
     """The OpenAI-compatible front (tasks/serving/front.py): the router sends /v1/* to it."""
     return [sys.executable, "-m", "tasks.serving.front", "--port", str(ports()["openai_api"]),
@@ -553,7 +627,7 @@ def _airflow_component(component: str) -> Server:
     # api-server reads the task logs from the shared local folder instead
     extra = ["--skip-serve-logs"] if component in ("scheduler", "triggerer") else []
     return Server(f"airflow-{component}", lambda: [airflow, component, *extra], _airflow_env, healthy,
-                  start_timeout_s=120, port="airflow" if component == "api-server" else None)
+                  start_timeout_s=120, port="airflow" if component == "api-server" else None, isolated=False)
 
 
 AIRFLOW_SERVERS = tuple(_airflow_component(c) for c in ("api-server", "scheduler", "dag-processor", "triggerer"))
@@ -742,9 +816,7 @@ SERVERS = (
     ),
     Server("triton", _triton_command, _triton_env,
            lambda: _http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60, port="triton_http"),
-    # the front writes its served-traffic capture to S3 (serve.capture)
-    Server("openai-api", _openai_api_command,
-           lambda: {"PYTHONPATH": str(REPO_ROOT), **{k: v for k, v in client_env().items() if k.startswith("AWS_")}},
+    Server("openai-api", _openai_api_command, _openai_api_env,
            lambda: _http_ok(f"http://127.0.0.1:{ports()['openai_api']}/health"), start_timeout_s=30, port="openai_api"),
     Server("router", _router_command, dict, lambda: all(_router_current(client_env()[url])
                                                         for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")),

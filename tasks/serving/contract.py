@@ -26,6 +26,7 @@ ROUTE_HEADER = "X-Route-Version"  # router -> front: the version the split picke
 RECORD_HEADER, PAIR_HEADER = "X-Shadow-Record", "X-Shadow-Pair"
 COPY_HEADER = "X-Shadow-Copy"  # on a mirrored copy only: the front answers 202 and generates it in the background
 TRACK_HEADER = "X-Serving-Track"  # the internal HTTPRoute's rules: picks one track (clusters)
+SHADOW_TRACK = "shadow"  # its value on deploy's paired shadow requests: stable answers, the canary track gets a copy
 CLIENT_HEADER = "X-Client-Address"  # router -> front: the client's address, kept hashed by the capture
 # Set only by the router or gateway: the public entry removes a client's own (nginx overwrites or
 # empties them; the public HTTPRoute's RequestHeaderModifier removes them), so no client picks a

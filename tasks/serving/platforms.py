@@ -42,11 +42,10 @@ from tasks.lib.step import log, stopping
 from tasks.serving.contract import (
     ANNOTATION,
     BASELINE,
-    COPY_HEADER,
+    INTERNAL_HEADERS,
     NO_VERSION,
-    PAIR_HEADER,
-    RECORD_HEADER,
     ROUTE_HEADER,
+    SHADOW_TRACK,
     TRACK_HEADER,
     TRACKS,
     WEIGHT_SCALE,
@@ -202,6 +201,12 @@ class Serving(Protocol):
         and the text baseline's path (not through the router's split)."""
         ...
 
+    def shadow_target(self) -> tuple[str, dict[str, str]]:
+        """The OpenAI completions URL (and headers) of deploy's paired shadow requests: stable
+        answers and records each, the shadow gets a copy recorded under the same pair id (the
+        public entry removes pair ids: only deploy's path keeps them)."""
+        ...
+
     def metrics(self) -> dict[int, dict[str, float]]:
         """Triton's per-version request counters of the logits model."""
         ...
@@ -285,6 +290,9 @@ class LocalServing:
             raise StepError("OPENAI_API_URL not set: the OpenAI front is started by `python -m stack up`")
         return front + "/v1/completions", {ROUTE_HEADER: str(version)}
 
+    def shadow_target(self) -> tuple[str, dict[str, str]]:
+        return self.url + "/v1/completions", {}  # the internal listener: the split, its mirror, pair ids kept
+
     def metrics(self) -> dict[int, dict[str, float]]:
         url = os.environ.get("TRITON_METRICS_URL")
         if not url:
@@ -355,16 +363,17 @@ def route_patch(names: dict[str, str], route: Route, openai_port: int) -> list[d
             {"op": "replace", "path": f"{backend}/filters/0/responseHeaderModifier/set/0/value",
              "value": NO_VERSION if versions[track] is None else str(versions[track])},
         ]
-    # the /v1 rule mirrors to the canary track while it shadows (Gateway API RequestMirror: the
-    # gateway drops the copy's answer) and marks requests for the fronts' records (those with a
-    # pair id: deploy's); a client's own marks are removed, shadowing or not
-    marks = ({"set": [{"name": RECORD_HEADER, "value": "1"}], "remove": [COPY_HEADER]} if route.shadow is not None
-             else {"remove": [RECORD_HEADER, COPY_HEADER, PAIR_HEADER]})
-    filters: list[dict[str, Any]] = [{"type": "RequestHeaderModifier", "requestHeaderModifier": marks}]
-    if route.shadow is not None:
-        filters.append({"type": "RequestMirror",
-                        "requestMirror": {"backendRef": {"name": names["canary"], "port": openai_port}}})
-    ops.append({"op": "add", "path": f"/spec/rules/{MIRRORED_RULE}/filters", "value": filters})  # (add: replaces)
+    # every rule removes the internal headers a client sent, shadowing or not (a route installed
+    # before the Triton rule did gets it here too); the /v1 rule mirrors to the canary track while
+    # it shadows (Gateway API RequestMirror: the gateway drops the copy's answer). Clients' copies
+    # are never recorded: deploy's paired requests take the internal route's shadow rule
+    for rule in WEIGHTED_RULES:
+        filters: list[dict[str, Any]] = [{"type": "RequestHeaderModifier",
+                                          "requestHeaderModifier": {"remove": list(INTERNAL_HEADERS)}}]
+        if rule == MIRRORED_RULE and route.shadow is not None:
+            filters.append({"type": "RequestMirror",
+                            "requestMirror": {"backendRef": {"name": names["canary"], "port": openai_port}}})
+        ops.append({"op": "add", "path": f"/spec/rules/{rule}/filters", "value": filters})  # (add: replaces)
     state = {"stable": route.stable, "canary": route.canary, "canary_weight": route.canary_weight,
              "generation": route.generation, "shadow": route.shadow}
     ops.append({"op": "add", "path": f"/metadata/annotations/{ANNOTATION.rstrip('/')}~1route",
@@ -555,6 +564,10 @@ class KubernetesServing:
             return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster.ports['openai']}"
                     "/v1/completions", {})
         return self.internal_url + "/v1/completions", {TRACK_HEADER: BASELINE if self.fresh_baseline else "stable"}
+
+    def shadow_target(self) -> tuple[str, dict[str, str]]:
+        # the internal route's shadow rule (plugins/serving.py): stable's pods, mirrored to the canary track
+        return self.internal_url + "/v1/completions", {TRACK_HEADER: SHADOW_TRACK}
 
     def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
         # each track's pod runs its own front and serves one version: the shadow is on the canary

@@ -99,8 +99,48 @@ def load_compose() -> dict[str, Any]:
 
 COMPOSE_SERVICES = {"postgres", "seaweedfs", "mlflow", "airflow-init", "airflow-apiserver", "airflow-scheduler",
                     "airflow-dag-processor", "airflow-triggerer", "triton", "openai-api", "router", "pushgateway", "statsd-exporter",
-                    "prometheus", "grafana", "serving-reconcile", "mlflow-users", "metrics-auth"}
-ONE_SHOT = {"airflow-init", "serving-reconcile", "mlflow-users", "metrics-auth"}
+                    "prometheus", "grafana", "serving-reconcile", "mlflow-users", "metrics-auth", "s3-identities"}
+ONE_SHOT = {"airflow-init", "serving-reconcile", "mlflow-users", "metrics-auth", "s3-identities"}
+
+# Compose's interpolation: $$, ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, ${NAME?error}
+INTERPOLATION = re.compile(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+
+
+class UnsetVariable(ValueError):
+    """A ``${NAME:?error}`` whose variable is not set: Compose stops with the error."""
+
+
+def interpolated(text: str, env: dict[str, str]) -> str:
+    """``text`` as Compose interpolates it from ``env``."""
+    def value(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op, arg = match.group("name", "op", "arg")
+        unset = env.get(name) is None or (op is not None and op.startswith(":") and env.get(name) == "")
+        if unset and op in (":?", "?"):
+            raise UnsetVariable(f"{name}: {arg}")
+        return arg if unset and op in (":-", "-") else env.get(name, "")
+
+    return INTERPOLATION.sub(value, text)
+
+
+def compose_variables() -> set[str]:
+    """Every variable docker-compose.yaml interpolates."""
+    return {m.group("name") for m in INTERPOLATION.finditer((REPO_ROOT / "docker-compose.yaml").read_text())
+            if m.group("name")}
+
+
+def rendered_compose(env: dict[str, str]) -> dict[str, Any]:
+    """docker-compose.yaml as `docker compose config` renders it from ``env`` (its variables
+    interpolated, its YAML merge keys resolved)."""
+    def render(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {key: render(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [render(value) for value in node]
+        return interpolated(node, env) if isinstance(node, str) else node
+
+    return render(load_compose())  # type: ignore[no-any-return]
 
 
 def test_compose_file_parses_under_the_compose_specification() -> None:
@@ -383,3 +423,77 @@ def test_first_make_step_names_the_interpreter_to_install(tmp_path: Path) -> Non
     proc = subprocess.run(["make", "-s", stamp, f"PYTHON={sys.executable}", f"SUPPORTED_PYTHON={running}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and (tmp_path / stamp).exists(), proc.stderr
+
+
+def test_compose_openai_api_writes_its_capture_with_its_own_key_only(tmp_path: Path) -> None:
+    """The OpenAI front (the process clients reach) gets the S3 endpoint and the capture's key,
+    never the pipeline's (which can replace the exports Triton runs); SeaweedFS reads both
+    identities from s3-identities' file, the local stack's (s3_identities: the capture's key may
+    only write under serve.capture.uri, tests/stack), and no key from its environment."""
+    from stack.servers import s3_identities
+
+    env = {name: f"value-of-{name}" for name in compose_variables()}  # each variable told apart by its value
+    services = rendered_compose(env)["services"]
+    s3_port = load().stack.ports["s3"]
+    assert services["openai-api"]["environment"] == {
+        "AWS_ENDPOINT_URL": f"http://seaweedfs:{s3_port}", "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": env["CAPTURE_AWS_ACCESS_KEY_ID"],
+        "AWS_SECRET_ACCESS_KEY": env["CAPTURE_AWS_SECRET_ACCESS_KEY"]}
+
+    def holders(value: str) -> set[str]:
+        return {name for name, service in services.items() if value in json.dumps(service)}
+
+    assert holders(env["CAPTURE_AWS_SECRET_ACCESS_KEY"]) == {"openai-api", "s3-identities"}
+    pipeline_key = holders(env["AWS_SECRET_ACCESS_KEY"])
+    assert {"s3-identities", "mlflow", "airflow-scheduler"} <= pipeline_key  # MLflow's artifacts, the steps
+    assert not pipeline_key & {"openai-api", "triton", "router", "seaweedfs", "prometheus", "grafana"}, pipeline_key
+    assert "environment" not in services["seaweedfs"]  # with AWS_* it would adopt them as an admin identity
+    with pytest.raises(UnsetVariable, match="CAPTURE_AWS_ACCESS_KEY_ID: export the OpenAI front's S3 key"):
+        rendered_compose({k: v for k, v in env.items() if k != "CAPTURE_AWS_ACCESS_KEY_ID"})
+
+    # SeaweedFS reads the one-shot's file, on a volume no other service mounts
+    one_shot, seaweedfs = services["s3-identities"], services["seaweedfs"]
+    folder = one_shot["entrypoint"][-1]
+    assert one_shot["entrypoint"][-2:] == ["s3-identities", folder] and one_shot["volumes"] == [f"s3-identities:{folder}"]
+    mount = next(m for m in seaweedfs["volumes"] if m.startswith("s3-identities:"))
+    assert mount.endswith(":ro") and f"-s3.config={mount.split(':')[1]}/s3.json" in seaweedfs["command"].split()
+    assert seaweedfs["depends_on"] == {"s3-identities": {"condition": "service_completed_successfully"}}
+    assert {name for name, service in services.items()
+            if any(str(m).startswith("s3-identities:") for m in service.get("volumes", []))} == {"s3-identities", "seaweedfs"}
+
+    run = [sys.executable, "-m", "stack", "s3-identities", str(tmp_path / "out")]
+    written = subprocess.run(run, cwd=REPO_ROOT, capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", **one_shot["environment"]})
+    assert written.returncode == 0, written.stderr
+    config = tmp_path / "out" / "s3.json"
+    assert config.stat().st_mode & 0o777 == 0o644  # SeaweedFS's image runs as another user than the one-shot
+    keys = {identity: {"access_key": env[f"{prefix}AWS_ACCESS_KEY_ID"], "secret_key": env[f"{prefix}AWS_SECRET_ACCESS_KEY"]}
+            for identity, prefix in (("pipeline", ""), ("capture", "CAPTURE_"))}
+    assert json.loads(config.read_text()) == s3_identities(keys["pipeline"], keys["capture"], load().serve.capture.uri)
+    # a missing key, or the capture given the pipeline's: one line, nothing written
+    for broken, message in (({"CAPTURE_AWS_SECRET_ACCESS_KEY": ""}, "needs CAPTURE_AWS_SECRET_ACCESS_KEY"),
+                            ({"CAPTURE_AWS_ACCESS_KEY_ID": env["AWS_ACCESS_KEY_ID"]}, "give the OpenAI front its own")):
+        refused = subprocess.run([*run[:-1], str(tmp_path / "refused")], cwd=REPO_ROOT, capture_output=True, text=True,
+                                 env={"PATH": "/usr/bin:/bin", **one_shot["environment"], **broken})
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and message in refused.stderr, refused.stderr
+        assert not (tmp_path / "refused").exists()
+
+
+def test_compose_one_shots_write_only_to_folders_their_image_gives_their_user() -> None:
+    """A new named volume starts as the image's folder at its mount point (root's, where the
+    image has none): a service of the local image running as 50000 can write to its volume only
+    if the image made that folder and gave it to 50000."""
+    local = (REPO_ROOT / "containers" / "Dockerfile.airflow").read_text().split("AS local", 1)[1]
+
+    def folders(command: str) -> list[Path]:
+        return [Path(p) for p in re.search(rf"{command} ([^\n\\&]+)", local).group(1).split()]  # type: ignore[union-attr]
+
+    made, chowned = folders("mkdir -p"), folders("chown -R 50000:0")
+    compose = load_compose()
+    for name, service in compose["services"].items():
+        if service.get("image") != "llm-pipeline/airflow-local:0.1.0" or service.get("user") != "50000:0":
+            continue
+        for mount in service.get("volumes", []):
+            source, target = mount.split(":")[:2]
+            if source in compose["volumes"] and not mount.endswith(":ro") and not target.startswith("/opt/airflow/"):
+                assert Path(target) in made and any(Path(target).is_relative_to(c) for c in chowned), (name, mount)

@@ -41,6 +41,7 @@ REQUESTS = {
     "create_namespaced_service": ("", "services", "create"), "delete_namespaced_service": ("", "services", "delete"),
 }
 ENV = {"AWS_ACCESS_KEY_ID": "key-id", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_ENDPOINT_URL": "http://s3:8333",
+       "CAPTURE_AWS_ACCESS_KEY_ID": "capture-key-id", "CAPTURE_AWS_SECRET_ACCESS_KEY": "capture-secret",
        "MLFLOW_TRACKING_URI": "http://mlflow:5000", "ROUTER_URL": "http://gateway",
        "ROUTER_INTERNAL_URL": "http://gateway-internal"}
 
@@ -57,7 +58,7 @@ def test_base_objects_and_secrets_are_valid_kubernetes(version: str, tmp_path: P
     proc = validate_objects(core, tmp_path, kubernetes_version=version)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(o["kind"] for o in objects) == ["LocalQueue", "Namespace", "Namespace", "NetworkPolicy", "PriorityClass",
-                                                  "PriorityClass", "Role", "RoleBinding", "Secret", "Secret", "Secret",
+                                                  "PriorityClass", "Role", "RoleBinding", "Secret", "Secret", "Secret", "Secret",
                                                   "ServiceAccount", "ServiceAccount", "ServiceAccount"]
 
 
@@ -165,9 +166,19 @@ def test_training_jobs_find_their_queue_and_priority_class() -> None:
 def test_secrets_hold_the_environment_and_refuse_a_missing_variable() -> None:
     objects = {o["metadata"]["name"]: o["stringData"] for o in cluster.secrets(ENV)}
     cluster_params = pipeline_params().launcher.kubernetes
-    assert set(objects) == {*cluster_params.env_from_secrets, cluster_params.remote_logs.conn_secret}
+    capture = pipeline_params().serve.kubernetes.capture_secret
+    assert set(objects) == {*cluster_params.env_from_secrets, cluster_params.remote_logs.conn_secret, capture}
     assert objects["llm-pipeline-storage"] == {k: ENV[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                                                    "AWS_ENDPOINT_URL")}
+    # the OpenAI front's own keys (capture-only, by your object store's policy), the steps' endpoint
+    assert objects[capture] == {"AWS_ACCESS_KEY_ID": "capture-key-id", "AWS_SECRET_ACCESS_KEY": "capture-secret",
+                                "AWS_ENDPOINT_URL": "http://s3:8333"}
+    for broken, error in (({"CAPTURE_AWS_SECRET_ACCESS_KEY": ""}, f"Secret {capture}: set CAPTURE_AWS_SECRET_ACCESS_KEY"),
+                          ({"CAPTURE_AWS_ACCESS_KEY_ID": "key-id"}, f"Secret {capture}: CAPTURE_AWS_ACCESS_KEY_ID is the steps'")):
+        proc = subprocess.run([sys.executable, str(REPO_ROOT / "plugins" / "cluster.py"), "secrets"],
+                              env={**ENV, **broken}, capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.startswith(f"error: {error}"), proc.stderr
+        assert proc.stderr.count("\n") == 1
     logs = json.loads(objects[cluster_params.remote_logs.conn_secret]["AIRFLOW_CONN"])
     assert logs == {"conn_type": "aws", "login": "key-id", "password": "secret",
                     "extra": {"endpoint_url": "http://s3:8333"}}

@@ -56,9 +56,23 @@ def test_each_track_stages_its_version_and_is_ready_only_when_triton_is() -> Non
         assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"  # serve.kubernetes.kind: gpu
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert {"name": "shm", "mountPath": "/dev/shm"} in server["volumeMounts"]
-        # the capture's S3 keys reach the OpenAI front only, never Triton's container
-        front = pod["containers"][1]
-        assert front["envFrom"] == [{"secretRef": {"name": "llm-pipeline-storage"}}] and "envFrom" not in server
+        # the front (the process clients reach) holds its own capture-only keys, not the steps'
+        # storage keys (which can replace the exports Triton runs); Triton's container holds none
+        front, cluster = pod["containers"][1], pipeline_params().launcher.kubernetes
+        capture = pipeline_params().serve.kubernetes.capture_secret
+        assert front["envFrom"] == [{"secretRef": {"name": capture}}] and "envFrom" not in server
+        assert capture not in cluster.env_from_secrets
+        assert stage["envFrom"] == [{"secretRef": {"name": name}} for name in cluster.env_from_secrets]
+
+
+def test_the_front_is_refused_the_steps_storage_secret() -> None:
+    settings = pipeline_params()
+    storage = settings.launcher.kubernetes.env_from_secrets[0]
+    shared = dataclasses.replace(settings, serve=dataclasses.replace(settings.serve, kubernetes=dataclasses.replace(
+        settings.serve.kubernetes, capture_secret=storage)))
+    # (cluster.SharedCredential: a ValueError; Airflow's plugin loading may import cluster.py anew)
+    with pytest.raises(ValueError, match=f"capture_secret '{storage}' is one of the steps' Secrets"):
+        serving.serving_manifests(shared)
 
 
 def test_training_never_preempts_serving_and_a_drain_keeps_stable_serving() -> None:
@@ -134,8 +148,35 @@ def test_public_route_splits_an_allowlist_and_only_the_internal_one_reaches_a_tr
         for track in ("canary", "stable"):
             rule = rules[matching_rule(internal, path, {serving.TRACK_HEADER: track})]  # type: ignore[index]
             assert [(b["name"], b["port"]) for b in rule["backendRefs"]] == [(f"triton-{track}", port)]
+            assert "filters" not in rule
         assert matching_rule(internal, path, {}) is None
     assert matching_rule(internal, "/v2/repository/models/llm/unload", {serving.TRACK_HEADER: "stable"}) is None
+
+
+def test_the_public_route_removes_internal_headers_and_deploys_shadow_requests_take_the_internal_one() -> None:
+    """No client sets what only the gateway and deploy may (contract.INTERNAL_HEADERS: the version,
+    the track, the shadow's record, pair and copy marks, the client address): every public rule
+    removes them, and each backend still stamps the version it serves on its answers. Deploy's
+    paired shadow requests (X-Shadow-Pair) take the internal listener's shadow rule: stable
+    answers and records them, the canary track gets a copy marked for the record too."""
+    from tasks.serving.contract import COPY_HEADER, INTERNAL_HEADERS, PAIR_HEADER, RECORD_HEADER, ROUTE_HEADER
+
+    public, internal = by_kind(serving.serving_manifests(install=True), "HTTPRoute")
+    assert {ROUTE_HEADER, PAIR_HEADER, RECORD_HEADER, COPY_HEADER, serving.TRACK_HEADER} <= set(INTERNAL_HEADERS)
+    for rule in public["spec"]["rules"]:
+        assert rule["filters"] == [{"type": "RequestHeaderModifier",
+                                    "requestHeaderModifier": {"remove": list(INTERNAL_HEADERS)}}]
+        assert [b["filters"] for b in rule["backendRefs"]] == [[{
+            "type": "ResponseHeaderModifier",
+            "responseHeaderModifier": {"set": [{"name": serving.VERSION_HEADER, "value": serving.NO_VERSION}]}}]] * 2
+    shadow = {serving.TRACK_HEADER: serving.SHADOW_TRACK, PAIR_HEADER: "0" * 32}
+    rule = internal["spec"]["rules"][matching_rule(internal, "/v1/completions", shadow)]  # type: ignore[index]
+    assert [(b["name"], b["port"]) for b in rule["backendRefs"]] == [("triton-stable", 8003)]
+    assert rule["filters"] == [
+        {"type": "RequestHeaderModifier",
+         "requestHeaderModifier": {"set": [{"name": RECORD_HEADER, "value": "1"}], "remove": [COPY_HEADER]}},
+        {"type": "RequestMirror", "requestMirror": {"backendRef": {"name": "triton-canary", "port": 8003}}}]
+    assert matching_rule(internal, "/v2/models/llm/infer", shadow) is None  # the shadow is judged on text only
 
 
 def test_cpu_kind_has_no_gpu_request(tmp_path: Path) -> None:
@@ -150,12 +191,15 @@ def test_cpu_kind_has_no_gpu_request(tmp_path: Path) -> None:
 
 
 def test_gateway_schema_check_is_real(tmp_path: Path) -> None:
-    """A negative weight and an empty header value are both refused."""
+    """A negative weight, an empty header value, a rule's filter of no known type and one removing
+    more headers than the schema allows are all refused."""
     route = by_kind(serving.serving_manifests(install=True), "HTTPRoute")[0]
-    negative, empty = copy.deepcopy(route), copy.deepcopy(route)
+    negative, empty, unknown, too_many = (copy.deepcopy(route) for _ in range(4))
     negative["spec"]["rules"][-1]["backendRefs"][0]["weight"] = -1
     empty["spec"]["rules"][-1]["backendRefs"][0]["filters"][0]["responseHeaderModifier"]["set"][0]["value"] = ""
-    for bad in (negative, empty):
+    unknown["spec"]["rules"][0]["filters"][0]["type"] = "RequestHeaderRemover"
+    too_many["spec"]["rules"][0]["filters"][0]["requestHeaderModifier"]["remove"] = [f"X-H{i}" for i in range(17)]
+    for bad in (negative, empty, unknown, too_many):
         proc = validate_objects([bad], tmp_path)
         assert proc.returncode != 0 and "INVALID" in proc.stdout, proc.stdout
 

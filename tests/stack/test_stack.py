@@ -291,3 +291,78 @@ def test_a_router_started_by_older_code_is_replaced_by_up(stack_env: dict[str, s
     finally:
         if old.poll() is None:
             old.kill()
+
+
+def process_environ(stack_dir: str, server: str) -> dict[str, str]:
+    """The environment a running server of the stack was started with."""
+    raw = Path(f"/proc/{pids(stack_dir)[server]}/environ").read_bytes().decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def test_the_openai_front_holds_a_key_that_writes_the_capture_only(stack_env: dict[str, str]) -> None:
+    """The front is the process clients reach: it holds the capture's key alone (not the
+    pipeline's, which the process that ran `stack up` held), and SeaweedFS lets that key write
+    under serve.capture.uri and nothing else: not the exports Triton runs, not the raw training
+    data beside the capture, and it reads nothing back."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    from stack.servers import capture_credentials, credentials
+    from tasks.config import load
+
+    front, pipeline = process_environ(stack_env["STACK_DIR"], "openai-api"), credentials()
+    assert front["AWS_ACCESS_KEY_ID"] == capture_credentials()["access_key"]
+    assert front["AWS_ENDPOINT_URL"] == stack_env["AWS_ENDPOINT_URL"]
+    assert not {pipeline["access_key"], pipeline["secret_key"], stack_env["MLFLOW_TRACKING_PASSWORD"],
+                stack_env["PUSHGATEWAY_PASSWORD"]} & set(front.values())
+    # SeaweedFS would adopt AWS keys in its environment as one more admin identity
+    assert not [key for key in process_environ(stack_env["STACK_DIR"], "seaweedfs") if key.startswith("AWS_")]
+
+    capture = boto3.client("s3", endpoint_url=front["AWS_ENDPOINT_URL"], aws_access_key_id=front["AWS_ACCESS_KEY_ID"],
+                           aws_secret_access_key=front["AWS_SECRET_ACCESS_KEY"], region_name=front["AWS_DEFAULT_REGION"])
+    bucket, prefix = storage.split_s3(load().serve.capture.uri)
+    written = f"{prefix}/date=1999-01-01/part-credentials-test.jsonl"  # a day no drift check reads
+    capture.put_object(Bucket=bucket, Key=written, Body=b"{}\n")
+    try:
+        refused = [("put_object", {"Bucket": "pipeline", "Key": "runs/x/export/triton/llm_generate/1/model.py"}),
+                   ("put_object", {"Bucket": bucket, "Key": "text/date=1999-01-01/part.jsonl"}),
+                   ("put_object", {"Bucket": bucket, "Key": f"{prefix}-beside/x.jsonl"}),
+                   ("get_object", {"Bucket": bucket, "Key": written}),
+                   ("list_objects_v2", {"Bucket": bucket, "Prefix": prefix}),
+                   ("delete_object", {"Bucket": "pipeline", "Key": "runs/x"})]
+        for operation, kwargs in refused:
+            with pytest.raises(ClientError) as denied:
+                getattr(capture, operation)(**({"Body": b"x"} if operation == "put_object" else {}), **kwargs)
+            assert denied.value.response["Error"]["Code"] == "AccessDenied", (operation, kwargs)
+        assert storage.read_bytes(f"s3://{bucket}/{written}") == b"{}\n"
+    finally:
+        storage.s3_client().delete_object(Bucket=bucket, Key=written)
+
+
+def test_a_seaweedfs_started_without_the_capture_identity_is_replaced_by_up(stack_env: dict[str, str],
+                                                                              tmp_path: Path) -> None:
+    """SeaweedFS reads its identities when it starts: one started on an older s3.json (the
+    pipeline's identity alone) would refuse every capture the front writes. `up` restarts it on
+    this code's identities."""
+    import json
+
+    import boto3
+
+    from stack.servers import _seaweedfs_command, capture_env, credentials
+
+    keys = credentials()
+    older = tmp_path / "s3.json"
+    older.write_text(json.dumps({"identities": [{
+        "name": "pipeline", "credentials": [{"accessKey": keys["access_key"], "secretKey": keys["secret_key"]}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    command = [f"-s3.config={older}" if arg.startswith("-s3.config=") else arg for arg in _seaweedfs_command()]
+    old = replaced_by_up("seaweedfs", command, f"{stack_env['AWS_ENDPOINT_URL']}/healthz")
+    try:
+        assert pids(stack_env["STACK_DIR"])["seaweedfs"] != str(old.pid)
+        env = capture_env()
+        capture = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                               aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"])
+        capture.list_buckets()  # known: InvalidAccessKeyId from the older server
+    finally:
+        if old.poll() is None:
+            old.kill()

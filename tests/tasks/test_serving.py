@@ -50,6 +50,7 @@ from tasks.config import ServeSettings, load
 from tasks.lib import triton
 from tasks.lib.errors import StepError
 from tasks.serving import platforms
+from tasks.serving.contract import INTERNAL_HEADERS
 from tasks.serving.router import Route, split_conf
 
 # short canary steps: the analysis needs samples, not minutes
@@ -350,18 +351,18 @@ def test_deploy_patches_keep_the_cluster_objects_valid(tmp_path: Path) -> None:
     first = apply_json_patch(objects["llm-serving"], platforms.route_patch(names, Route(4), 8003))
     for rule in platforms.WEIGHTED_RULES:
         assert [b["weight"] for b in first["spec"]["rules"][rule]["backendRefs"]] == [1000, 0]
-    # a shadow: the /v1 rule mirrors to the canary track's front and marks requests for its records
+    # a shadow: the /v1 rule mirrors to the canary track's front; every rule removes a client's
+    # internal headers (INTERNAL_HEADERS) in every state, shadowing or not
+    strip = {"type": "RequestHeaderModifier", "requestHeaderModifier": {"remove": list(INTERNAL_HEADERS)}}
     shadowing = apply_json_patch(first, platforms.route_patch(names, Route(4, None, 0.0, 8, shadow=5), 8003))
     mirror = shadowing["spec"]["rules"][platforms.MIRRORED_RULE]["filters"]
-    assert [f["type"] for f in mirror] == ["RequestHeaderModifier", "RequestMirror"]
-    assert mirror[1]["requestMirror"]["backendRef"] == {"name": "triton-canary", "port": 8003}
+    assert mirror == [strip, {"type": "RequestMirror",
+                              "requestMirror": {"backendRef": {"name": "triton-canary", "port": 8003}}}]
     assert [b["weight"] for b in shadowing["spec"]["rules"][1]["backendRefs"]] == [1000, 0]
-    assert mirror[0]["requestHeaderModifier"] == {"set": [{"name": "X-Shadow-Record", "value": "1"}],
-                                                  "remove": ["X-Shadow-Copy"]}  # (a client's own copy mark)
     unshadowed = apply_json_patch(shadowing, platforms.route_patch(names, Route(4, 5, 10.0, 9), 8003))
-    assert unshadowed["spec"]["rules"][platforms.MIRRORED_RULE]["filters"] == [  # clients' marks removed
-        {"type": "RequestHeaderModifier",
-         "requestHeaderModifier": {"remove": ["X-Shadow-Record", "X-Shadow-Copy", "X-Shadow-Pair"]}}]
+    for state in (route, first, shadowing, unshadowed):
+        assert [state["spec"]["rules"][r]["filters"][0] for r in platforms.WEIGHTED_RULES] == [strip, strip]
+    assert unshadowed["spec"]["rules"][platforms.MIRRORED_RULE]["filters"] == [strip]
     canary = merge_patch(objects["triton-canary"], platforms.deployment_patch(5, "s3://pipeline/runs/x/export", 1))
     assert canary["spec"]["replicas"] == 1
     assert canary["spec"]["template"]["metadata"]["annotations"]["llm-pipeline/model-version"] == "5"
