@@ -1,6 +1,7 @@
 """Retrain the language model: snapshot -> validate -> tokenize -> train -> evaluate -> register
 -> export -> deploy (a canary on Triton behind the router: promoted to champion, or rolled back;
-with the approval Param it holds for a person: approve_rollout, then deploy_finish)
+with the approval Param, or where params.yaml requires it, it holds for a person: approve_rollout,
+then deploy_finish)
 -> report (a teardown: the run report, whatever happened before it).
 
 This file only wires steps. Each step is ``python -m tasks.<step>`` run by the launcher in
@@ -13,10 +14,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from airflow.providers.standard.operators.hitl import HITLOperator
 from airflow.providers.standard.operators.python import ShortCircuitOperator
 from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param
 from alerts import on_run_failure, step_defaults
+from approval import RolloutApproval
 
 from launcher import (
     answer,
@@ -33,6 +34,11 @@ from tasks.contract import DECISIONS, ERROR_XCOM_KEY, ROLL_BACK
 
 params = pipeline_params()
 pipeline, train_params, gate = params.pipeline, params.train, params.evaluate
+approval = params.canary.approval
+# a deployment that requires the approval: the Param is a constant (the trigger form hides it),
+# and a run that switches it off is refused when it is created (REST API, CLI, backfill); deploy
+# overrides a false one from a run created before, with a warning line
+APPROVAL_SCHEMA: dict[str, Any] = {"const": True} if approval.required else {}
 
 
 # Dates read from the DagRun's attributes only: a run triggered without a logical date (the
@@ -129,17 +135,25 @@ with DAG(
             description="champion: continue from the production model's weights (same architecture and "
                         "vocabulary, else scratch); scratch: a random initialization.",
         ),
+        # the gate: a run may tighten it, never loosen it past params.yaml's evaluate.limits (the
+        # evaluate step refuses a looser value too, whatever created the run)
         "max_regression": Param(
-            gate.max_regression, type="number", minimum=0, maximum=1, title="Gate: largest regression",
-            description="Largest relative perplexity increase over the champion the gate accepts (0.05: 5%).",
+            gate.max_regression, type="number", minimum=0, maximum=gate.limits.max_regression,
+            title="Gate: largest regression",
+            description="Largest relative perplexity increase over the champion the gate accepts (0.05: 5%); "
+                        f"at most {gate.limits.max_regression:g} (evaluate.limits).",
         ),
         "max_eval_perplexity": Param(
-            gate.max_eval_perplexity, type="number", exclusiveMinimum=1, title="Gate: highest perplexity",
-            description="Held-out perplexity above this is rejected, whatever the champion's.",
+            gate.max_eval_perplexity, type="number", exclusiveMinimum=1, maximum=gate.limits.max_eval_perplexity,
+            title="Gate: highest perplexity",
+            description="Held-out perplexity above this is rejected, whatever the champion's; at most "
+                        f"{gate.limits.max_eval_perplexity:g} (evaluate.limits).",
         ),
         "min_eval_accuracy": Param(
-            gate.min_eval_accuracy, type="number", minimum=0, maximum=1, title="Gate: lowest accuracy",
-            description="Held-out next-token accuracy below this is rejected.",
+            gate.min_eval_accuracy, type="number", minimum=gate.limits.min_eval_accuracy, maximum=1,
+            title="Gate: lowest accuracy",
+            description="Held-out next-token accuracy below this is rejected; at least "
+                        f"{gate.limits.min_eval_accuracy:g} (evaluate.limits).",
         ),
         "canary_steps": Param(
             list(params.canary.steps), type="array", minItems=1, maxItems=10,
@@ -156,10 +170,12 @@ with DAG(
                         "usually does: it is registered and exported, not deployed).",
         ),
         "approval": Param(
-            params.canary.approval.enabled, type="boolean", title="Approve the rollout",
-            description=f"Hold the canary before its {params.canary.approval.hold_before:g}% step until a person "
-                        "answers (Promote, Roll back, Extend) in Airflow's Required Actions; no answer within "
-                        f"{params.canary.approval.timeout_s:g}s rolls it back.",
+            approval.active, type="boolean", title="Approve the rollout", **APPROVAL_SCHEMA,
+            description=f"Hold the canary before its {approval.hold_before:g}% step until a person answers "
+                        "(Promote, Roll back, Extend) in Airflow's Required Actions; no answer within "
+                        f"{approval.timeout_s:g}s rolls it back."
+                        + (" Required by this deployment (canary.approval.required): a run cannot switch it off."
+                           if approval.required else ""),
         ),
         "tokenizer_uri": Param(
             None, type=["null", "string"], title="Tokenizer",
@@ -281,19 +297,22 @@ with DAG(
 
     # approval: deploy left the rollout held (its traffic where it is) for a person's decision,
     # shown in Airflow's Required Actions; the task waits holding no worker slot. No answer
-    # within the timeout: the default, Roll back. deploy_finish carries the answer out.
+    # within the timeout: the default, Roll back. deploy_finish carries the answer out. Only the
+    # approvers may answer, and with four_eyes not the user who triggered the run (plugins/approval.py)
     approval_gate = ShortCircuitOperator(
         task_id="approval_gate", python_callable=lambda ti: ti.xcom_pull(task_ids="deploy")["verdict"] == "held",
         ignore_downstream_trigger_rules=False,
     )
-    approve = HITLOperator(
+    approve = RolloutApproval(
         task_id="approve_rollout",
+        approvers=approval.approvers,
+        four_eyes=approval.four_eyes,
         subject="Roll out version {{ ti.xcom_pull(task_ids='deploy')['canary'] }} of "
                 f"{pipeline.model_name}?",
         body=APPROVAL_BODY,
         options=list(DECISIONS),
         defaults=[ROLL_BACK],
-        response_timeout=dt.timedelta(seconds=params.canary.approval.timeout_s),
+        response_timeout=dt.timedelta(seconds=approval.timeout_s),
         **scheduling("approve_rollout"),  # its time limit before it waits; the wait: response_timeout
     )
     finish = step(

@@ -462,6 +462,16 @@ class TrainSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class GateLimits:
+    max_eval_perplexity: float
+    """The highest ``max_eval_perplexity`` a run may set (its Param's maximum)."""
+    min_eval_accuracy: float
+    """The lowest ``min_eval_accuracy`` a run may set (its Param's minimum)."""
+    max_regression: float
+    """The largest ``max_regression`` a run may set (its Param's maximum)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class EvaluateSettings:
     eval_set_uri: str
     """The fixed evaluation text (held out by the seed, written once)."""
@@ -475,6 +485,8 @@ class EvaluateSettings:
     """Gate: lowest next-token accuracy accepted."""
     max_regression: float
     """Gate: largest relative perplexity increase over the champion."""
+    limits: GateLimits
+    """The loosest gate a run may ask for: its Params (and the step's ``--set``) may tighten the gate, never loosen it past these."""
     sample_tokens: int
     """Greedy tokens generated per prompt for the report."""
     prompts: tuple[str, ...]
@@ -485,6 +497,14 @@ class EvaluateSettings:
         _fractions(self, "min_eval_accuracy")
         _at_least_zero(self, "max_regression")
         _check(bool(self.prompts), "prompts", self.prompts, "expected at least one prompt")
+        # the bounds a run sets (the DAG's Params) are checked here, in the step, as well as by the
+        # trigger form: a run created before the limits were tightened is refused too
+        limits = self.limits
+        for name, looser in (("max_eval_perplexity", self.max_eval_perplexity > limits.max_eval_perplexity),
+                             ("min_eval_accuracy", self.min_eval_accuracy < limits.min_eval_accuracy),
+                             ("max_regression", self.max_regression > limits.max_regression)):
+            _check(not looser, name, getattr(self, name), f"looser than limits.{name} ({getattr(limits, name):g}): "
+                   "a run may tighten the gate, never loosen it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -703,7 +723,13 @@ class ServeSettings:
 @dataclasses.dataclass(frozen=True)
 class Approval:
     enabled: bool
-    """A person approves the rollout before it goes on (the retrain DAG's approval Param; an Airflow HITL task)."""
+    """A person approves the rollout before it goes on: the default of the retrain DAG's approval Param (an Airflow HITL task)."""
+    required: bool
+    """This deployment requires the approval: a run cannot switch it off (its Param is refused, and a false one reaching deploy is overridden)."""
+    approvers: tuple[str, ...]
+    """Airflow user ids who may answer (the HITL task's assigned users; the simple auth manager's ids are user names); empty: anyone who may edit the DAG."""
+    four_eyes: bool
+    """The user who triggered the run may not answer its approval: Airflow refuses them when they are among the approvers, and the task refuses an answer of theirs."""
     hold_before: int | float
     """The rollout holds before the step of this weight (one of steps), at the weight before it (0: after shadow)."""
     timeout_s: float
@@ -711,6 +737,14 @@ class Approval:
 
     def __post_init__(self) -> None:
         _positive(self, "hold_before", "timeout_s")
+        _check(all(name.strip() == name and name for name in self.approvers) and
+               len(set(self.approvers)) == len(self.approvers), "approvers", list(self.approvers),
+               "expected distinct Airflow user ids, none empty")
+
+    @property
+    def active(self) -> bool:
+        """Whether a rollout holds for a person: the run asked for it, or this deployment requires it."""
+        return self.enabled or self.required
 
 
 @dataclasses.dataclass(frozen=True)
@@ -760,13 +794,13 @@ class CanarySettings:
     deploy_older_data: bool
     """Deploy a model whose data window ends before the champion's (else: a gate, exit 99)."""
     approval: Approval
-    """A person in the loop: where the rollout holds and how long it waits for an answer."""
+    """A person in the loop: whether a run may go without one, who may answer, where the rollout holds and how long it waits."""
 
     def __post_init__(self) -> None:
         _check(bool(self.steps) and self.steps[-1] == 100 and all(0 < s <= 100 for s in self.steps)
                and list(self.steps) == sorted(set(self.steps)), "steps", self.steps,
                "expected rising percentages ending at 100")
-        _check(not self.approval.enabled or self.approval.hold_before in self.steps, "approval.hold_before",
+        _check(not self.approval.active or self.approval.hold_before in self.steps, "approval.hold_before",
                self.approval.hold_before, f"expected one of steps {list(self.steps)}")
         _positive(self, "step_duration_s", "rate_rps", "concurrency", "request_timeout_s", "max_latency_ratio",
                   "min_samples", "max_windows", "text_rps", "text_min_samples", "text_timeout_s",

@@ -21,9 +21,10 @@ and N becomes ``champion`` in the registry. Any check fails: the canary weight g
 the router is reloaded FIRST, only then N is unloaded; the champion alias does not move; the
 report is saved and the step exits 2 with one line naming the failed check (no retry).
 
-With ``canary.approval.enabled`` (the DAG's approval Param) the walk holds before the step of
-weight ``approval.hold_before``, and at a stage still inconclusive after its analyses: traffic
-stays where it is, the step exits 0 with verdict ``held``, and ``finish`` later carries out a
+With ``canary.approval.enabled`` (the DAG's approval Param) or ``required`` (a deployment's
+setting, which a run cannot switch off) the walk holds before the step of weight
+``approval.hold_before``, and at a stage still inconclusive after its analyses: traffic stays
+where it is, the step exits 0 with verdict ``held``, and ``finish`` later carries out a
 person's answer (Promote: the remaining steps, then promotion; Roll back; Extend: the held stage
 analysed once more). ``release`` (the run's teardown) rolls back a hold nobody decided.
 
@@ -223,7 +224,8 @@ def shadow_traffic(serving: Serving, params: CanarySettings, reference: dict[str
     """One shadow window: streamed completions through the router (stable answers them, the
     router mirrors each to ``version``), each with its own request id; then the front's
     records of both answers, waited for until every copy has ended (at most a stream's timeout)."""
-    sent = canary.send_text_traffic(serving.url + "/v1/completions", {}, canary.text_requests(reference),
+    url, headers = serving.shadow_target()
+    sent = canary.send_text_traffic(url, headers, canary.text_requests(reference),
                                     params.text_rps, params.step_duration_s, params.concurrency,
                                     params.text_timeout_s, with_ids=True)
     ids = [s.request_id for s in sent if s.ok]
@@ -303,7 +305,7 @@ def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Servin
         log.info("version %s was left shadowing stable (an interrupted deploy): rolling it back first", live.shadow)
         serving.roll_back(live.stable)
     stable = live.stable
-    hold = params.approval.enabled
+    hold = params.approval.active
     report: dict[str, Any] = {"stable": stable, "canary": version, "shadow": [], "steps": [], "verdict": "promoted",
                               "approval": {"enabled": hold, "hold_before": params.approval.hold_before}}
     serving.prepare(stable, version)
@@ -468,6 +470,11 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     params, serve, name = settings.canary, settings.serve, settings.pipeline.model_name
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number")
+    if params.approval.required and not params.approval.enabled:
+        # Airflow refuses to create a run with approval false where it is required; a run created
+        # before the setting was turned on still carries it: not weakened, overridden
+        log.warning("canary.approval.required: this deployment requires a person's approval; the run's "
+                    "approval false is overridden: the rollout holds for one")
     serving = serving_platform(settings)
     with serving.lock(), storage.scratch() as scratch:
         # read under the lock: a deploy that held it may just have promoted a newer champion

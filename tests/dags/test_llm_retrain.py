@@ -16,6 +16,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -145,6 +146,112 @@ def test_the_approval_waits_for_a_person_and_its_answer_reaches_deploy_finish(da
         rendered = json.loads(SandboxedEnvironment().from_string(template).render(ti=TaskInstance()))
         assert rendered == {"chosen_options": [chosen], "responded_by": user and user["name"],
                             "responded_at": "2026-11-26 04:00:00+00:00"}
+
+
+def dag_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **approval: Any) -> Any:
+    """The retrain DAG as a deployment's params.yaml (``canary.approval`` changed) makes it."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    raw = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    raw["canary"]["approval"].update(approval)
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("PIPELINE_PARAMS", str(tmp_path / "params.yaml"))
+    bag = DagBag(dag_folder=str(REPO_ROOT / "dags" / "llm_retrain.py"))
+    assert bag.import_errors == {}
+    return bag.dags["llm_retrain"]
+
+
+def run_conf_refusal(dag: Any, conf: dict[str, Any]) -> str | None:
+    """The first line of what Airflow says when it creates a run of ``dag`` with ``conf`` (the
+    trigger form, the REST API, the CLI, a backfill: ``create_dagrun`` validates the Params of the
+    serialized DAG so); None when the run is created."""
+    from airflow.sdk.exceptions import ParamValidationError
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    try:
+        DagSerialization.from_dict(DagSerialization.to_dict(dag)).params.deep_merge(conf).validate()
+    except ParamValidationError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def test_a_run_may_tighten_the_gate_but_never_loosen_it_past_the_limits(dag: Any) -> None:
+    """The gate's Params are bounded by params.yaml's evaluate.limits (the evaluate step checks them
+    again: tests/tasks/test_config.py)."""
+    from pipeline_params import pipeline_params
+
+    limits = pipeline_params().evaluate.limits
+    looser = {"max_regression": (limits.max_regression + 0.01, "greater than the maximum"),
+              "max_eval_perplexity": (limits.max_eval_perplexity + 1, "greater than the maximum"),
+              "min_eval_accuracy": (limits.min_eval_accuracy / 2, "less than the minimum")}
+    for name, (value, how) in looser.items():
+        assert run_conf_refusal(dag, {name: value}) == \
+            f"Invalid input for param {name}: {value} is {how} of {getattr(limits, name)}"
+    tighter = {"max_regression": 0.0, "max_eval_perplexity": 10, "min_eval_accuracy": 0.5}
+    assert run_conf_refusal(dag, tighter) is None
+
+
+def test_a_required_approval_cannot_be_switched_off_by_a_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    optional = dag_with(monkeypatch, tmp_path / "optional", required=False)
+    assert optional.params["approval"] is False
+    assert run_conf_refusal(optional, {"approval": False}) is None and run_conf_refusal(optional, {"approval": True}) is None
+    required = dag_with(monkeypatch, tmp_path / "required", required=True)
+    assert required.params["approval"] is True  # scheduled runs hold too
+    assert run_conf_refusal(required, {"approval": False}) == "Invalid input for param approval: True was expected"
+    assert run_conf_refusal(required, {"approval": True}) is None and run_conf_refusal(required, {}) is None
+    assert "canary.approval.required" in required.params.get_param("approval").description
+    # what deploy reads: the Param's value, which params.yaml's required overrides there too
+    # (tests/tasks/test_config.py::test_a_required_approval_holds_whatever_the_run_says)
+    arguments = required.get_task("deploy").arguments
+    assert "approval.enabled={{ params.approval | tojson }}" in arguments
+
+
+def approval_event(user: dict[str, str] | None, chosen: str = "Promote") -> dict[str, Any]:
+    """What Airflow resumes the approval task with: a person's answer, or (None) the timeout's default."""
+    return {"chosen_options": [chosen], "params_input": {}, "responded_by_user": user,
+            "responded_at": dt.datetime(2026, 11, 26, 4, 0, tzinfo=dt.UTC)}
+
+
+def run_context(triggered_by: str | None) -> dict[str, Any]:
+    return {"dag_run": type("DagRun", (), {"triggering_user_name": triggered_by})()}
+
+
+def test_only_the_approvers_and_never_the_triggering_user_may_approve(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """The approval task assigns params.yaml's approvers (Airflow refuses anyone else); with
+    four_eyes, less the user who triggered the run, and an answer of theirs that Airflow let
+    through (no approvers listed, an auth manager that lets everyone answer) fails the task:
+    deploy_finish never promotes on it."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from approval import respondents
+
+    admin, reviewer = {"id": "admin", "name": "admin"}, {"id": "reviewer", "name": "reviewer"}
+    approve = dag_with(monkeypatch, tmp_path / "four-eyes", required=True, approvers=["admin", "reviewer"],
+                       four_eyes=True).get_task("approve_rollout")
+    assert approve.assigned_users == [admin, reviewer] and approve.four_eyes
+    # who is asked, by who triggered the run (a scheduled run: nobody did)
+    assert respondents(approve.assigned_users, "admin", four_eyes=True) == [reviewer]
+    assert respondents(approve.assigned_users, None, four_eyes=True) == [admin, reviewer]
+    assert respondents(approve.assigned_users, "admin", four_eyes=False) == [admin, reviewer]
+    with pytest.raises(AirflowFailException, match=r"^canary.approval.approvers \['admin'\]: admin triggered this run"):
+        respondents([admin], "admin", four_eyes=True)  # nobody left to answer: failed at once, not after the timeout
+    # the answer, as Airflow hands it back: the triggering user's is refused, whatever the option
+    for chosen in ("Promote", "Extend", "Roll back"):
+        with pytest.raises(AirflowFailException, match=r"^the answer of admin is refused: they triggered this run"):
+            approve.execute_complete(run_context("admin"), approval_event(admin, chosen))
+    assert approve.execute_complete(run_context("admin"), approval_event(reviewer))["chosen_options"] == ["Promote"]
+    assert approve.execute_complete(run_context("admin"), approval_event(None, "Roll back"))["responded_by_user"] is None
+    assert approve.execute_complete(run_context(None), approval_event(admin))["chosen_options"] == ["Promote"]
+    # anyone may answer where no approvers are listed; four_eyes still refuses the triggering user
+    anyone = dag_with(monkeypatch, tmp_path / "anyone", approvers=[], four_eyes=True).get_task("approve_rollout")
+    assert anyone.assigned_users is None and respondents([], "admin", four_eyes=True) == []
+    with pytest.raises(AirflowFailException, match="the answer of admin is refused"):
+        anyone.execute_complete(run_context("admin"), approval_event(admin))
+    # without four_eyes the triggering user's answer counts (params.yaml's default: `make pipeline APPROVAL=true`)
+    default = dag_with(monkeypatch, tmp_path / "default").get_task("approve_rollout")
+    assert default.assigned_users is None and not default.four_eyes
+    assert default.execute_complete(run_context("admin"), approval_event(admin))["chosen_options"] == ["Promote"]
 
 
 def test_retries_with_backoff_from_params(dag: Any) -> None:

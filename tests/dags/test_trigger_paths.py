@@ -42,17 +42,21 @@ CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_nodes": 1,
 BACKFILL_FROM, BACKFILL_TO = "2026-11-08", "2026-11-15"
 BACKFILL_RAW = "s3://raw/test-backfill"
 SCREENSHOTS = REPO_ROOT / ".test-artifacts" / "ui"
+REVIEWER = "reviewer"  # the approver who did not trigger the approval's run (admin did)
 
 
 class AirflowApi:
-    """The REST API v2 of the test's api-server, with a JWT from the simple auth manager."""
+    """The REST API v2 of the test's api-server, as ``user``, with a JWT from the simple auth manager."""
 
-    def __init__(self, base_url: str, passwords_file: Path) -> None:
-        self.base_url = base_url
+    def __init__(self, base_url: str, passwords_file: Path, user: str = "admin") -> None:
+        self.base_url, self.passwords_file, self.user = base_url, passwords_file, user
         self.server_env: dict[str, str] = {}  # the environment Airflow's components were started in
-        self.password = json.loads(passwords_file.read_text())["admin"]
-        token = self.call("POST", "/auth/token", {"username": "admin", "password": self.password}, auth=False)
+        self.password = json.loads(passwords_file.read_text())[user]
+        token = self.call("POST", "/auth/token", {"username": user, "password": self.password}, auth=False)
         self.token = token["access_token"]
+
+    def as_user(self, user: str) -> AirflowApi:
+        return AirflowApi(self.base_url, self.passwords_file, user)
 
     def call(self, method: str, path: str, body: Any = None, auth: bool = True) -> Any:
         request = urllib.request.Request(
@@ -110,14 +114,18 @@ def statsd() -> Iterator[StatsdReceiver]:
 @pytest.fixture(scope="module")
 def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], statsd: StatsdReceiver,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowApi]:
-    """Airflow's four components on the session's database and port. Steps get a params file
-    whose gate passes a 12-step model (register must run for this test to mean anything) and
-    whose canary does not judge latency."""
+    """Airflow's four components on the session's database and port, with two users (admin and
+    reviewer). Steps get a params file whose gate passes a 12-step model (register must run for
+    this test to mean anything), whose canary does not judge latency, and that deploys as a
+    deployment requiring a person's approval: from the approvers, never the run's triggering user."""
     from stack import servers
 
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
-    # (the loosest values the trigger form accepts: an invalid Param default keeps the DAG from loading)
-    params["evaluate"].update(max_eval_perplexity=1e9, min_eval_accuracy=0.0, max_regression=1.0)
+    # the gate, and the limits a run's Params may not loosen it past (a Param default outside
+    # them would keep the DAG from loading; the settings refuse such a file)
+    gate = {"max_eval_perplexity": 1e9, "min_eval_accuracy": 0.0, "max_regression": 1.0}
+    params["evaluate"].update(gate, limits=gate)
+    params["canary"]["approval"].update(required=True, approvers=["admin", REVIEWER], four_eyes=True)
     # three runs train and canary at once on a small machine: latency there says nothing about
     # the models (tests/tasks/test_serving.py tests the latency rollback); this test is about
     # how runs are triggered
@@ -137,6 +145,8 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], st
     # Airflow's own metrics, as docker-compose.yaml sends them to its statsd-exporter
     os.environ.update(AIRFLOW__METRICS__STATSD_ON="True", AIRFLOW__METRICS__STATSD_HOST="127.0.0.1",
                       AIRFLOW__METRICS__STATSD_PORT=str(statsd.port), AIRFLOW__METRICS__STATSD_PREFIX="airflow")
+    # a second person, who may answer the approval (the simple auth manager's role "user" edits DAG runs)
+    os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"] = f"admin:admin,{REVIEWER}:user"
     try:
         servers.create_airflow_pools()  # as `make up` does: the scheduler runs no task of a missing pool
         for server in servers.AIRFLOW_SERVERS:
@@ -167,8 +177,8 @@ def airflow_cli(*args: str, attempts: int = 1) -> str:
 
 @contextlib.contextmanager
 def signed_in_browser(api: AirflowApi) -> Iterator[Any]:
-    """A headless Chromium page signed in to the UI as docs/operations.md tells a person to: user admin,
-    the password Airflow generated into its passwords file."""
+    """A headless Chromium page signed in to the UI as docs/operations.md tells a person to: the
+    api's user (admin), the password Airflow generated into its passwords file."""
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium")
@@ -179,7 +189,7 @@ def signed_in_browser(api: AirflowApi) -> Iterator[Any]:
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{api.base_url}/dags/{DAG_ID}")  # redirected to the login form
-            page.fill("input[name=username]", "admin")
+            page.fill("input[name=username]", api.user)
             page.fill("input[name=password]", api.password)
             page.click("button:has-text('Sign in')")
             page.wait_for_url(f"**/dags/{DAG_ID}")
@@ -235,7 +245,19 @@ def seed_two_weeks() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def check_a_run_cannot_weaken_the_approval_nor_the_gate(api: AirflowApi) -> None:
+    """What the deployment requires (params.yaml: canary.approval.required, evaluate.limits), a
+    trigger cannot undo: the REST API refuses the run (400, naming the Param), none is created."""
+    for conf, why in (({"approval": False}, "Invalid input for param approval: True was expected"),
+                      ({"max_regression": 2.0}, "Invalid input for param max_regression: 2.0 is greater than the "
+                                                "maximum of 1.0")):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": {**CONF, **conf}})
+        assert refused.value.code == 400 and why in refused.value.read().decode(), conf
+
+
 def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
+    check_a_run_cannot_weaken_the_approval_nor_the_gate(airflow_api)
     seed_two_weeks()
     # docs/operations.md's backfill: the scheduler runs one run per interval, each on its own window. Created
     # while the DAG is paused: unpausing makes the scheduler create the newest weekly tick's run
@@ -252,13 +274,13 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
     from_the_form = trigger_from_the_form(
         airflow_api, {"end_date": "2026-11-19", **{name: str(value) for name, value in CONF.items()}},
         skip_deploy=True)
-    # the two runs without a logical date: the CLI's deploys (deploy's arguments read the run's
-    # date too) and waits for a person's approval, the REST API's skips the canary to spare the
-    # test's time
-    airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "end_date": "2026-11-22", "approval": True}))
+    # the two runs without a logical date: the REST API's, triggered by admin, deploys (deploy's
+    # arguments read the run's date too) and waits for a person's approval (required here: no
+    # Param asks for it), the CLI's skips the canary to spare the test's time
+    airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "end_date": "2026-11-21", "skip_deploy": True}))
     rest = airflow_api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
-                            {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-21", "skip_deploy": True}})
-    assert rest["logical_date"] is None
+                            {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-22"}})
+    assert rest["logical_date"] is None and "approval" not in rest["conf"]
 
     def ours() -> list[dict[str, Any]]:
         runs = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")["dag_runs"]
@@ -275,11 +297,15 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
     except AssertionError as exc:
         raise AssertionError(f"{exc}; runs seen: {seen}") from None
 
-    approval_run = next(r["dag_run_id"] for r in ours() if r["conf"].get("approval"))
+    approval_run = rest["dag_run_id"]
+    reviewer = airflow_api.as_user(REVIEWER)
 
     def finished() -> list[dict[str, Any]] | None:
-        if waiting_for_a_person(airflow_api, approval_run):  # a person rolls it back, through the REST API
-            answer_through_the_api(airflow_api, approval_run, "Roll back")
+        if waiting_for_a_person(airflow_api, approval_run):
+            # admin triggered it: their own approval is refused, the question waits for another
+            # approver, who rolls it back through the REST API
+            check_the_triggering_user_cannot_answer(airflow_api, approval_run)
+            answer_through_the_api(reviewer, approval_run, "Roll back")
         runs = ours()
         return runs if all(r["state"] in ("success", "failed") for r in runs) else None
 
@@ -307,7 +333,7 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
     for run in [*backfill[1:], *manual]:
         states = task_states(airflow_api, run)
         assert run["state"] == "success" and states["register"] == "success", (run["dag_run_id"], states)
-        if run["dag_run_id"] == rest["dag_run_id"] or run["logical_date"] is not None:
+        if run["dag_run_id"] != approval_run:
             assert run["conf"]["skip_deploy"] is True and states["deploy"] == "skipped", (run["conf"], states)
         else:  # deploy's arguments read the run's date too; a person rolled it back: a gate (skipped)
             assert states["deploy"] == "success" and states["approve_rollout"] == "success", (run["dag_run_id"], states)
@@ -342,7 +368,19 @@ def waiting_for_a_person(api: AirflowApi, run_id: str) -> dict[str, Any] | None:
 def answer_through_the_api(api: AirflowApi, run_id: str, option: str) -> None:
     answered = api.call("PATCH", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}/taskInstances/approve_rollout/-1/"
                                  "hitlDetails", {"chosen_options": [option], "params_input": {}})
-    assert answered["chosen_options"] == [option] and answered["responded_by"]["name"] == "admin", answered
+    assert answered["chosen_options"] == [option] and answered["responded_by"]["name"] == api.user, answered
+
+
+def check_the_triggering_user_cannot_answer(api: AirflowApi, run_id: str) -> None:
+    """``api``'s user triggered the run (four_eyes): the question names the other approver only,
+    and Airflow refuses their own Promote (403); the question still waits."""
+    question = waiting_for_a_person(api, run_id)
+    assert question and question["assigned_users"] == [{"id": REVIEWER, "name": REVIEWER}], question
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        answer_through_the_api(api, run_id, "Promote")
+    assert refused.value.code == 403 and f"User={api.user} (id={api.user}) is not a respondent" in \
+        refused.value.read().decode()
+    assert waiting_for_a_person(api, run_id), "the refused answer ended the wait"
 
 
 def answer_in_the_ui(api: AirflowApi, run_id: str, option: str) -> None:
@@ -358,8 +396,9 @@ def answer_in_the_ui(api: AirflowApi, run_id: str, option: str) -> None:
 
 
 def check_the_approval(api: AirflowApi, run_id: str) -> None:
-    """The CLI's run held its rollout for a person, who rolled it back through the REST API (above).
-    Its deploy cleared and run again holds anew; the scheduler restarted meanwhile; a person
+    """The REST API's run held its rollout for a person; admin, who triggered it, could not
+    answer; the reviewer rolled it back through the REST API (above). Its deploy cleared and run
+    again holds anew; the scheduler restarted meanwhile; admin is refused again; the reviewer
     approves in the UI: the rollout goes on, the version is promoted, and the report and the
     version's tags say who decided what and when."""
     from stack import servers
@@ -367,7 +406,7 @@ def check_the_approval(api: AirflowApi, run_id: str) -> None:
     version, _ = registered_version(run_id)
     report = api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}/taskInstances/report/xcomEntries/"
                              "return_value")["value"]
-    assert report["verdict"] == "rolled back" and "rolled back by admin" in report["outcome"], report
+    assert report["verdict"] == "rolled back" and f"rolled back by {REVIEWER}" in report["outcome"], report
     api.call("POST", f"/api/v2/dags/{DAG_ID}/clearTaskInstances",
              {"dry_run": False, "dag_run_id": run_id, "task_ids": ["deploy"], "include_downstream": True,
               "only_failed": False, "reset_dag_runs": True})
@@ -385,7 +424,8 @@ def check_the_approval(api: AirflowApi, run_id: str) -> None:
         os.environ.clear()
         os.environ.update(saved)
     assert waiting_for_a_person(api, run_id), "the question did not survive the scheduler's restart"
-    answer_in_the_ui(api, run_id, "Promote")
+    check_the_triggering_user_cannot_answer(api, run_id)
+    answer_in_the_ui(api.as_user(REVIEWER), run_id, "Promote")
 
     def run_finished() -> dict[str, Any] | None:
         found: dict[str, Any] = api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}")
@@ -395,7 +435,7 @@ def check_the_approval(api: AirflowApi, run_id: str) -> None:
     states = task_states(api, run)
     assert run["state"] == "success" and states["deploy_finish"] == "success", states
     _, tags = registered_version(run_id)
-    assert (tags["approval.decision"], tags["approval.by"]) == ("Promote", "admin") and tags["approval.at"], tags
+    assert (tags["approval.decision"], tags["approval.by"]) == ("Promote", REVIEWER) and tags["approval.at"], tags
     report = api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}/taskInstances/report/xcomEntries/"
                              "return_value")["value"]
     assert report["verdict"] == "success" and report["outcome"] == f"version {version} serves as champion", report

@@ -101,6 +101,42 @@ def test_the_namespaces_of_airflow_and_the_steps_must_differ() -> None:
         build(Settings, raw)
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("max_regression=0.06", "evaluate.max_regression 0.06: looser than limits.max_regression (0.05): a run may "
+                                "tighten the gate, never loosen it"),
+        ("max_eval_perplexity=1e9", "evaluate.max_eval_perplexity 1000000000.0: looser than limits.max_eval_perplexity "
+                                    "(2000)"),
+        ("min_eval_accuracy=0", "evaluate.min_eval_accuracy 0.0: looser than limits.min_eval_accuracy (0.05)"),
+    ],
+)
+def test_a_gate_looser_than_its_limit_is_refused_in_the_step(override: str, message: str) -> None:
+    """What the evaluate step reads from the DAG's Params (``--set``): tighter passes, looser is
+    refused with one line naming the setting (the Param of the same name) and its limit."""
+    with pytest.raises(SettingsError) as refused:
+        load(section="evaluate", overrides=[override])
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    tighter = load(section="evaluate", overrides=["max_regression=0", "max_eval_perplexity=10", "min_eval_accuracy=0.5"])
+    assert (tighter.evaluate.max_regression, tighter.evaluate.max_eval_perplexity) == (0.0, 10.0)
+
+
+def test_a_required_approval_holds_whatever_the_run_says() -> None:
+    """deploy's ``--set approval.enabled=false`` (a run's Param) cannot switch off what the
+    deployment requires; nor can a run's canary steps skip the stage the rollout holds before."""
+    assert load(section="canary", overrides=["approval.enabled=false"]).canary.approval.active is False
+    required = ["approval.required=true", "approval.enabled=false"]
+    assert load(section="canary", overrides=required).canary.approval.active is True
+    with pytest.raises(SettingsError, match=r"canary.approval.hold_before 50: expected one of steps \[10, 100\]"):
+        load(section="canary", overrides=[*required, "approval.hold_before=50", "steps=[10, 100]"])
+
+
+@pytest.mark.parametrize("approvers", ['["alice", "alice"]', '["alice", ""]', '[" alice"]'])
+def test_approvers_are_distinct_user_ids(approvers: str) -> None:
+    with pytest.raises(SettingsError, match=r"canary.approval.approvers .*: expected distinct Airflow user ids"):
+        load(section="canary", overrides=[f"approval.approvers={approvers}"])
+
+
 def test_canary_steps_may_be_fractions_of_a_percent() -> None:
     assert load(section="canary", overrides=["steps=[0.5, 10, 100]"]).canary.steps == (0.5, 10, 100)
 
