@@ -264,21 +264,34 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+FinishReason = Literal["stop", "length"]
+
+
+class Choice(BaseModel):
+    """What every choice holds: its index (one choice: 0), why it ended (None: not yet), no logprobs."""
+
     index: int = 0
-    text: str
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: FinishReason | None
     logprobs: None = None
 
 
-class Completion(BaseModel):
+class Answer(BaseModel):
+    """What every answer and chunk holds: its id, when it was made, the model that made it."""
+
+    id: str
+    created: int
+    model: str
+
+
+class CompletionChoice(Choice):
+    text: str
+
+
+class Completion(Answer):
     """A completion, whole (``object: text_completion``), or one chunk of a stream (no usage but
     in the last chunk, and then no choices)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -288,18 +301,12 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(Choice):
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(Answer):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -309,18 +316,12 @@ class Delta(BaseModel):
     content: str
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(Choice):
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Answer):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
