@@ -56,6 +56,7 @@ with DAG(
         """The raw data Asset's event: llm_retrain runs on it; its extra is what the report links."""
         context = get_current_context()
         extra = {"drift_report": found["report_uri"], "drift_reasons": found["reasons"],
+                 "drift_clients": found.get("clients"),  # who drove it (hashed addresses)
                  "drift_run": f"{context['dag'].dag_id}/{context['run_id']}", "champion": found["champion"]}
         context["outlet_events"][raw_data_asset()].extra = extra
         return extra

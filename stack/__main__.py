@@ -139,7 +139,8 @@ def main() -> int:
         if args.prompt not in KINDS:
             parser.error(f"traffic needs a kind: {' or '.join(KINDS)}")
         sent = send(client_env(), args.prompt, args.count)
-        print(f"sent {sent['sent']} {args.prompt} prompts: {sent['ok']} answered, {sent['refused']} refused "
+        print(f"sent {sent['sent']} {args.prompt} prompts from {sent['clients']} client addresses: {sent['ok']} "
+              f"answered, {sent['refused']} refused "
               f"(4xx: too long for the context, ...), {sent['failed']} failed; e.g. {sent['example']!r}; "
               f"capture: {sent['capture']}")
         return 0 if sent["ok"] and not sent["failed"] else 1

@@ -1,18 +1,29 @@
 """Drift of served traffic: are users asking the champion what it was trained on?
 
-    check    the prompts the capture logged (``serve.capture.uri``) in the window before
+    check    the distinct prompts the capture logged (``serve.capture.uri``) in the window before
              ``--end``, against the champion's training data (the validation split of the
-             dataset it was trained on), both read with the champion's tokenizer:
-             - token distribution: Jensen-Shannon divergence (bits) of the window's token ids
-               from the reference's, beyond what samples of the reference of the same size and
-               prompt lengths reach by chance (the largest of ``null_samples``);
-             - byte fallback: the share of tokens that are single non-ASCII bytes (text the
-               vocabulary never merged: another script, another language), over the reference's;
-             - surprise: the champion's perplexity on the prompts over its perplexity on
-               reference windows of the same lengths, each starting a document;
+             dataset it was trained on), both read with the champion's tokenizer. Each prompt
+             weighs the same, and counts with at most its first ``max_prompt_tokens`` tokens (a
+             handful of huge prompts cannot make the figures); the chance baselines are built
+             the same way, from training windows of the prompts' (capped) lengths:
+             - token distribution: Jensen-Shannon divergence (bits) of the mean of the prompts'
+               own token distributions from the reference's, beyond what samples of the
+               reference of the same prompt lengths reach by chance (the largest of
+               ``null_samples``);
+             - byte fallback: the prompts' mean share of tokens that are single non-ASCII bytes
+               (text the vocabulary never merged: another script, another language), over the
+               reference's;
+             - surprise: the champion's perplexity on the prompts (the mean of each prompt's mean
+               loss per token) over its perplexity on reference windows of the same lengths, each
+               starting a document;
              - prompt length (reported).
-             Drift when a figure passes its bound (``drift`` in params.yaml). Writes report.json
-             and report.html (plots) and pushes the figures to the Pushgateway. The result says
+             A bound (``drift`` in params.yaml) crossed is drift only when it is seen from at
+             least ``min_clients`` distinct clients (the capture's hashed address; none recorded:
+             one unknown client): the crossed bounds are judged again without the prompts of
+             the ``min_clients`` - 1 clients that drive them most (picked one at a time), and
+             must still be crossed; otherwise the verdict is drift from too few clients, and no
+             retrain. Writes report.json and report.html (what happened, the bounds, the clients
+             that drove it, plots) and pushes the figures to the Pushgateway. The result says
              whether to start a retrain: drift, and no retrain started for this champion within
              ``cooldown_h`` (recorded at ``drift.state_uri``). Too little traffic, no champion:
              no verdict, nothing started, exit 0.
@@ -45,14 +56,19 @@ from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 
 DRIFT, NO_DRIFT, NO_VERDICT = "drift", "no drift", "no verdict"
+FEW_CLIENTS = "drift from too few clients"  # bounds crossed, but by the prompts of fewer than min_clients clients
+UNKNOWN_CLIENT = ""  # a record without a client (captured before clients were, or none known): one client, "unknown"
+TOP_CLIENTS = 5  # the clients the report names as driving the drift
 FIGURE_HELP = {
     "llm_drift_prompts": "Captured prompts the last drift check read",
-    "llm_drift_js_bits": "Jensen-Shannon divergence (bits) of the window's token distribution from the champion's training data",
+    "llm_drift_clients": "Distinct clients (hashed addresses) among the prompts the last drift check read",
+    "llm_drift_js_bits": "Jensen-Shannon divergence (bits) of the window's token distribution (each prompt weighing the same) from the champion's training data",
     "llm_drift_js_excess_bits": "That divergence beyond what same-size samples of the training data reach",
-    "llm_drift_byte_fallback_excess": "Share of byte-fallback tokens in the window above the training data's",
+    "llm_drift_byte_fallback_excess": "Prompts' mean share of byte-fallback tokens above the training data's",
     "llm_drift_perplexity_ratio": "The champion's perplexity on the prompts over its perplexity on training text of the same lengths",
     "llm_drift_prompt_tokens_p50": "Median prompt length (tokens) in the window",
-    "llm_drift_detected": "1 when the last drift check found drift",
+    "llm_drift_detected": "1 when the last drift check found drift (from at least drift.min_clients clients)",
+    "llm_drift_too_few_clients": "1 when the last drift check saw bounds crossed by the prompts of fewer than drift.min_clients clients",
     "llm_drift_retrain_requested": "1 when the last drift check started a retrain",
 }
 
@@ -79,6 +95,16 @@ def window_records(uri: str, start: dt.datetime, end: dt.datetime) -> list[dict[
                     found.append(record)
         day += dt.timedelta(days=1)
     return found
+
+def distinct_prompts(records: list[dict[str, Any]]) -> tuple[list[str], list[frozenset[str]]]:
+    """Each distinct prompt once (what is asked, not how often: a prompt asked a thousand times is
+    one prompt of the window), with the clients that asked it (the capture's ``client``, a hashed
+    address; a record without one: :data:`UNKNOWN_CLIENT`, all such records one client)."""
+    asked: dict[str, set[str]] = {}
+    for record in records:
+        client = record.get("client")
+        asked.setdefault(record["prompt"], set()).add(client if isinstance(client, str) else UNKNOWN_CLIENT)
+    return list(asked), [frozenset(clients) for clients in asked.values()]
 
 
 @dataclass
@@ -139,13 +165,24 @@ def byte_fallback_ids(vocab: dict[str, int]) -> np.ndarray:
 
 
 def distribution(windows: list[np.ndarray], vocab_size: int) -> np.ndarray:
+    """Token counts: each token weighs the same (the reference's distribution)."""
     counts = np.bincount(np.concatenate(windows) if windows else np.zeros(0, dtype=np.int64), minlength=vocab_size)
     return counts.astype(np.float64)
 
 
+def prompt_distribution(windows: list[np.ndarray], vocab_size: int) -> np.ndarray:
+    """Token counts where each window weighs the same: the sum of the windows' own normalized
+    histograms (a prompt of 5,000 tokens counts as much as one of 5)."""
+    windows = [w for w in windows if len(w)]
+    if not windows:
+        return np.zeros(vocab_size)
+    weights = np.concatenate([np.full(len(w), 1.0 / len(w)) for w in windows])
+    return np.bincount(np.concatenate(windows), weights=weights, minlength=vocab_size)
+
+
 def js_bits(p_counts: np.ndarray, q_counts: np.ndarray) -> float:
     """Jensen-Shannon divergence of two count vectors, in bits (0: the same, 1: disjoint)."""
-    p, q = p_counts / max(p_counts.sum(), 1), q_counts / max(q_counts.sum(), 1)
+    p, q = p_counts / max(p_counts.sum(), 1e-12), q_counts / max(q_counts.sum(), 1e-12)
     m = (p + q) / 2
 
     def kl(a: np.ndarray) -> float:
@@ -156,61 +193,285 @@ def js_bits(p_counts: np.ndarray, q_counts: np.ndarray) -> float:
 
 
 def share_of(windows: list[np.ndarray], ids: np.ndarray) -> float:
+    """The share of all the windows' tokens among ``ids`` (each token weighs the same)."""
     total = sum(len(w) for w in windows)
     return float(sum(np.isin(w, ids).sum() for w in windows) / total) if total else 0.0
 
 
-def perplexity(model: Any, windows: list[np.ndarray], context: int) -> float:
-    """The model's perplexity on each window's tokens after its first (one window at a time)."""
+def shares_of(windows: list[np.ndarray], ids: np.ndarray) -> np.ndarray:
+    """Each window's own share of tokens among ``ids``."""
+    return np.array([float(np.isin(w, ids).mean()) if len(w) else 0.0 for w in windows], dtype=np.float64)
+
+
+def mean_losses(model: Any, windows: list[np.ndarray], context: int) -> np.ndarray:
+    """The model's mean loss (nats per token) on each window's tokens after its first, one window
+    at a time (its last ``context`` tokens); nan for a window of fewer than two tokens."""
     import torch
 
-    total, count = 0.0, 0
+    found = np.full(len(windows), np.nan)
     with torch.no_grad():
-        for window in windows:
-            ids = torch.as_tensor(window[-context:], dtype=torch.long)[None]
+        for i, window in enumerate(windows):
+            ids = torch.as_tensor(np.asarray(window[-context:]), dtype=torch.long)[None]
             if ids.shape[1] < 2:
                 continue
             logits = model(ids[:, :-1]).float()
-            loss = torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="sum")
-            total, count = total + float(loss), count + ids.shape[1] - 1
-    return math.exp(total / count) if count else math.nan
+            found[i] = float(torch.nn.functional.cross_entropy(logits[0], ids[0, 1:]))
+    return found
 
 
-def figures_of(prompts: list[np.ndarray], reference: Reference, fallback: np.ndarray, model: Any, context: int,
-               vocab_size: int, settings: DriftSettings, rng: random.Random) -> dict[str, Any]:
-    lengths = [len(p) for p in prompts]
-    served = distribution(prompts, vocab_size)
-    half_a, half_b = reference.halves()
-    compared = distribution([half_a], vocab_size)
-    null = [js_bits(distribution(half_b.windows(lengths, rng), vocab_size), compared) for _ in range(settings.null_samples)]
-    js = js_bits(served, compared)
-    same_lengths = reference.windows(lengths, rng)
-    fallback_served, fallback_reference = share_of(prompts, fallback), share_of([reference.tokens], fallback)
-    ppl_served, ppl_reference = perplexity(model, prompts, context), perplexity(model, same_lengths, context)
-    return {
-        "prompts": len(prompts), "tokens": int(sum(lengths)),
-        "prompt_tokens_p50": float(np.percentile(lengths, 50)), "prompt_tokens_p90": float(np.percentile(lengths, 90)),
-        "js_bits": js, "js_null_max_bits": max(null), "js_excess_bits": js - max(null),
-        "byte_fallback_share": fallback_served, "byte_fallback_share_reference": fallback_reference,
-        "byte_fallback_excess": fallback_served - fallback_reference,
-        "perplexity": ppl_served, "perplexity_reference": ppl_reference, "perplexity_ratio": ppl_served / ppl_reference,
-    }
+@dataclass
+class Traffic:
+    """The window's prompts as the check weighs them, each read once: its first
+    ``max_prompt_tokens`` token ids, the clients that asked it, its share of byte-fallback tokens,
+    the champion's mean loss on it and on a training window of the same length (starting a
+    document), and its whole length (reported)."""
+
+    prompts: list[np.ndarray]
+    clients: list[frozenset[str]]
+    fallback: np.ndarray
+    loss: np.ndarray
+    reference_loss: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, prompts: list[np.ndarray], clients: list[frozenset[str]], reference: Reference, fallback: np.ndarray,
+           model: Any, context: int, max_prompt_tokens: int, rng: random.Random) -> Traffic:
+        capped = [np.asarray(p[:max_prompt_tokens], dtype=np.int64) for p in prompts]
+        same_lengths = reference.windows([len(p) for p in capped], rng)
+        return cls(capped, list(clients), shares_of(capped, fallback), mean_losses(model, capped, context),
+                   mean_losses(model, same_lengths, context), np.array([len(p) for p in prompts], dtype=np.int64))
+
+
+BOUNDS = ("token distribution", "byte fallback", "surprise")  # judge()'s phrases start with these names
+
+
+def excesses(figures: dict[str, Any]) -> dict[str, float]:
+    """What each bound judges: the window beyond the reference (0: as the training data; the
+    surprise as the log of its ratio). nan (nothing to judge) for a figure without data."""
+    ratio = figures["perplexity_ratio"]
+    return {"token distribution": figures["js_excess_bits"], "byte fallback": figures["byte_fallback_excess"],
+            "surprise": math.log(ratio) if ratio > 0 else math.nan}
+
+
+def limits(settings: DriftSettings) -> dict[str, float]:
+    """The bounds, in :func:`excesses`' units."""
+    return {"token distribution": settings.max_js_excess, "byte fallback": settings.max_byte_fallback_excess,
+            "surprise": math.log(settings.max_perplexity_ratio)}
+
+
+def crossed(figures: dict[str, Any], settings: DriftSettings) -> list[str]:
+    """The names of the bounds the figures cross (nan crosses none)."""
+    found, bound = excesses(figures), limits(settings)
+    return [name for name in BOUNDS if found[name] > bound[name]]
 
 
 def judge(figures: dict[str, Any], settings: DriftSettings) -> list[str]:
-    """The bounds passed, one phrase each (empty: no drift)."""
-    reasons = []
-    if figures["js_excess_bits"] > settings.max_js_excess:
+    """The bounds crossed, one phrase each (empty: every bound held)."""
+    names, reasons = crossed(figures, settings), []
+    if "token distribution" in names:
         reasons.append(f"token distribution: JS {figures['js_bits']:.3f} bits, {figures['js_excess_bits']:.3f} beyond "
                        f"same-size samples of the training data (bound {settings.max_js_excess:g})")
-    if figures["byte_fallback_excess"] > settings.max_byte_fallback_excess:
+    if "byte fallback" in names:
         reasons.append(f"byte fallback: {100 * figures['byte_fallback_share']:.1f}% of tokens, the training data "
                        f"{100 * figures['byte_fallback_share_reference']:.2f}% (bound {100 * settings.max_byte_fallback_excess:g} "
                        "points above it)")
-    if figures["perplexity_ratio"] > settings.max_perplexity_ratio:
+    if "surprise" in names:
         reasons.append(f"surprise: perplexity {figures['perplexity']:.0f}, {figures['perplexity_ratio']:.1f}x on training "
                        f"text of the same lengths (bound {settings.max_perplexity_ratio:g}x)")
     return reasons
+
+
+def bounds_table(figures: dict[str, Any], settings: DriftSettings) -> list[dict[str, Any]]:
+    """Each bound: the figure it judges, its value, the bound, crossed or held (the report's)."""
+    names = crossed(figures, settings)
+    rows = (("token distribution", "js_excess_bits", settings.max_js_excess),
+            ("byte fallback", "byte_fallback_excess", settings.max_byte_fallback_excess),
+            ("surprise", "perplexity_ratio", settings.max_perplexity_ratio))
+    return [{"bound": name, "figure": key, "value": figures[key], "limit": limit, "crossed": name in names}
+            for name, key, limit in rows]
+
+
+def clamp(value: float) -> float:
+    """A figure's excess as far as a bound goes: at most back to the reference (nan: nothing left, 0)."""
+    return value if value > 0 else 0.0
+
+
+class Comparison:
+    """The figures of any part of the window (``keep``: a mask over its prompts) against the
+    reference. The reference is halved (:meth:`Reference.halves`): the part's token distribution
+    is compared with half A, and so are ``null_samples`` samples of half B with the part's prompt
+    lengths, each window weighing the same as a prompt does (the chance baseline: the largest).
+    A part's token distribution, fallback share and losses are sums of the prompts' own: the
+    figures without one client's prompts cost a subtraction, not a new reading."""
+
+    def __init__(self, traffic: Traffic, reference: Reference, fallback: np.ndarray, vocab_size: int,
+                 settings: DriftSettings, rng: random.Random) -> None:
+        self.traffic, self.vocab_size, self.settings, self.rng = traffic, vocab_size, settings, rng
+        half_a, self.half_b = reference.halves()
+        self.compared = distribution([half_a], vocab_size)
+        self.fallback_reference = share_of([reference.tokens], fallback)
+        self.sizes = np.array([len(p) for p in traffic.prompts], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)])
+        self.ids = np.concatenate(traffic.prompts) if traffic.prompts else np.zeros(0, dtype=np.int64)
+        self.owner = np.repeat(np.arange(len(self.sizes)), self.sizes)
+        self.weight = np.repeat(1.0 / np.maximum(self.sizes, 1), self.sizes)
+        self.scored = np.isfinite(traffic.loss) & np.isfinite(traffic.reference_loss)
+
+    def distribution(self, keep: np.ndarray) -> np.ndarray:
+        chosen = keep[self.owner]
+        return np.bincount(self.ids[chosen], weights=self.weight[chosen], minlength=self.vocab_size)
+
+    def figures(self, keep: np.ndarray) -> dict[str, Any]:
+        """The figures of the prompts kept (at least one), the chance baseline drawn for their lengths."""
+        kept = np.flatnonzero(keep)
+        lengths = [int(n) for n in self.sizes[kept]]
+        null = [js_bits(prompt_distribution(self.half_b.windows(lengths, self.rng), self.vocab_size), self.compared)
+                for _ in range(self.settings.null_samples)]
+        js = js_bits(self.distribution(keep), self.compared)
+        fallback = float(self.traffic.fallback[kept].mean())
+        scored = keep & self.scored
+        loss = float(self.traffic.loss[scored].mean()) if scored.any() else math.nan
+        reference_loss = float(self.traffic.reference_loss[scored].mean()) if scored.any() else math.nan
+        whole = self.traffic.lengths[kept]
+        return {
+            "prompts": len(kept), "tokens": int(sum(lengths)),
+            "prompts_capped": int((whole > self.settings.max_prompt_tokens).sum()),
+            "prompt_tokens_p50": float(np.percentile(whole, 50)), "prompt_tokens_p90": float(np.percentile(whole, 90)),
+            "js_bits": js, "js_null_max_bits": max(null), "js_excess_bits": js - max(null),
+            "byte_fallback_share": fallback, "byte_fallback_share_reference": self.fallback_reference,
+            "byte_fallback_excess": fallback - self.fallback_reference,
+            "perplexity": math.exp(loss), "perplexity_reference": math.exp(reference_loss),
+            "perplexity_ratio": math.exp(loss - reference_loss),
+        }
+
+    def without_each(self, keep: np.ndarray, null_max: float) -> dict[str, tuple[int, dict[str, float]]]:
+        """Each client that asked a kept prompt: how many, and the excesses of the kept prompts
+        without every one it asked, shared or not (the token distribution's against ``null_max``:
+        the baseline is not drawn again for each)."""
+        asked: dict[str, list[int]] = {}
+        for i in np.flatnonzero(keep):
+            for client in self.traffic.clients[i]:
+                asked.setdefault(client, []).append(int(i))
+        total, count = self.distribution(keep), int(keep.sum())
+        fallback = float(self.traffic.fallback[keep].sum())
+        scored = keep & self.scored
+        loss, reference_loss, scored_count = (float(self.traffic.loss[scored].sum()),
+                                              float(self.traffic.reference_loss[scored].sum()), int(scored.sum()))
+        found: dict[str, tuple[int, dict[str, float]]] = {}
+        for client, prompts in asked.items():
+            gone = np.array(prompts, dtype=np.int64)
+            left = count - len(gone)
+            if left == 0:
+                found[client] = (len(gone), dict.fromkeys(BOUNDS, math.nan))
+                continue
+            tokens = np.concatenate([self.ids[self.starts[i]:self.starts[i + 1]] for i in gone])
+            weights = np.repeat(1.0 / self.sizes[gone], self.sizes[gone])
+            rest = np.clip(total - np.bincount(tokens, weights=weights, minlength=self.vocab_size), 0, None)
+            gone_scored = gone[self.scored[gone]]
+            scored_left = scored_count - len(gone_scored)
+            surprise = ((loss - float(self.traffic.loss[gone_scored].sum()))
+                        - (reference_loss - float(self.traffic.reference_loss[gone_scored].sum()))) / scored_left \
+                if scored_left else math.nan
+            found[client] = (len(gone), {
+                "token distribution": js_bits(rest, self.compared) - null_max,
+                "byte fallback": (fallback - float(self.traffic.fallback[gone].sum())) / left - self.fallback_reference,
+                "surprise": surprise})
+        return found
+
+
+def attribute(comparison: Comparison, figures: dict[str, Any], names: list[str], settings: DriftSettings) -> dict[str, Any]:
+    """Who drove the bounds crossed (``names``), and whether they are seen from at least
+    ``min_clients`` distinct clients: the crossed bounds are judged again without the prompts of
+    the client that drives them most (the one without whose prompts the crossed figures fall
+    furthest, each as a share of the window's excess over the reference), then the next, up to
+    ``min_clients`` - 1 clients; drift from enough clients when a bound crossed is still crossed
+    then. No group of fewer than ``min_clients`` clients can make drift alone: without its
+    prompts, the rest of the window must drift on its own. What is left must hold at least
+    ``min_prompts`` prompts to be judged (as a whole window must). A prompt several clients
+    asked is one of each's when ranking them, and leaves the window once all of them are gone
+    (a prompt that three clients asked is drift seen from three). ``top``: the clients by share
+    of the drift (how much of the crossed figures' excess goes without the client's prompts, the
+    mean over them, the baseline drawn again for what is left; at most :data:`TOP_CLIENTS`, those
+    of 1% or more, and the first in any case): the first is the first removed."""
+    clients = comparison.traffic.clients
+    everyone = set().union(*clients)
+    base = excesses(figures)
+    keep = np.ones(len(clients), dtype=bool)
+
+    def share(excess: dict[str, float]) -> float:
+        return float(np.mean([min(max(1 - clamp(excess[n]) / max(base[n], 1e-12), 0.0), 1.0) for n in names]))
+
+    options = comparison.without_each(keep, figures["js_null_max_bits"])
+    ranked = sorted(options, key=lambda c: (-share(options[c][1]), -options[c][0], c))[:TOP_CLIENTS]
+    for client in ranked:  # the top ones again, each with a baseline drawn for what is left without it
+        rest = keep & np.array([client not in asked for asked in clients])
+        if rest.any():
+            options[client] = (options[client][0], excesses(comparison.figures(rest)))
+    ranked.sort(key=lambda c: (-share(options[c][1]), -options[c][0], c))
+    # a client without whose prompts nothing changes drove nothing: named only when first
+    top = [{"client": c, "prompts": options[c][0], "share_of_prompts": options[c][0] / len(clients),
+            "share_of_drift": share(options[c][1])} for i, c in enumerate(ranked)
+           if i == 0 or share(options[c][1]) >= 0.01]
+    removed: list[str] = []
+    still, left = list(names), figures
+    while still and len(removed) < settings.min_clients - 1 and options:
+        removed.append(ranked[0] if not removed else
+                       min(options, key=lambda c: (-share(options[c][1]), -options[c][0], c)))
+        keep &= np.array([bool(asked - set(removed)) for asked in clients])
+        if keep.sum() < settings.min_prompts:
+            still, left = [], {"prompts": int(keep.sum())}
+            break
+        left = comparison.figures(keep)
+        still = [n for n in crossed(left, settings) if n in names]
+        options = {c: o for c, o in comparison.without_each(keep, left["js_null_max_bits"]).items() if c not in removed}
+    return {
+        "distinct": len(everyone), "min_clients": settings.min_clients, "seen_from_enough": bool(still),
+        "driven_by": None if still else len(removed),  # the bounds hold without the prompts of this many clients
+        "removed": removed,
+        "without_removed": {"crossed": still, **{k: left[k] for k in ("prompts", "js_excess_bits", "byte_fallback_excess",
+                                                                      "perplexity_ratio") if k in left}},
+        "top": top,
+    }
+
+
+def client_name(client: str) -> str:
+    return client or "(unknown)"
+
+
+def client_reason(clients: dict[str, Any]) -> str:
+    """The verdict's last reason: from how many clients the drift was seen, and who drove it."""
+    tops = ", ".join(f"{client_name(t['client'])} {100 * t['share_of_drift']:.0f}% ({t['prompts']} prompts)"
+                     for t in clients["top"][:3])
+    rule = f"drift.min_clients {clients['min_clients']}; {clients['distinct']} distinct in the window"
+    if clients["seen_from_enough"]:
+        without = (f": still crossed without the prompts of the {len(clients['removed'])} driving it most"
+                   if clients["removed"] else "")
+        return f"clients: seen from at least {clients['min_clients']} ({rule}){without}; top by share of the drift: {tops}"
+    left = clients["without_removed"]
+    held = ("every bound holds" if "js_excess_bits" in left else
+            f"{left['prompts']} prompts are left, too few to judge")
+    count = clients["driven_by"]
+    return (f"clients: drift from too few ({rule}): without the prompts of {count} client{'s' * (count != 1)} "
+            f"{held}; top by share of the drift: {tops}")
+
+
+def assess(prompts: list[np.ndarray], clients: list[frozenset[str]], reference: Reference, fallback: np.ndarray,
+           model: Any, context: int, vocab_size: int, settings: DriftSettings, rng: random.Random) -> dict[str, Any]:
+    """The window's prompts (token ids, none empty) and the clients that asked each, judged:
+    figures, bounds, reasons, clients, verdict (drift, drift from too few clients, no drift)."""
+    traffic = Traffic.of(prompts, clients, reference, fallback, model, context, settings.max_prompt_tokens, rng)
+    comparison = Comparison(traffic, reference, fallback, vocab_size, settings, rng)
+    figures = comparison.figures(np.ones(len(prompts), dtype=bool))
+    figures["clients"] = len(set().union(*clients))
+    names, reasons = crossed(figures, settings), judge(figures, settings)
+    found: dict[str, Any] = {"distinct": figures["clients"], "min_clients": settings.min_clients}
+    verdict = NO_DRIFT
+    if names:
+        found = attribute(comparison, figures, names, settings)
+        reasons.append(client_reason(found))
+        verdict = DRIFT if found["seen_from_enough"] else FEW_CLIENTS
+    return {"figures": figures, "bounds": bounds_table(figures, settings), "reasons": reasons, "clients": found,
+            "verdict": verdict, "traffic": traffic}
 
 
 # -- the decision to retrain --------------------------------------------------------------------
@@ -232,25 +493,43 @@ def retrain_wanted(settings: DriftSettings, champion: str, now: dt.datetime,
 # -- the report ---------------------------------------------------------------------------------
 
 
-def plots(prompts: list[np.ndarray], reference: Reference, vocab: dict[int, str], vocab_size: int) -> str:
-    """Two figures as an inline PNG: the most frequent tokens of either side, and prompt lengths."""
+def heading(report: dict[str, Any]) -> str:
+    """What happened, in a line (the report's title)."""
+    bounds = report.get("bounds") or []
+    count = sum(b["crossed"] for b in bounds)
+    clients = report.get("clients") or {}
+    if report["verdict"] == NO_VERDICT:
+        return f"No verdict: {report['outcome']}"
+    if report["verdict"] == NO_DRIFT:
+        return f"No drift: all {len(bounds)} bounds held"
+    if report["verdict"] == FEW_CLIENTS:
+        driven = clients["driven_by"]
+        return (f"Drift seen from too few clients: {count} of {len(bounds)} bounds crossed, by the prompts of {driven} "
+                f"client{'s' * (driven != 1)} (at least {clients['min_clients']} needed): no retrain")
+    return f"Drift: {count} of {len(bounds)} bounds crossed, seen from at least {clients['min_clients']} clients"
+
+
+def plots(prompts: list[np.ndarray], lengths: np.ndarray, reference: Reference, vocab: dict[int, str],
+          vocab_size: int) -> str:
+    """Two figures as an inline PNG: the most frequent tokens of either side (each prompt
+    weighing the same, as the check weighs them), and prompt lengths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    served = distribution(prompts, vocab_size)
+    served = prompt_distribution(prompts, vocab_size)
     whole = distribution([reference.tokens], vocab_size)
-    served, whole = served / max(served.sum(), 1), whole / max(whole.sum(), 1)
+    served, whole = served / max(served.sum(), 1e-12), whole / max(whole.sum(), 1)
     top = np.argsort(-(served + whole))[:25]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
     x = np.arange(len(top))
     left.bar(x - 0.2, whole[top], 0.4, label="training data (val split)")
-    left.bar(x + 0.2, served[top], 0.4, label="served prompts")
+    left.bar(x + 0.2, served[top], 0.4, label="served prompts (each weighing the same)")
     left.set_xticks(x, [repr(vocab.get(int(i), "?"))[1:-1][:8] for i in top], rotation=70, fontsize=7)
     left.set_title("the 25 most frequent tokens of either")
     left.legend()
-    right.hist([len(p) for p in prompts], bins=30)
+    right.hist(lengths, bins=30)
     right.set_title("served prompt lengths (tokens)")
     fig.tight_layout()
     buffer = io.BytesIO()
@@ -260,17 +539,38 @@ def plots(prompts: list[np.ndarray], reference: Reference, vocab: dict[int, str]
 
 
 def render_html(report: dict[str, Any], png: str | None) -> str:
-    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(f'{v:.4g}' if isinstance(v, float) else str(v))}</td></tr>"
-                   for k, v in report["figures"].items())
-    reasons = "".join(f"<li>{html.escape(r)}</li>" for r in report["reasons"]) or "<li>none</li>"
+    def cell(value: Any) -> str:
+        return f"<td>{html.escape(f'{value:.4g}' if isinstance(value, float) else str(value))}</td>"
+
+    rows = "".join(f"<tr><td>{html.escape(k)}</td>{cell(v)}</tr>" for k, v in report["figures"].items())
+    bounds = "".join(f"<tr><td>{html.escape(b['bound'])}</td><td>{html.escape(b['figure'])}</td>{cell(b['value'])}"
+                     f"{cell(b['limit'])}<td><b>{'crossed' if b['crossed'] else 'held'}</b></td></tr>"
+                     for b in report.get("bounds") or [])
+    bounds = (f"<h2>Bounds</h2><table><tr><th>bound</th><th>figure</th><th>value</th><th>limit</th><th></th></tr>"
+              f"{bounds}</table>") if bounds else ""
+    reasons = "".join(f"<li>{html.escape(r)}</li>" for r in report["reasons"])
+    reasons = f"<h2>Why</h2><ul>{reasons}</ul>" if reasons else ""
+    clients = report.get("clients") or {}
+    who = ""
+    if clients.get("top"):
+        rows_top = "".join(f"<tr><td><code>{html.escape(client_name(t['client']))}</code></td>{cell(t['prompts'])}"
+                           f"<td>{100 * t['share_of_prompts']:.1f}%</td><td>{100 * t['share_of_drift']:.0f}%</td></tr>"
+                           for t in clients["top"])
+        removed = ", ".join(client_name(c) for c in clients["removed"]) or "none"
+        who = (f"<h2>Who drove it</h2><p>{clients['distinct']} distinct clients (hashed addresses; records without "
+               f"one: <code>(unknown)</code>, one client); drift counts when seen from at least "
+               f"{clients['min_clients']}. Judged again without the prompts of {html.escape(removed)}: "
+               f"{html.escape(', '.join(clients['without_removed']['crossed']) or 'every bound held')}.</p>"
+               "<table><tr><th>client</th><th>prompts</th><th>of the window's</th><th>share of the drift</th></tr>"
+               f"{rows_top}</table>")
     image = f'<img alt="tokens and lengths" src="data:image/png;base64,{png}">' if png else ""
     return (f"<!doctype html><meta charset='utf-8'><title>drift check {html.escape(report['window']['end'])}</title>"
-            "<style>body{font-family:sans-serif;margin:2em}td{padding:2px 10px}</style>"
-            f"<h1>Drift check: {html.escape(report['verdict'])}</h1>"
+            "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 10px;text-align:left}</style>"
+            f"<h1>{html.escape(heading(report))}</h1>"
             f"<p>{html.escape(report['outcome'])}</p>"
             f"<p>window {html.escape(report['window']['start'])} .. {html.escape(report['window']['end'])}; champion "
             f"{html.escape(str(report.get('champion')))}; captured traffic {html.escape(report['served_uri'])}</p>"
-            f"<h2>Bounds passed</h2><ul>{reasons}</ul><h2>Figures</h2><table>{rows}</table>{image}")
+            f"{bounds}{reasons}{who}<h2>Figures</h2><table>{rows}</table>{image}")
 
 
 # -- the sub-commands ---------------------------------------------------------------------------
@@ -285,24 +585,25 @@ def check(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     served_uri = args.served_uri or settings.serve.capture.uri
     window = {"start": start.isoformat(), "end": end.isoformat(), "hours": hours}
     captured = window_records(served_uri, start, end)
-    # what is asked, not how often: a prompt asked a thousand times is one prompt of the window
-    records = list({r["prompt"]: r for r in captured}.values())
-    base: dict[str, Any] = {"window": window, "served_uri": served_uri, "figures": {"prompts": len(records), "requests": len(captured)},
-                            "reasons": [],
-            "champion": None, "request_retrain": False}
+    texts, asked_by = distinct_prompts(captured)
+    base: dict[str, Any] = {"window": window, "served_uri": served_uri, "reasons": [], "bounds": [],
+                            "figures": {"prompts": len(texts), "requests": len(captured),
+                                        "clients": len(set().union(*asked_by))},
+                            "clients": {}, "champion": None, "request_retrain": False}
     from tasks.lib.model_store import CHAMPION, alias_version, load_version
 
     champion = alias_version(settings.pipeline.model_name, CHAMPION)
-    if len(records) < drift.min_prompts or champion is None:
+    if len(texts) < drift.min_prompts or champion is None:
         why = (f"no champion of {settings.pipeline.model_name}: nothing to compare with" if champion is None else
-               f"{len(records)} distinct captured prompt(s) in the window, fewer than drift.min_prompts {drift.min_prompts}: "
+               f"{len(texts)} distinct captured prompt(s) in the window, fewer than drift.min_prompts {drift.min_prompts}: "
                "too little traffic to judge")
         log.info("drift check %s..%s: no verdict (%s)", start, end, why)
         return finish(args, drift, {**base, "verdict": NO_VERDICT, "outcome": why, "champion": champion}, None)
 
     rng = random.Random(f"{end.isoformat()}-{champion}")  # the same window, the same samples
-    if len(records) > drift.max_prompts:
-        records = rng.sample(records, drift.max_prompts)
+    if len(texts) > drift.max_prompts:
+        chosen = sorted(rng.sample(range(len(texts)), drift.max_prompts))
+        texts, asked_by = [texts[i] for i in chosen], [asked_by[i] for i in chosen]
     loaded = load_version(settings.pipeline.model_name, champion)
     dataset_uri = str(loaded.description.get("dataset_uri") or "")
     if not dataset_uri or not storage.exists(storage.join(dataset_uri, "index.json")):
@@ -310,31 +611,48 @@ def check(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
                         "nothing to compare the traffic with")
     with storage.scratch() as scratch:
         tokenizer = tokens.load_tokenizer(loaded.tokenizer_uri, scratch)
-    prompts = [np.asarray(e.ids, dtype=np.int64)
-               for e in tokenizer.encode_batch([r["prompt"] for r in records], add_special_tokens=False)]
-    prompts = [p for p in prompts if len(p)]
+    # a prompt counts with its first max_prompt_tokens tokens: a token is at most a few dozen
+    # characters, so a huge prompt's tail is not even encoded (its reported length stops there)
+    most = 64 * drift.max_prompt_tokens
+    encoded = [np.asarray(e.ids, dtype=np.int64)
+               for e in tokenizer.encode_batch([t[:most] for t in texts], add_special_tokens=False)]
+    prompts = [p for p in encoded if len(p)]
+    asked_by = [c for p, c in zip(encoded, asked_by, strict=True) if len(p)]
     reference = Reference.of_dataset(dataset_uri, drift.reference_tokens)
     vocab = tokenizer.get_vocab()
     vocab_size = max(tokenizer.get_vocab_size(), int(reference.tokens.max()) + 1)
-    figures = figures_of(prompts, reference, byte_fallback_ids(vocab), loaded.model, loaded.model.config.seq_len,
-                         vocab_size, drift, rng)
-    reasons = judge(figures, drift)
-    report = {**base, "figures": {**figures, "requests": len(captured)}, "reasons": reasons, "champion": champion, "dataset_uri": dataset_uri,
-              "verdict": DRIFT if reasons else NO_DRIFT}
-    if reasons:
+    assessed = assess(prompts, asked_by, reference, byte_fallback_ids(vocab), loaded.model, loaded.model.config.seq_len,
+                      vocab_size, drift, rng)
+    report = {**base, "figures": {**assessed["figures"], "requests": len(captured)}, "reasons": assessed["reasons"],
+              "bounds": assessed["bounds"], "clients": assessed["clients"], "champion": champion,
+              "dataset_uri": dataset_uri, "verdict": assessed["verdict"]}
+    clients = assessed["clients"]
+    if report["verdict"] == DRIFT:
         wanted, state = retrain_wanted(drift, champion, end, storage.join(args.output, "report.html"))
         report["request_retrain"] = wanted
         report["outcome"] = ("drift: a retrain is requested (the raw data Asset)" if wanted else
                              f"drift, as at {state['requested_at']} when a retrain was requested for champion "  # type: ignore[index]
                              f"v{champion} (report {state['report_uri']}): none again within {drift.cooldown_h:g}h")  # type: ignore[index]
+    elif report["verdict"] == FEW_CLIENTS:
+        count = clients["driven_by"]
+        report["outcome"] = (f"drift seen, but from too few clients: without the prompts of {count} "
+                             f"client{'s' * (count != 1)} of {clients['distinct']} it is gone (drift.min_clients "
+                             f"{drift.min_clients}): no retrain requested")
     else:
         report["outcome"] = "no drift: the traffic reads as the champion's training data"
-    png = plots(prompts, reference, {i: t for t, i in vocab.items()}, vocab_size)
+    traffic = assessed["traffic"]
+    png = plots(traffic.prompts, traffic.lengths, reference, {i: t for t, i in vocab.items()}, vocab_size)
     return finish(args, drift, report, png)
+
+
+def client_summary(clients: dict[str, Any]) -> dict[str, Any]:
+    """Who drove a verdict, in short (the step's result: the DAG's XCom)."""
+    return {k: clients[k] for k in ("distinct", "min_clients", "seen_from_enough", "driven_by", "top") if k in clients}
 
 
 def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any], png: str | None) -> dict[str, Any]:
     report["written_at"] = dt.datetime.now(dt.UTC).isoformat()
+    report["heading"] = heading(report)
     with storage.staged_output(args.output) as out:
         (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
         (out / "report.html").write_text(render_html(report, png), encoding="utf-8")
@@ -343,16 +661,18 @@ def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any
     if report["request_retrain"]:
         storage.write_bytes(drift.state_uri, json.dumps({
             "champion": report["champion"], "requested_at": report["window"]["end"], "report_uri": report_uri,
-            "reasons": report["reasons"]}).encode())
+            "reasons": report["reasons"], "clients": client_summary(report["clients"])}).encode())
     figures = report["figures"]
-    pushed = {f"llm_drift_{k}": figures.get(k) for k in ("prompts", "js_bits", "js_excess_bits", "byte_fallback_excess",
-                                                          "perplexity_ratio", "prompt_tokens_p50")}
+    pushed = {f"llm_drift_{k}": figures.get(k) for k in ("prompts", "clients", "js_bits", "js_excess_bits",
+                                                          "byte_fallback_excess", "perplexity_ratio", "prompt_tokens_p50")}
     metrics.push({"dag_id": drift.dag_id}, {**pushed, "llm_drift_detected": float(report["verdict"] == DRIFT),
+                                            "llm_drift_too_few_clients": float(report["verdict"] == FEW_CLIENTS),
                                             "llm_drift_retrain_requested": float(report["request_retrain"])}, FIGURE_HELP)
-    log.info("drift check: %s (%s); report %s", report["verdict"], report["outcome"], report_uri)
-    return {"verdict": report["verdict"], "outcome": report["outcome"], "request_retrain": report["request_retrain"],
-            "window": report["window"],
-            "reasons": report["reasons"], "champion": report["champion"], "report_uri": report_uri,
+    log.info("drift check: %s (%s); report %s", report["heading"], report["outcome"], report_uri)
+    return {"verdict": report["verdict"], "heading": report["heading"], "outcome": report["outcome"],
+            "request_retrain": report["request_retrain"], "window": report["window"],
+            "reasons": report["reasons"], "clients": client_summary(report["clients"]),
+            "champion": report["champion"], "report_uri": report_uri,
             "figures": {k: v for k, v in figures.items() if isinstance(v, int | float)}}
 
 
@@ -388,7 +708,8 @@ def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     print(f"{report['verdict'].upper()}: {report['outcome']}")
     window = report["window"]
     print(f"  window      {window['start'][:19]} .. {window['end'][:19]} UTC: {figures.get('prompts', 0)} distinct prompts "
-          f"of {figures.get('requests', 0)} captured requests, champion v{report.get('champion')}")
+          f"of {figures.get('requests', 0)} captured requests from {figures.get('clients', 0)} clients, "
+          f"champion v{report.get('champion')}")
     if "js_bits" in figures:
         print(f"  tokens      JS {figures['js_bits']:.3f} bits ({figures['js_excess_bits']:+.3f} beyond same-size samples "
               f"of the training data); byte fallback {100 * figures['byte_fallback_share']:.1f}% "

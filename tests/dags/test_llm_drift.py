@@ -1,6 +1,7 @@
 """The drift loop on the real stack: traffic through the router to the champion (the suite's
-end-to-end retrain promoted it), captured by the OpenAI API to S3, checked by the llm_drift DAG,
-which updates the raw data Asset (llm_retrain's schedule) when, and only once, it drifted."""
+end-to-end retrain promoted it), captured by the OpenAI API to S3 with its client (the router's
+view of the source address, hashed), checked by the llm_drift DAG, which updates the raw data
+Asset (llm_retrain's schedule) when, and only once, it drifted from enough distinct clients."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from helpers import REPO_ROOT, RUNTIME_PY
 
 pytestmark = pytest.mark.integration
+CLIENTS = 6  # stack.traffic's: 127.0.0.2 .. 127.0.0.7, each a client of its own (drift.min_clients: 3)
 
 
 def ti_states(run: Any) -> dict[str, str]:
@@ -24,13 +26,15 @@ def xcom(run: Any, task_id: str) -> Any:
     return next(ti for ti in run.get_task_instances() if ti.task_id == task_id).xcom_pull(task_ids=task_id)
 
 
-def send(kind: str, count: int, seed: int) -> None:
-    """Demo traffic through the router (``python -m stack traffic``), the capture flushed after it."""
+def send(kind: str, count: int, seed: int, clients: int = CLIENTS) -> None:
+    """Demo traffic through the router (``python -m stack traffic``) from ``clients`` loopback
+    source addresses, the capture flushed after it."""
     proc = subprocess.run([str(RUNTIME_PY), "-c", "import json, os, sys; from stack.traffic import send; "
-                           "print(json.dumps(send(dict(os.environ), sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))",
-                           kind, str(count), str(seed)], cwd=REPO_ROOT, capture_output=True, text=True)
+                           "print(json.dumps(send(dict(os.environ), sys.argv[1], *map(int, sys.argv[2:]))))",
+                           kind, str(count), str(seed), str(clients)], cwd=REPO_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"dropped_write": 0' in proc.stdout and '"dropped_full": 0' in proc.stdout, proc.stdout
+    assert f'"clients": {clients},' in proc.stdout, proc.stdout
 
 
 def drift_events() -> list[Any]:
@@ -69,20 +73,36 @@ def test_served_drift_starts_one_retrain_and_in_distribution_traffic_none(dags: 
     found = xcom(normal, "drift_check")
     assert found["verdict"] == "no drift" and ti_states(normal)["request_retrain"] == "skipped", found
     assert found["figures"]["prompts"] >= 50 and found["figures"]["byte_fallback_share"] < 0.01
+    assert found["figures"]["clients"] >= CLIENTS, found  # the router's view of each source address, hashed
+    assert found["heading"] == "No drift: all 3 bounds held"
     assert drift_events() == []
 
-    # the same prompts in another vocabulary, posted three times: drift each time, one retrain
+    # prompts in another vocabulary from one client (one source address): drift seen, from too
+    # few clients: no retrain
+    send("drifted", 150, seed=9, clients=1)
+    lone = check(dags, since)
+    found = xcom(lone, "drift_check")
+    assert found["verdict"] == "drift from too few clients" and ti_states(lone)["request_retrain"] == "skipped", found
+    assert found["clients"]["driven_by"] == 1 and found["clients"]["top"][0]["share_of_drift"] > 0.9, found
+    assert found["heading"].startswith("Drift seen from too few clients: ") and found["request_retrain"] is False
+    assert drift_events() == []
+
+    # the same prompts from every client, posted three times: drift each time, one retrain
     for attempt in range(3):
         send("drifted", 150, seed=2 + attempt)
         drifted = check(dags, since)
         found = xcom(drifted, "drift_check")
-        assert found["verdict"] == "drift" and len(found["reasons"]) == 3, found
+        assert found["verdict"] == "drift" and len(found["reasons"]) == 4, found
+        assert found["heading"] == "Drift: 3 of 3 bounds crossed, seen from at least 3 clients", found
         assert found["request_retrain"] is (attempt == 0), found
     events = drift_events()
     assert len(events) == 1, events
     extra = events[0][1]
     assert extra["drift_report"].endswith("/drift/report.html") and extra["champion"] == xcom(retrain_run, "register")["version"]
     assert extra["drift_reasons"][1].startswith("byte fallback: ")
+    # who drove it: the clients, hashed, by share of the drift
+    assert extra["drift_reasons"][-1].startswith("clients: seen from at least 3 "), extra
+    assert extra["drift_clients"]["seen_from_enough"] and extra["drift_clients"]["distinct"] >= 3, extra
 
     # what the retrain it starts reports: the drift report that started it, from the Asset event
     older = {**extra, "drift_report": "s3://pipeline/runs/llm_drift/older/drift/report.html"}

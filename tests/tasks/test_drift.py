@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def test_byte_fallback_tokens_are_the_unmerged_non_ascii_bytes() -> None:
     assert not fallback & set(english) and set(cyrillic) <= fallback | {tokenizer.token_to_id("Ġ")}
 
 
-def test_a_bound_passed_is_named_and_none_passed_is_no_drift() -> None:
+def test_a_bound_crossed_is_named_and_none_crossed_is_no_drift() -> None:
     from tasks.drift import judge
 
     settings = load_settings().drift
@@ -72,3 +73,155 @@ def test_the_chance_samples_come_from_the_other_half_of_the_documents() -> None:
     tokens = np.arange(20)
     halves = Reference(tokens, np.array([0, 5, 9, 14])).halves()
     assert halves[0].tolist() == [*range(0, 5), *range(9, 14)] and halves[1].doc_starts.tolist() == [5, 14]
+
+
+# -- who drives a verdict: each prompt weighs the same, drift from enough clients -----------------
+# A world of its own: the training data draws tokens 0..499 (Zipf); another script is tokens
+# 600..727, each a byte-fallback token; the champion a unigram model of the training data.
+
+ENGLISH, FOREIGN = 500, np.arange(600, 728)
+VOCAB = 1000
+
+
+def english(rng: np.random.Generator, count: int, fewest: int, most: int) -> list[np.ndarray]:
+    probs = 1 / np.arange(1, ENGLISH + 1) ** 1.1
+    return [rng.choice(ENGLISH, size=int(rng.integers(fewest, most + 1)), p=probs / probs.sum()) for _ in range(count)]
+
+
+def foreign(rng: np.random.Generator, count: int, fewest: int = 6, most: int = 16) -> list[np.ndarray]:
+    return [rng.choice(FOREIGN, size=int(rng.integers(fewest, most + 1))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, Any]:
+    import torch
+
+    from tasks.drift import Reference
+
+    rng = np.random.default_rng(0)
+    documents = english(rng, 800, 30, 300)
+    tokens = np.concatenate(documents)
+    reference = Reference(tokens, np.concatenate([[0], np.cumsum([len(d) for d in documents])[:-1]]))
+    counts = np.bincount(tokens, minlength=VOCAB) + 0.01
+
+    class Unigram(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.logits = torch.log(torch.as_tensor(counts / counts.sum(), dtype=torch.float32))
+
+        def forward(self, ids: Any) -> Any:
+            return self.logits.repeat(*ids.shape, 1)
+
+    # held-out text as users ask it: the openings of other documents, 150 from 30 clients
+    normal = [d[:n] for d, n in zip(english(rng, 150, 30, 300), rng.integers(4, 21, 150), strict=True)]
+    return {"reference": reference, "model": Unigram(), "normal": normal, "rng": rng,
+            "normal_clients": [frozenset({f"{i % 30:016x}"}) for i in range(150)]}
+
+
+def assess(world: dict[str, Any], prompts: list[np.ndarray], clients: list[frozenset[str]], **settings: Any) -> dict[str, Any]:
+    import random
+
+    from tasks.drift import assess
+
+    drift = dataclasses.replace(load_settings().drift, **settings)
+    return assess(world["normal"] + prompts, world["normal_clients"] + clients, world["reference"], FOREIGN,
+                  world["model"], 128, VOCAB, drift, random.Random(1))
+
+
+def test_each_prompt_weighs_the_same_so_a_few_huge_prompts_do_not_make_the_figures(world: dict[str, Any]) -> None:
+    from tasks.drift import NO_DRIFT, share_of
+
+    calm = assess(world, [], [])
+    huge = foreign(world["rng"], 6, 5000, 5000)  # one client's 6 prompts: 30,000 tokens, the others' ~1,800
+    assert share_of(world["normal"] + huge, FOREIGN) > 0.9  # counted by tokens, they would be the window
+    found = assess(world, huge, [frozenset({"f" * 16})])
+    assert calm["verdict"] == found["verdict"] == NO_DRIFT, found["reasons"]
+    before, after = calm["figures"], found["figures"]
+    assert after["prompts_capped"] == 6 and after["tokens"] < before["tokens"] + 6 * 256 + 1
+    # 6 prompts of 156: each figure moves by about what 6 drifted prompts of normal size would move it
+    assert after["js_excess_bits"] - before["js_excess_bits"] < 0.05
+    assert after["byte_fallback_excess"] == pytest.approx(6 / 156, abs=0.005)
+    assert after["perplexity_ratio"] < 2.0 and before["perplexity_ratio"] < 1.3
+    assert found["bounds"] and not any(b["crossed"] for b in found["bounds"])
+
+
+def test_fifty_drifted_prompts_from_one_client_are_drift_from_too_few_clients(world: dict[str, Any]) -> None:
+    from tasks.drift import FEW_CLIENTS
+
+    one = "a" * 16
+    found = assess(world, foreign(world["rng"], 50), [frozenset({one})] * 50)
+    assert [r.split(":")[0] for r in found["reasons"]][-3:] == ["byte fallback", "surprise", "clients"]
+    assert found["verdict"] == FEW_CLIENTS, found["reasons"]
+    clients = found["clients"]
+    assert clients["driven_by"] == 1 and clients["removed"] == [one] and clients["distinct"] == 31
+    assert clients["without_removed"]["crossed"] == []  # without its prompts every bound holds
+    top = clients["top"][0]
+    assert top["client"] == one and top["prompts"] == 50 and top["share_of_drift"] > 0.95
+    assert len(clients["top"]) == 1  # no other client moves the figures
+    assert found["reasons"][-1].startswith("clients: drift from too few (drift.min_clients 3; 31 distinct in the window): "
+                                           "without the prompts of 1 client every bound holds; top by share of the "
+                                           f"drift: {one} ")
+
+    # records captured without a client (or before clients were recorded): one unknown client
+    found = assess(world, foreign(world["rng"], 50), [frozenset({""})] * 50)
+    assert found["verdict"] == FEW_CLIENTS and found["clients"]["top"][0]["client"] == ""
+    assert "(unknown) " in found["reasons"][-1]
+
+    # two clients, or the same prompts from two addresses: still too few
+    drifted = foreign(world["rng"], 50)
+    found = assess(world, drifted, [frozenset({"b" * 16}), frozenset({"c" * 16})] * 25)
+    assert found["verdict"] == FEW_CLIENTS and found["clients"]["driven_by"] == 2
+    found = assess(world, drifted, [frozenset({"b" * 16, "c" * 16})] * 50)
+    assert found["verdict"] == FEW_CLIENTS and found["clients"]["driven_by"] == 2
+    # ... beside a client with more prompts than either, all ordinary: the two are still the ones removed
+    busy = [d[:12] for d in english(world["rng"], 80, 30, 300)]
+    found = assess(world, drifted + busy, [frozenset({"b" * 16, "c" * 16})] * 50 + [frozenset({"e" * 16})] * 80)
+    assert found["verdict"] == FEW_CLIENTS and set(found["clients"]["removed"]) == {"b" * 16, "c" * 16}
+
+
+def test_drift_from_min_clients_clients_is_drift_and_names_them(world: dict[str, Any]) -> None:
+    from tasks.drift import DRIFT, FEW_CLIENTS
+
+    senders = [f"{i:016x}" for i in range(100, 103)]
+    found = assess(world, foreign(world["rng"], 50), [frozenset({senders[i % 3]}) for i in range(50)])
+    assert found["verdict"] == DRIFT, found["reasons"]
+    clients = found["clients"]
+    assert clients["seen_from_enough"] and clients["driven_by"] is None and len(clients["removed"]) == 2
+    assert set(clients["removed"]) < set(senders) and clients["without_removed"]["crossed"]  # still crossed
+    assert {t["client"] for t in clients["top"][:3]} == set(senders)
+    assert found["reasons"][-1].startswith("clients: seen from at least 3 (drift.min_clients 3; 33 distinct in the "
+                                           "window): still crossed without the prompts of the 2 driving it most")
+    # each prompt asked by all three: drift seen from three clients
+    assert assess(world, foreign(world["rng"], 50), [frozenset(senders)] * 50)["verdict"] == DRIFT
+    # the same prompts, a stricter deployment: 4 clients needed
+    assert assess(world, foreign(world["rng"], 50), [frozenset({senders[i % 3]}) for i in range(50)],
+                  min_clients=4)["verdict"] == FEW_CLIENTS
+
+
+def test_the_report_heading_says_what_happened() -> None:
+    from tasks.drift import DRIFT, FEW_CLIENTS, NO_DRIFT, NO_VERDICT, heading, render_html
+
+    bounds = [{"bound": n, "figure": "f", "value": 1.0, "limit": 0.5, "crossed": c}
+              for n, c in (("token distribution", False), ("byte fallback", True), ("surprise", True))]
+    report = {"verdict": DRIFT, "outcome": "drift: a retrain is requested", "bounds": bounds, "reasons": [],
+              "clients": {"min_clients": 3, "driven_by": None}, "figures": {}, "served_uri": "s3://raw/served",
+              "window": {"start": "2026-11-25T00:00:00+00:00", "end": "2026-11-26T00:00:00+00:00"}}
+    assert heading(report) == "Drift: 2 of 3 bounds crossed, seen from at least 3 clients"
+    few = {**report, "verdict": FEW_CLIENTS, "clients": {"min_clients": 3, "driven_by": 1}}
+    assert heading(few) == ("Drift seen from too few clients: 2 of 3 bounds crossed, by the prompts of 1 client "
+                            "(at least 3 needed): no retrain")
+    calm = {**report, "verdict": NO_DRIFT, "bounds": [{**b, "crossed": False} for b in bounds]}
+    assert heading(calm) == "No drift: all 3 bounds held"
+    assert heading({**report, "verdict": NO_VERDICT, "outcome": "too little traffic"}) == "No verdict: too little traffic"
+    page = render_html(few, None)
+    assert "<h1>Drift seen from too few clients: 2 of 3" in page and "Bounds passed" not in page
+    assert page.count("<b>crossed</b>") == 2 and page.count("<b>held</b>") == 1
+
+
+def test_each_distinct_prompt_once_with_every_client_that_asked_it() -> None:
+    from tasks.drift import distinct_prompts
+
+    records = [{"prompt": "a", "client": "1" * 16}, {"prompt": "b"}, {"prompt": "a", "client": "2" * 16},
+               {"prompt": "a", "client": "1" * 16}, {"prompt": "c", "client": None}]
+    assert distinct_prompts(records) == (["a", "b", "c"], [frozenset({"1" * 16, "2" * 16}), frozenset({""}),
+                                                          frozenset({""})])
