@@ -285,7 +285,8 @@ def test_huge_prompts_are_refused_by_size_before_they_are_tokenized(served: dict
 
 def test_a_refused_request_is_captured_as_its_refusal_alone(served: dict[str, str]) -> None:
     """Six 150 kB prompts of e-mail-like text (refused: they cannot fit): their records hold the
-    refusal, not the prompt, and the front's health answers throughout the capture's write."""
+    refusal, not the prompt (whose scrub once held the front for seconds: benchmarks/capture.py
+    measures /health while such prompts are captured)."""
     flush_capture(served)
     since = now_iso()
     prompt = ("jane.doe" * 40 + "@example.org " + "x" * 60 + "@ ") * 1000
