@@ -1,7 +1,7 @@
 """The cluster's own objects, before Airflow and serving go in (docs/kubernetes.md).
 
     python plugins/cluster.py base | kubectl apply -f -
-    AWS_ACCESS_KEY_ID=... CAPTURE_AWS_ACCESS_KEY_ID=... MLFLOW_TRACKING_URI=... ROUTER_URL=... ROUTER_INTERNAL_URL=... python plugins/cluster.py secrets | kubectl apply -f -
+    AWS_ACCESS_KEY_ID=... CAPTURE_AWS_ACCESS_KEY_ID=... CAPTURE_CLIENT_KEY=... MLFLOW_TRACKING_URI=... ROUTER_URL=... ROUTER_INTERNAL_URL=... python plugins/cluster.py secrets | kubectl apply -f -
     python plugins/cluster.py helm-values > values.yaml
     helm install airflow apache-airflow/airflow -n llm-pipeline-airflow -f values.yaml
 
@@ -79,10 +79,14 @@ SECRET_VARIABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 # The OpenAI front's Secret (serve.kubernetes.capture_secret): each key and the variable it is
-# filled from (the front's own keys, required; the object store's endpoint and region, the steps')
+# filled from (the front's own keys and its client-hash key, required; the object store's endpoint
+# and region, the steps')
 CAPTURE_SECRET_VARIABLES: dict[str, tuple[str, bool]] = {
     "AWS_ACCESS_KEY_ID": ("CAPTURE_AWS_ACCESS_KEY_ID", True), "AWS_SECRET_ACCESS_KEY": ("CAPTURE_AWS_SECRET_ACCESS_KEY", True),
-    "AWS_ENDPOINT_URL": ("AWS_ENDPOINT_URL", False), "AWS_DEFAULT_REGION": ("AWS_DEFAULT_REGION", False)}
+    "AWS_ENDPOINT_URL": ("AWS_ENDPOINT_URL", False), "AWS_DEFAULT_REGION": ("AWS_DEFAULT_REGION", False),
+    # keys the hash of each client's address the capture keeps (unkeyed, an IPv4 address's
+    # hash is reversed by trying all 2^32)
+    "CAPTURE_CLIENT_KEY": ("CAPTURE_CLIENT_KEY", True)}
 
 
 class MissingVariable(ValueError):

@@ -66,8 +66,8 @@ from tasks.serving.contract import (
     COPY_HEADER,
     INTERNAL_HEADERS,
     NO_VERSION,
+    PUBLIC_LOGITS_ACTIONS,
     RECORD_HEADER,
-    ROUTED_ACTIONS,
     SHADOW_TRACK,
     TRACK_HEADER,
     VERSION_HEADER,
@@ -144,8 +144,13 @@ def track_deployment(params: Settings, track: str, install: bool = False) -> dic
         "name": "openai",
         "image": step_image,
         "imagePullPolicy": cluster.image_pull_policy,
+        # only the stable track's fronts capture served traffic: the canary track's receive the
+        # gateway's mirrored copies, which a RequestMirror cannot mark as copies (its filters act on
+        # the request and its copy alike), and the baseline's deploy's own load; what the canary's
+        # share of users asks during a rollout goes uncaptured, a sample the capture is anyway
         "command": ["python", "-m", "tasks.serving.front", "--host", "0.0.0.0", "--port", str(ports["openai"]),
-                    "--triton-url", f"http://127.0.0.1:{ports['http']}"],
+                    "--triton-url", f"http://127.0.0.1:{ports['http']}",
+                    *(["--capture-rate", "0"] if track != "stable" else [])],
         "ports": [{"name": "openai", "containerPort": ports["openai"]}],
         # the served-traffic capture's S3 keys (serve.capture), which may write that alone: the
         # front's own Secret (the stage init container holds the steps'; Triton's container none)
@@ -228,11 +233,12 @@ def track_service(params: Settings, track: str) -> dict[str, Any]:
 
 
 def public_triton_paths(serve: ServeSettings) -> list[str]:
-    """What clients may call of Triton's: each served model's inference paths and metadata,
-    the server's health and metadata."""
+    """What clients may call of Triton's: the logits model's inference (text goes through the
+    OpenAI front's /v1: contract's ``PUBLIC_LOGITS_ACTIONS``), each served model's metadata, the
+    server's health and metadata."""
     models = (serve.triton_model, serve.generate_model)
-    return [*(f"/v2/models/{m}/{a}" for m in models for a in ROUTED_ACTIONS), *(f"/v2/models/{m}" for m in models),
-            "/v2", "/v2/health/live", "/v2/health/ready"]
+    return [*(f"/v2/models/{serve.triton_model}/{a}" for a in PUBLIC_LOGITS_ACTIONS),
+            *(f"/v2/models/{m}" for m in models), "/v2", "/v2/health/live", "/v2/health/ready"]
 
 
 def without_internal_headers() -> dict[str, Any]:

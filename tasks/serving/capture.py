@@ -3,8 +3,8 @@
 
 Off the request path by construction: a request only appends a small dict to a bounded buffer
 (bounded in records and in bytes: dropped, and counted, when full); each prompt, answer and
-error is cut to ``max_field_chars`` first (marked), so what one record costs the writer is
-bounded too. A background task writes the buffer every ``flush_s`` in a worker thread, one S3
+error is cut to ``max_field_chars`` (marked; scrubbed first, with a margin kept to the cut, so
+that nothing personal survives in part), so what one record costs the writer is bounded too. A background task writes the buffer every ``flush_s`` in a worker thread, one S3
 object per date (a single PUT: a reader sees a whole part or none); a record that cannot be
 written (text that does not encode) is dropped alone and counted; a failed write drops its
 batch (counted, logged once per failure), and the next flush starts afresh. The sample is
@@ -30,6 +30,7 @@ from tasks.lib.records import scrub
 
 log = logging.getLogger("capture")
 SCRUBBED = ("prompt", "completion", "error")  # what a user wrote or the model answered
+SCRUB_MARGIN = 512  # characters kept past a field's bound until it is scrubbed: longer than any one match
 
 
 class TrafficCapture:
@@ -60,12 +61,17 @@ class TrafficCapture:
         return True
 
     def offer(self, record: dict[str, Any]) -> None:
-        """Keep a record :meth:`take` made room for, its text fields cut to ``max_field_chars``
-        (scrubbed later by the writer, off the request path)."""
+        """Keep a record :meth:`take` made room for (scrubbed later by the writer, off the request
+        path). A text longer than ``max_field_chars`` keeps that much and a margin: an address or a
+        card number across the cut is scrubbed whole before the writer cuts it to its bound."""
+        kept = self.settings.max_field_chars + SCRUB_MARGIN
+        lengths = record["_lengths"] = {}
         for name in SCRUBBED:
             if isinstance(text := record.get(name), str) and len(text) > self.settings.max_field_chars:
-                record[name] = cut(text, self.settings.max_field_chars)
-        record["_bytes"] = sum(len(text) for name in SCRUBBED if isinstance(text := record.get(name), str))
+                lengths[name] = len(text)
+                record[name] = text[:kept]
+        record["_bytes"] = sum(len(text.encode("utf-8", "surrogatepass")) for name in SCRUBBED
+                               if isinstance(text := record.get(name), str))
         self.stats["sampled"] += 1
         self.pending_bytes += record["_bytes"]
         self.pending.append(record)
@@ -85,16 +91,20 @@ class TrafficCapture:
             batch = [self.pending.popleft() for _ in range(len(self.pending))]
             self.pending_bytes -= sum(record.pop("_bytes", 0) for record in batch)
             if batch:
-                try:
-                    written, bad = await asyncio.to_thread(self._write, batch)
-                    self.stats["written"] += len(batch) - bad
-                    self.stats["dropped_bad"] += bad
-                    self.stats["parts"] += written
-                except Exception as exc:  # S3 down or refusing: the records are lost, requests are not
-                    self.stats["dropped_write"] += len(batch)
-                    log.warning("capture: %d records not written (%s: %s)", len(batch), type(exc).__name__,
-                                str(exc)[:200])
+                # shielded: a flush whose caller is cancelled (a client gone, shutdown) still
+                # writes and counts what it took from the buffer
+                await asyncio.shield(self._write_and_count(batch))
         return dict(self.stats)
+
+    async def _write_and_count(self, batch: list[dict[str, Any]]) -> None:
+        try:
+            written, bad = await asyncio.to_thread(self._write, batch)
+            self.stats["written"] += len(batch) - bad
+            self.stats["dropped_bad"] += bad
+            self.stats["parts"] += written
+        except Exception as exc:  # S3 down or refusing: the records are lost, requests are not
+            self.stats["dropped_write"] += len(batch)
+            log.warning("capture: %d records not written (%s: %s)", len(batch), type(exc).__name__, str(exc)[:200])
 
     def _write(self, batch: list[dict[str, Any]]) -> tuple[int, int]:
         """Write ``batch``: the parts written, and the records dropped because they cannot be."""
@@ -102,7 +112,9 @@ class TrafficCapture:
         bad = 0
         for record in batch:
             try:
-                scrubbed = {**record, **{k: scrub(record[k]) for k in SCRUBBED if isinstance(record.get(k), str)}}
+                lengths = record.pop("_lengths", {})
+                scrubbed = {**record, **{k: bounded(scrub(record[k]), lengths.get(k), self.settings.max_field_chars)
+                                         for k in SCRUBBED if isinstance(record.get(k), str)}}
                 line = json.dumps(scrubbed, ensure_ascii=False, sort_keys=True).encode("utf-8") + b"\n"
             except (UnicodeError, TypeError, ValueError) as exc:  # e.g. a lone surrogate from a header byte
                 bad += 1
@@ -117,9 +129,12 @@ class TrafficCapture:
         return len(by_date), bad
 
 
-def cut(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, saying how many were cut."""
-    marker = f" [...{len(text) - limit} characters cut]"
+def bounded(text: str, length: int | None, limit: int) -> str:
+    """A scrubbed text within ``limit`` characters; ``length``: the original's, where
+    :meth:`TrafficCapture.offer` kept only its start: then cut, saying how many characters were."""
+    if length is None and len(text) <= limit:
+        return text
+    marker = f" [...{(length or len(text)) - limit} characters cut]"
     return text[:max(limit - len(marker), 0)] + marker
 
 

@@ -15,8 +15,13 @@ BASELINE = "baseline"  # the stable version at the canary's size, beside it (no 
 WEIGHT_SCALE = 1000  # HTTPRoute weights are integers: per mille keeps 0.1% steps expressible
 NO_VERSION = "none"  # the version header of a backend serving none (a header may not be empty)
 ANNOTATION = "llm-pipeline/"  # the prefix of the rollout state's annotations on cluster objects
-ROUTED_MODELS = ("llm", "llm_generate")  # Triton's models clients reach (logits; text in, text out)
-ROUTED_ACTIONS = ("infer", "generate", "generate_stream")  # the inference paths of each routed model
+ROUTED_MODELS = ("llm", "llm_generate")  # Triton's models behind the split (logits; text in, text out)
+ROUTED_ACTIONS = ("infer", "generate", "generate_stream")  # the inference paths of each (deploy's listener)
+# What clients reach of Triton's inference: the logits model's ``infer``. Text goes through the
+# OpenAI API (/v1), which cancels a request its client abandoned, streamed or not; Triton notices
+# a gone client only when it writes, so a non-streamed generate request there would run on,
+# holding a slot, past the router's per-client connection limit
+PUBLIC_LOGITS_ACTIONS = ("infer",)
 
 # -- headers ----------------------------------------------------------------------------------------
 VERSION_HEADER = "X-Model-Version"  # on every answer: the version that answered

@@ -64,6 +64,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal, NoReturn
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from tasks.serving.capture import TrafficCapture, served_record
 from tasks.serving.contract import (
@@ -125,8 +126,12 @@ def routed_version(request: web.Request) -> str:
 
 
 def client_id(request: web.Request, key: bytes) -> str:
-    """The client, as the capture keeps it: its address (the router's, else the peer's), hashed."""
-    address = request.headers.get(CLIENT_HEADER) or request.remote or ""
+    """The client, as the capture keeps it: its address, hashed. The local router's
+    ``X-Client-Address``; else the last ``X-Forwarded-For`` entry, the one a gateway appends (a
+    cluster's: it removes the router's header as a client's, and the front's peer is the gateway);
+    else the peer's."""
+    forwarded = request.headers.get("X-Forwarded-For", "").rsplit(",", 1)[-1].strip()
+    address = request.headers.get(CLIENT_HEADER) or forwarded or request.remote or ""
     if not address:
         return ""
     return hashlib.blake2b(address.encode("utf-8", "replace"), key=key, digest_size=8).hexdigest()
@@ -191,7 +196,7 @@ class Api:
     async def shadow_records(self, request: web.Request) -> web.Response:
         """``{"ids": [...]}`` -> ``{"records": [...]}``: the recorded answers to those requests."""
         try:
-            ids = json.loads(await request.read()).get("ids")
+            ids = json.loads(await read_body(request)).get("ids")
         except (ValueError, AttributeError, RecursionError):
             ids = None
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
@@ -251,7 +256,7 @@ class Api:
         once: a slow shadow's backlog is dropped (recorded as dropped: the shadow's judge reads
         that as inconclusive, not as the shadow's error), never queued."""
         version = routed_version(request)
-        raw = await request.read()  # whole, before the 202: the router has sent all of it by then
+        raw = await read_body(request)  # whole, before the 202: the router has sent all of it by then
         if len(self.copies) >= MAX_COPIES:
             if request_id:
                 self.records.add(request_id, version, record_of(None, None, f"{DROPPED}: {MAX_COPIES} copies in flight"))
@@ -276,7 +281,7 @@ class Api:
         """The answer to one request (``raw``: its body, already read; ``sink``: where a stream
         goes instead of the client)."""
         try:
-            parsed = self.parse(raw if raw is not None else await request.read(), reply.chat)
+            parsed = self.parse(raw if raw is not None else await read_body(request), reply.chat)
             if isinstance(parsed, ChatRequest):
                 inputs = parsed.engine_inputs(parsed.prompt(), [CHAT_STOP])
                 reply.prompt = parsed.asked()
@@ -305,6 +310,8 @@ class Api:
                         reply.arrivals.append(time.perf_counter())
         except (TimeoutError, ClientError) as exc:
             raise_unreachable(exc)
+        if reply.finish_reason is None:  # the engine ended it without a final event (unloaded, stopping)
+            raise ApiError(503, "the engine ended the request before its answer was complete", kind="server_error")
         reply.complete = True
         return typed_response(reply.whole())
 
@@ -324,6 +331,9 @@ class Api:
                     while event is not None:
                         await send_event(response, reply.chunk(event).model_dump_json(exclude_none=False))
                         event = await anext(events, None)
+                    if reply.finish_reason is None:  # ended without its final event (unloaded, stopping)
+                        raise ApiError(503, "the engine ended the request before its answer was complete",
+                                       kind="server_error")
                 except ApiError as exc:  # the engine failed mid-stream: the client saw tokens already
                     reply.error = exc.message
                     await send_event(response, exc.body().model_dump_json())
@@ -336,17 +346,17 @@ class Api:
                 return response
         except StopAsyncIteration:
             raise ApiError(502, "the engine ended the stream with no answer", kind="server_error") from None
+        except (ConnectionResetError, asyncio.CancelledError):
+            # the client went away (first: aiohttp's ClientConnectionResetError is a ClientError
+            # too): closing the upstream call ends the request in Triton, freeing its engine slot
+            log.info("client disconnected mid-stream")
+            raise
         except (TimeoutError, ClientError) as exc:
             if response is None:
                 raise_unreachable(exc)
             log.warning("stream cut: %s", exc)  # the client saw tokens; the cut shows as a missing [DONE]
             reply.error = f"stream cut ({type(exc).__name__})"
             return response
-        except (ConnectionResetError, asyncio.CancelledError):
-            # the client went away: closing the upstream call ends the request in Triton, which
-            # frees its slot in the engine
-            log.info("client disconnected mid-stream")
-            raise
 
 
 class Reply:
@@ -448,6 +458,15 @@ def record_of(reply: Reply | None, response: web.StreamResponse | None, error: s
             "engine_ttft_ms": reply.engine_ttft_ms, "engine_itl_ms": reply.engine_itl_ms,
             "chunks": [chunk for chunk in reply.text if chunk],
             "error": reply.error or ("" if reply.complete else "not completed")}
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, however it arrives (in pieces, chunked), at most ``MAX_BODY_BYTES`` (413);
+    one the client encoded wrongly (``Content-Encoding: gzip`` over bytes that are not) is a 400."""
+    try:
+        return await request.read()
+    except HttpProcessingError as exc:
+        raise ApiError(400, f"request body could not be read ({exc.message or type(exc).__name__})"[:200]) from None
 
 
 async def upstream_events(upstream: Any) -> AsyncIterator[dict[str, Any]]:

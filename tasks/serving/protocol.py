@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, ValidationError, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
 
 from tasks.serving.contract import (
@@ -31,7 +31,6 @@ from tasks.serving.contract import (
     SAMPLING_LIMITS,
 )
 
-CHAT_ROLES = ("system", "user", "assistant")
 # OpenAI fields this server answers only with their default (refused otherwise, naming the field)
 UNSUPPORTED: dict[str, Any] = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None, "tools": None,
                                "functions": None, "top_logprobs": None, "tool_choice": None, "function_call": None}
@@ -65,13 +64,15 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
+    # numbers as JSON numbers only (strict: "5" or true is not a max_tokens, 5.5 not a seed)
     model: str | None = None
-    max_tokens: Annotated[int | None, Field(ge=1, le=MAX_TOKENS_LIMIT)] = None
-    temperature: Annotated[float | None, Field(ge=_TEMPERATURE[0], le=_TEMPERATURE[1], allow_inf_nan=False)] = None
-    top_p: Annotated[float | None, Field(gt=_TOP_P[0], le=_TOP_P[1], allow_inf_nan=False)] = None
-    top_k: Annotated[int | None, Field(ge=_TOP_K[0], le=_TOP_K[1])] = None  # vLLM's extension
-    seed: Annotated[int | None, Field(ge=_SEED[0], le=_SEED[1])] = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    max_tokens: Annotated[int | None, Strict(), Field(ge=1, le=MAX_TOKENS_LIMIT)] = None
+    temperature: Annotated[float | None, Strict(), Field(ge=_TEMPERATURE[0], le=_TEMPERATURE[1],
+                                                         allow_inf_nan=False)] = None
+    top_p: Annotated[float | None, Strict(), Field(gt=_TOP_P[0], le=_TOP_P[1], allow_inf_nan=False)] = None
+    top_k: Annotated[int | None, Strict(), Field(ge=_TOP_K[0], le=_TOP_K[1])] = None  # vLLM's extension
+    seed: Annotated[int | None, Strict(), Field(ge=_SEED[0], le=_SEED[1])] = None
+    stop: str | list[str] | None = None  # at most MAX_STOPS (bounded_stops)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens tokens whatever comes
@@ -81,7 +82,10 @@ class Sampling(BaseModel):
     def refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, default in UNSUPPORTED.items():
-                if data.get(name) not in (None, default):
+                value = data.get(name)
+                # None, the default, or false where the default is none (chat's logprobs: false)
+                if not (value is None or (value == default and type(value) is type(default))
+                        or (default is None and value is False)):
                     raise ValueError(f"{name}: not supported by this server (only {name}={default!r})")
         return data
 

@@ -37,6 +37,7 @@ from tasks.serving.contract import (
     INTERNAL_HEADERS,
     MAX_BODY_BYTES,
     PAIR_HEADER,
+    PUBLIC_LOGITS_ACTIONS,
     RECORD_HEADER,
     ROUTE_HEADER,
     ROUTED_ACTIONS,
@@ -130,8 +131,10 @@ def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: in
                     CLIENT_HEADER: "$remote_addr"}
         to_shadow = {ROUTE_HEADER: "$shadow_version", RECORD_HEADER: copy_record, PAIR_HEADER: pair, COPY_HEADER: "1",
                      CLIENT_HEADER: "$remote_addr"}
+        # deploy reaches every model's inference paths; clients the logits model's (PUBLIC_LOGITS_ACTIONS)
+        split_models, split_actions = (models, actions) if internal else (ROUTED_MODELS[0], "|".join(PUBLIC_LOGITS_ACTIONS))
         return f"""location = /router/state {{ default_type application/json; return 200 $route_state; }}
-        location ~ ^/v2/models/(?<model>{models})/(?<action>{actions})$ {{
+        location ~ ^/v2/models/(?<model>{split_models})/(?<action>{split_actions})$ {{
             if ($model_version = "") {{ return 503; }}
             {to_triton}
             proxy_pass http://triton/v2/models/$model/versions/$model_version/$action;
@@ -202,6 +205,11 @@ http {{
         location @limited {{
             default_type application/json;
             return 429 '{{"error": "too many requests from this client: at most {limits.rate_per_client} a second (a burst of {limits.burst}) and {limits.connections_per_client} connections"}}';
+        }}
+        error_page 503 @no_version;
+        location @no_version {{  # the split names no version yet (nothing deployed)
+            default_type application/json;
+            return 503 '{{"error": {{"message": "no model version is deployed yet", "type": "server_error", "param": null, "code": "no_version"}}}}';
         }}
         error_page 413 @too_large;
         location @too_large {{

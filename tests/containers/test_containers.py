@@ -438,7 +438,7 @@ def test_compose_openai_api_writes_its_capture_with_its_own_key_only(tmp_path: P
     assert services["openai-api"]["environment"] == {
         "AWS_ENDPOINT_URL": f"http://seaweedfs:{s3_port}", "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_ACCESS_KEY_ID": env["CAPTURE_AWS_ACCESS_KEY_ID"],
-        "AWS_SECRET_ACCESS_KEY": env["CAPTURE_AWS_SECRET_ACCESS_KEY"]}
+        "AWS_SECRET_ACCESS_KEY": env["CAPTURE_AWS_SECRET_ACCESS_KEY"], "CAPTURE_CLIENT_KEY": env["CAPTURE_CLIENT_KEY"]}
 
     def holders(value: str) -> set[str]:
         return {name for name, service in services.items() if value in json.dumps(service)}

@@ -42,6 +42,7 @@ REQUESTS = {
 }
 ENV = {"AWS_ACCESS_KEY_ID": "key-id", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_ENDPOINT_URL": "http://s3:8333",
        "CAPTURE_AWS_ACCESS_KEY_ID": "capture-key-id", "CAPTURE_AWS_SECRET_ACCESS_KEY": "capture-secret",
+       "CAPTURE_CLIENT_KEY": "client-hash-key",
        "MLFLOW_TRACKING_URI": "http://mlflow:5000", "ROUTER_URL": "http://gateway",
        "ROUTER_INTERNAL_URL": "http://gateway-internal"}
 
@@ -172,8 +173,9 @@ def test_secrets_hold_the_environment_and_refuse_a_missing_variable() -> None:
                                                                    "AWS_ENDPOINT_URL")}
     # the OpenAI front's own keys (capture-only, by your object store's policy), the steps' endpoint
     assert objects[capture] == {"AWS_ACCESS_KEY_ID": "capture-key-id", "AWS_SECRET_ACCESS_KEY": "capture-secret",
-                                "AWS_ENDPOINT_URL": "http://s3:8333"}
+                                "AWS_ENDPOINT_URL": "http://s3:8333", "CAPTURE_CLIENT_KEY": "client-hash-key"}
     for broken, error in (({"CAPTURE_AWS_SECRET_ACCESS_KEY": ""}, f"Secret {capture}: set CAPTURE_AWS_SECRET_ACCESS_KEY"),
+                          ({"CAPTURE_CLIENT_KEY": ""}, f"Secret {capture}: set CAPTURE_CLIENT_KEY"),
                           ({"CAPTURE_AWS_ACCESS_KEY_ID": "key-id"}, f"Secret {capture}: CAPTURE_AWS_ACCESS_KEY_ID is the steps'")):
         proc = subprocess.run([sys.executable, str(REPO_ROOT / "plugins" / "cluster.py"), "secrets"],
                               env={**ENV, **broken}, capture_output=True, text=True)

@@ -63,6 +63,9 @@ def test_each_track_stages_its_version_and_is_ready_only_when_triton_is() -> Non
         assert front["envFrom"] == [{"secretRef": {"name": capture}}] and "envFrom" not in server
         assert capture not in cluster.env_from_secrets
         assert stage["envFrom"] == [{"secretRef": {"name": name}} for name in cluster.env_from_secrets]
+        # only stable's fronts capture: the canary track's get the gateway's unmarked shadow copies
+        track = deployment["metadata"]["name"].rsplit("-", 1)[1]
+        assert ("--capture-rate" not in front["command"]) == (track == "stable"), (track, front["command"])
 
 
 def test_the_front_is_refused_the_steps_storage_secret() -> None:
@@ -136,12 +139,13 @@ def test_public_route_splits_an_allowlist_and_only_the_internal_one_reaches_a_tr
             [("triton-stable", port, 1000), ("triton-canary", port, 0)]
     for track in ("", "canary", "stable"):
         headers = {serving.TRACK_HEADER: track} if track else {}
-        for path in ("/v2/models/llm/infer", "/v2/models/llm_generate/generate_stream", "/v2/health/ready",
-                     "/v2/models/llm"):
+        for path in ("/v2/models/llm/infer", "/v2/health/ready", "/v2/models/llm", "/v2/models/llm_generate"):
             assert matching_rule(public, path, headers) == 0, path
         assert matching_rule(public, "/v1/chat/completions", headers) == 1
+        # text goes through /v1 only: Triton's generate paths would let an abandoned request run on
         for path in ("/v2/repository/index", "/v2/repository/models/llm/unload", "/v2/repository/models/llm/load",
-                     "/v2/models/llm/versions/3/infer", "/v2/models/llm/config", "/v2/logging", "/v1beta/x"):
+                     "/v2/models/llm/versions/3/infer", "/v2/models/llm/config", "/v2/logging", "/v1beta/x",
+                     "/v2/models/llm_generate/generate", "/v2/models/llm_generate/generate_stream"):
             assert matching_rule(public, path, headers) is None, path
     rules = internal["spec"]["rules"]
     for path, port in (("/v2/models/llm/versions/3/infer", 8000), ("/v1/completions", 8003)):

@@ -52,20 +52,47 @@ def test_a_sample_takes_its_share_and_a_failed_write_only_drops_records(tmp_path
 
 
 def test_a_record_is_cut_to_its_bound_and_the_buffer_is_bounded_in_bytes(tmp_path: Path) -> None:
-    """A megabyte prompt costs the writer what 4,096 characters do (marked as cut); past
-    max_pending_bytes of pending text new records are dropped, however few they are."""
+    """A megabyte prompt costs the writer what 4,096 characters and a margin do, and is written
+    as 4,096 characters saying how many were cut, scrubbed before the cut (an address across it
+    leaves no part behind); past max_pending_bytes of pending text new records are dropped,
+    however few they are."""
+    from tasks.serving.capture import SCRUB_MARGIN
+
     bounded = capture(tmp_path, max_pending=100, max_pending_bytes=10_000)
-    huge = "a@b.io " * 150_000
+    huge = "x" * 4050 + " jane.doe@example.org " + "a@b.io " * 150_000  # the address across the cut
     for _ in range(4):
         if bounded.take():
             bounded.offer(record(prompt=huge))
     kept = list(bounded.pending)
-    assert len(kept) == 3 and bounded.stats["dropped_full"] == 1  # 3 x 4,096 characters passed 10,000
-    assert all(len(r["prompt"]) == 4096 and r["prompt"].endswith(f"[...{len(huge) - 4096} characters cut]")
-               for r in kept)
-    assert bounded.pending_bytes == sum(len(r["prompt"]) + len(r["completion"]) for r in kept)
+    assert len(kept) == 3 and bounded.stats["dropped_full"] == 1  # 3 x 4,608 bytes passed 10,000
+    assert all(len(r["prompt"]) == 4096 + SCRUB_MARGIN for r in kept)
+    assert bounded.pending_bytes == sum(len(r["prompt"].encode()) + len(r["completion"].encode()) for r in kept)
     stats = asyncio.run(bounded.flush())
     assert stats["written"] == 3 and bounded.pending_bytes == 0 and bounded.take()
+    lines = [json.loads(line) for part in (tmp_path / "served").glob("date=*/*.jsonl")
+             for line in part.read_text().splitlines()]
+    assert all(len(line["prompt"]) == 4096 and line["prompt"].endswith(f"[...{len(huge) - 4096} characters cut]")
+               for line in lines)
+    assert all("jane" not in line["prompt"] and "<email>" in line["prompt"] and "_lengths" not in line
+               for line in lines)
+
+
+def test_a_cancelled_flush_still_writes_and_counts_what_it_took(tmp_path: Path) -> None:
+    """A flush whose caller goes away (a client of /capture/flush, the front shutting down)
+    finishes its write: the records it took from the buffer are counted, none lost unseen."""
+    shielded = capture(tmp_path, max_pending=10)
+    for _ in range(3):
+        assert shielded.take()
+        shielded.offer(record())
+
+    async def cancel_midway() -> None:
+        flush = asyncio.ensure_future(shielded.flush())
+        await asyncio.sleep(0)  # it took the batch and started writing
+        flush.cancel()
+        await asyncio.sleep(0.5)
+
+    asyncio.run(cancel_midway())
+    assert shielded.stats["written"] == 3 and not shielded.pending, shielded.stats
 
 
 def test_a_record_that_cannot_be_written_is_dropped_alone(tmp_path: Path) -> None:
