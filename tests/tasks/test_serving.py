@@ -990,7 +990,7 @@ def test_rollout_promotion_rollbacks_and_restart(
     with StableWatcher(env["ROUTER_URL"], reference) as watch:
         # a model whose logits are NaN (its ONNX file replaced after export) is rolled back
         v3 = register_gpt(name, tokenizer_uri, seed=3)
-        export(v3, tmp_path / "export3", env, eval_text)
+        clone_export(tmp_path / "export2", v2, tmp_path / "export3", v3)  # v2's files as v3's: the export step is v2's
         nan_model(tmp_path / "export3" / "triton" / "llm" / v3 / "model.onnx", tmp_path / "export3")
         proc = deploy(v3, str(tmp_path / "export3"), tmp_path / "deploy3", env)
         assert proc.returncode == 2, proc.stderr[-3000:]
@@ -1030,7 +1030,7 @@ def test_rollout_promotion_rollbacks_and_restart(
     # its shadow stage) turns the mirror off, keeps traffic on stable and unloads the new version
     # before it exits (143, one line)
     v5 = register_gpt(name, tokenizer_uri, seed=5)
-    export(v5, tmp_path / "export5", env, eval_text)
+    clone_export(tmp_path / "export2", v2, tmp_path / "export5", v5)  # what deploy does is tested here, not export
     terminated = subprocess.Popen([str(RUNTIME_PY), "-m", "tasks.deploy", *CANARY, "--set", "step_duration_s=30",
                                    "canary", "--model-version", v5, "--export", str(tmp_path / "export5"),
                                    "--output", str(tmp_path / "deploy5")],
