@@ -81,8 +81,9 @@ def test_every_make_target_stack_command_and_step_module_named_exists() -> None:
 
 
 def step_modules(text: str) -> set[str]:
-    """``tasks.<name>`` modules a page names (``tasks.lib...`` included), placeholders left out."""
-    return set(re.findall(r"\btasks\.((?:lib\.)?[a-z_]+)\b", text)) - {"lib"}
+    """``tasks.<name>`` modules a page names (``tasks.lib...`` and ``tasks.serving...`` included),
+    placeholders left out."""
+    return set(re.findall(r"\btasks\.((?:(?:lib|serving)\.)?[a-z_]+)\b", text)) - {"lib", "serving"}
 
 
 def module_file(name: str) -> Path:
