@@ -65,6 +65,7 @@ from typing import Any, Literal, NoReturn
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from tasks.serving.capture import TrafficCapture, served_record
 from tasks.serving.contract import (
@@ -465,8 +466,9 @@ async def read_body(request: web.Request) -> bytes:
     one the client encoded wrongly (``Content-Encoding: gzip`` over bytes that are not) is a 400."""
     try:
         return await request.read()
-    except HttpProcessingError as exc:
-        raise ApiError(400, f"request body could not be read ({exc.message or type(exc).__name__})"[:200]) from None
+    except (HttpProcessingError, RequestPayloadError) as exc:  # aiohttp's decoding and framing errors
+        reason = " ".join(str(exc).split()).removeprefix("400, message: ") or type(exc).__name__
+        raise ApiError(400, f"request body could not be read ({reason})"[:200]) from None
 
 
 async def upstream_events(upstream: Any) -> AsyncIterator[dict[str, Any]]:
