@@ -468,7 +468,11 @@ async def read_body(request: web.Request) -> bytes:
         return await request.read()
     except (HttpProcessingError, RequestPayloadError) as exc:  # aiohttp's decoding and framing errors
         reason = " ".join(str(exc).split()).removeprefix("400, message: ") or type(exc).__name__
-        raise ApiError(400, f"request body could not be read ({reason})"[:200]) from None
+        refused = ApiError(400, f"request body could not be read ({reason})"[:200])
+        # aiohttp closes a connection whose body it could not read: say so, or the router reuses
+        # it for the next request and meets a reset (502)
+        refused.close_connection = True
+        raise refused from None
 
 
 async def upstream_events(upstream: Any) -> AsyncIterator[dict[str, Any]]:
@@ -501,7 +505,10 @@ def typed_response(answer: Any, status: int = 200) -> web.Response:
 
 
 def error_response(exc: ApiError) -> web.Response:
-    return typed_response(exc.body(), exc.status)
+    response = typed_response(exc.body(), exc.status)
+    if exc.close_connection:
+        response.force_close()
+    return response
 
 
 def upstream_error(status: int, data: dict[str, Any]) -> ApiError:
@@ -531,8 +538,9 @@ async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except ApiError as exc:
         return error_response(exc)
     except web.HTTPRequestEntityTooLarge:
-        return error_response(ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes",
-                                       code="request_too_large"))
+        too_large = ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+        too_large.close_connection = True  # the rest of the body is never read
+        return error_response(too_large)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

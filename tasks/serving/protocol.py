@@ -43,6 +43,7 @@ class ApiError(Exception):
                  code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.close_connection = False  # the connection cannot serve another request (a body left unread)
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorDetail(message=self.message, type=self.kind, param=self.param, code=self.code))
