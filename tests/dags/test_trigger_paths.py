@@ -256,6 +256,9 @@ def check_a_run_cannot_weaken_the_approval_nor_the_gate(api: AirflowApi) -> None
         assert refused.value.code == 400 and why in refused.value.read().decode(), conf
 
 
+# five runs of the whole chain on two cores, then the held rollout twice: its waits below add up
+# to 30 minutes, past the suite's default per-test limit
+@pytest.mark.timeout(1800)
 def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
     check_a_run_cannot_weaken_the_approval_nor_the_gate(airflow_api)
     seed_two_weeks()
@@ -276,11 +279,13 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         skip_deploy=True)
     # the two runs without a logical date: the REST API's, triggered by admin, deploys (deploy's
     # arguments read the run's date too) and waits for a person's approval (required here: no
-    # Param asks for it), the CLI's skips the canary to spare the test's time
-    airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "end_date": "2026-11-21", "skip_deploy": True}))
+    # Param asks for it), the CLI's skips the canary to spare the test's time. The REST API's
+    # first: two runs run at once (max_active_runs), and the one with the longest tail starts
+    # beside the form's instead of waiting for a slot behind every other run
     rest = airflow_api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                             {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-22"}})
     assert rest["logical_date"] is None and "approval" not in rest["conf"]
+    airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "end_date": "2026-11-21", "skip_deploy": True}))
 
     def ours() -> list[dict[str, Any]]:
         runs = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")["dag_runs"]
