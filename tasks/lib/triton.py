@@ -92,8 +92,8 @@ def generate_model_config(name: str, serve: ServeSettings) -> dict[str, Any]:
                    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [1]},
                    {"name": "prompt_tokens", "data_type": "TYPE_INT32", "dims": [1]},
                    {"name": "completion_tokens", "data_type": "TYPE_INT32", "dims": [1]},
-                   # on the final response: the engine's own time to first token and mean gap
-                   # between tokens (ms), which the shadow's judge compares
+                   # on the final response: the engine's own time to first token (from taking a
+                   # slot) and mean gap between tokens (ms), which the shadow's judge compares
                    *({"name": n, "data_type": "TYPE_FP32", "dims": [1]} for n in TIMING_OUTPUTS)],
         "instance_group": [{"count": 1, "kind": "KIND_CPU"}],  # the engine batches: one instance
         "parameters": {

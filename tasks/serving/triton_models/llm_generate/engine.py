@@ -360,6 +360,7 @@ class Sequence:
     rng: np.random.Generator
     submitted: float = field(default_factory=time.monotonic)
     slot: int = -1
+    admitted_at: float = 0.0  # when it took a slot (its prefill began)
     tokens: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -367,9 +368,12 @@ class Sequence:
     finish_reason: str | None = None
 
     def timings_ms(self) -> tuple[float, float]:
-        """Time to first token (from submission) and the mean gap between tokens, as the engine
-        saw them: what the version itself did, whatever delays its answer on the way to a client."""
-        ttft = (self.first_token_at - self.submitted) * 1000 if self.first_token_at else float("nan")
+        """Time to first token once admitted (its prefill and first sample) and the mean gap
+        between tokens, as the engine saw them: what the version itself did, whatever delays its
+        answer on the way to a client. Not the wait for a slot: that measures the other
+        sequences' lengths (with every slot taken, a version whose greedy answers run to
+        ``max_tokens`` beside a stable that stops at EOS queued its shadow copies 20x longer)."""
+        ttft = (self.first_token_at - self.admitted_at) * 1000 if self.first_token_at else float("nan")
         gaps = self.taken - 1
         itl = (self.last_token_at - self.first_token_at) * 1000 / gaps if gaps > 0 else float("nan")
         return ttft, itl
@@ -518,7 +522,7 @@ class Engine:
         if time.monotonic() > sequence.deadline:  # waited in the queue past the request timeout
             self.finish(sequence, "timeout")
             return
-        sequence.slot = self.free.pop()
+        sequence.slot, sequence.admitted_at = self.free.pop(), time.monotonic()
         self.running[sequence.slot] = sequence
         self.stats.admitted += 1
         try:
