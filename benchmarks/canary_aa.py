@@ -30,8 +30,10 @@ Per rollout it reports its requests, their errors by the version that answered
 
 Per rollout: the verdict, the shadow's and each step's, the check it failed at, per stage how
 many analyses it took (``canary.max_analyses``: an inconclusive stage is measured again on fresh
-traffic), and how the shadow's paired latencies were measured (``measured``: as the engines timed
-them, or as the chunks reached the front). "would roll back with one analysis" counts the A/A
+traffic), and how each stage's latencies were measured (``measured``: the shadow's and the steps'
+text as the engines timed them, or as the chunks reached the front or deploy; the steps' logits as
+Triton timed each version's compute, or as deploy's client received them); per step, Triton's own
+mean time per logits request by version (in all, queued, computing). "would roll back with one analysis" counts the A/A
 rollouts whose first analysis of a stage did not pass.
 """
 
@@ -60,7 +62,7 @@ from serve import benchmark_stack, make_tokenizer_and_eval_text, register, run_m
 
 from stack.traffic import prompts  # noqa: E402
 from tasks.lib.params import load_settings  # noqa: E402
-from tasks.serving.canary import ENGINE_TIMED, TextSample, one_stream  # noqa: E402
+from tasks.serving.canary import ENGINE_TIMED, FRONT_TIMED, TRITON_TIMED, TextSample, one_stream  # noqa: E402
 
 OUTSIDE_MAX_TOKENS = (8, 16, 32, 64)  # with prompts of at most context - 64 tokens: none refused as too long
 OUTSIDE_TEMPERATURES = (0.0, 0.8)
@@ -192,7 +194,10 @@ def rollout(kind: str, version: str, export: Path, output: Path, env: dict[str, 
                "latency_ratio": s["latency_test"].get("median_ratio"),
                "ttft_ratio": s["text"].get("tests", {}).get("ttft_ms", {}).get("median_ratio"),
                "itl_ratio": s["text"].get("tests", {}).get("itl_ms", {}).get("median_ratio"),
-               "measured": None} for s in report["steps"]]
+               "measured": {"latency": s["latency_test"].get("measured", ""),
+                            **{key.removesuffix("_ms"): test.get("measured", "")
+                               for key, test in s["text"].get("tests", {}).items()}},
+               "triton": triton_ms(s.get("triton", {}))} for s in report["steps"]]
     result = {"kind": kind, "version": version, "stable": stable, "verdict": report["verdict"],
               "reason": report.get("reason", ""), "seconds": round(time.monotonic() - started, 1), "steps": steps,
               "outside": outside_summary(*outside.take(), stable, version) if outside else None}
@@ -208,10 +213,24 @@ def rollout(kind: str, version: str, export: Path, output: Path, env: dict[str, 
     return result
 
 
+def triton_ms(delta: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per version, Triton's own mean time per logits request in one step (ms): in all, queued, computing."""
+    def mean_ms(counters: dict[str, float], key: str) -> float:
+        done = counters.get("success", 0.0)
+        return round(counters.get(key, 0.0) / done / 1000, 3) if done else math.nan
+
+    return {version: {"requests": c.get("success", 0.0), "request_ms": mean_ms(c, "duration_us"),
+                      "queue_ms": mean_ms(c, "queue_us"), "compute_ms": mean_ms(c, "compute_us")}
+            for version, c in delta.items()}
+
+
+TIMERS = {ENGINE_TIMED: "engines", TRITON_TIMED: "Triton", FRONT_TIMED: "front"}
+
+
 def timed_by(step: dict[str, Any]) -> str:
     """Who timed a shadow analysis's paired latencies: ``engines`` or ``front`` (per figure when they differ)."""
     measured = step["measured"] or {}
-    names = {key: "engines" if how == ENGINE_TIMED else "front" for key, how in measured.items()}
+    names = {key: TIMERS.get(how, "client") for key, how in measured.items() if how}
     if len(set(names.values())) == 1:
         return f"timed by the {next(iter(names.values()))}"
     return ", ".join(f"{key} by the {who}" for key, who in names.items()) or "no paired timings"
@@ -240,11 +259,12 @@ def max_ratio(results: list[dict[str, Any]], key: str) -> str:
     return f"{max(values):.2f}" if values else "-"
 
 
-def shadow_timings(results: list[dict[str, Any]]) -> str:
-    """How the shadow analyses' paired latencies were measured: analyses timed by the engines of all."""
-    measured = [s["measured"] for r in results for s in r["steps"] if s["measured"]]
-    engines = sum(all(how == ENGINE_TIMED for how in m.values()) for m in measured)
-    return f"{engines} of {len(measured)}" if measured else "-"
+def versions_timed(results: list[dict[str, Any]], shadow: bool) -> str:
+    """Analyses (the shadow's, or the steps') whose latencies the versions' own servers timed
+    (the engines for text, Triton's compute time for logits), of all."""
+    measured = [s["measured"] for r in results for s in r["steps"] if s["measured"] and (s["weight"] == "shadow") == shadow]
+    by_versions = sum(all(how in (ENGINE_TIMED, TRITON_TIMED) for how in m.values() if how) for m in measured)
+    return f"{by_versions} of {len(measured)}" if measured else "-"
 
 
 def figure_range(values: list[float], digits: int) -> str:
@@ -312,7 +332,8 @@ def main() -> None:
           + (f"{args.outside_streams} streams at once through the router, {args.outside_pause_s:g} s mean pause"
              if args.outside_streams > 0 else "none"))
     header = ("canary", "rollouts", "promoted", "rolled back", "one analysis would roll back", "max latency ratio",
-              "max TTFT ratio", "max ITL ratio", "shadow analyses timed by the engines", "failed on")
+              "max TTFT ratio", "max ITL ratio", "shadow analyses timed by the engines",
+              "step analyses timed by the versions", "failed on")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     kinds = [k for k in ("A/A", "slow", "wrong") if any(r["kind"] == k for r in results)]
     for kind in kinds:
@@ -321,7 +342,8 @@ def main() -> None:
         reasons = sorted({failed_on(r) for r in mine if r["verdict"] != "promoted"})
         print(f"| {kind} | {len(mine)} | {promoted} | {len(mine) - promoted} | {sum(map(remeasured, mine))} | "
               f"{max_ratio(mine, 'latency_ratio')} | {max_ratio(mine, 'ttft_ratio')} | {max_ratio(mine, 'itl_ratio')} | "
-              f"{shadow_timings(mine)} | {', '.join(reasons) or '-'} |")
+              f"{versions_timed(mine, shadow=True)} | {versions_timed(mine, shadow=False)} | "
+              f"{', '.join(reasons) or '-'} |")
     if outside is None:
         return
     print("\noutside client (through the router's public URL, during the rollouts; per rollout p50s: lowest-highest)")

@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import json
 import os
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -128,6 +129,12 @@ def warm_up(serving: Serving, version: int, reference: dict[str, Any], params: C
     return sum(s.ok for s in samples)
 
 
+RECORD_WAIT_S = 5.0  # the front records an answer just after its last chunk
+# how often Triton's counters are read during a step: at 10% (~2.5 canary requests a second) most
+# quarter-seconds have one, and a step's window gives each version 10 or more intervals
+COMPUTE_INTERVAL_S = 0.25
+
+
 def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]]) -> dict[str, Any]:
     delta = {}
     for version, counters in after.items():
@@ -139,6 +146,46 @@ def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str
     return delta
 
 
+class ComputeSampler:
+    """Triton's per-version counters read every ``interval_s`` while a step's traffic runs (a
+    thread): per version, its compute time per request in each interval that had requests, the
+    series :func:`canary.logits_timings` compares."""
+
+    def __init__(self, serving: Serving, interval_s: float = COMPUTE_INTERVAL_S) -> None:
+        self.serving, self.interval_s = serving, interval_s
+        self.series: dict[int, list[float]] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.sample, name="compute-sampler", daemon=True)
+
+    def __enter__(self) -> ComputeSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+    def read(self) -> dict[int, dict[str, float]]:
+        try:
+            return self.serving.metrics()
+        except OSError:  # a missed read merges its interval into the next
+            return {}
+
+    def sample(self) -> None:
+        last = self.read()
+        while not self.stopping.wait(self.interval_s):
+            now = self.read()
+            if not now:
+                continue
+            for version, counters in now.items():
+                before = last.get(version, {})
+                done = counters.get("success", 0.0) - before.get("success", 0.0)
+                if done > 0:
+                    compute_us = counters.get("compute_us", 0.0) - before.get("compute_us", 0.0)
+                    self.series.setdefault(version, []).append(compute_us / done / 1000)
+            last = now
+
+
 @dataclass
 class StepTraffic:
     """One canary step's samples: logits requests and streamed completions, routed and direct."""
@@ -147,6 +194,7 @@ class StepTraffic:
     direct: list[canary.Sample] = field(default_factory=list)
     text: list[canary.TextSample] = field(default_factory=list)
     text_direct: list[canary.TextSample] = field(default_factory=list)
+    compute: dict[int, list[float]] | None = None  # per version, Triton's compute ms per request per interval
 
     def enough(self, version: int, params: CanarySettings, baseline: int | None = None) -> bool:
         """The canary has its samples and (``baseline``: the version of a fresh baseline, judged
@@ -179,21 +227,45 @@ def step_traffic(serving: Serving, serve: ServeSettings, params: CanarySettings,
     baseline_url, baseline_headers = serving.baseline_target(stable) if stable is not None else ("", {})
     text_url, text_headers = serving.text_target(stable) if stable is not None else ("", {})
     traffic = StepTraffic()
-    with ThreadPoolExecutor(max_workers=3) as beside:
+    sampler = ComputeSampler(serving) if serving.per_version_metrics else contextlib.nullcontext()
+    with ThreadPoolExecutor(max_workers=3) as beside, sampler:
         for _ in range(params.max_windows):  # a small share may need more than one window
             baseline = beside.submit(canary.send_traffic, baseline_url, baseline_headers, inputs, expected,
                                      direct_rps, duration, concurrency, timeout, version=stable) if direct_rps else None
             text_baseline = beside.submit(canary.send_text_traffic, text_url, text_headers, texts, direct_text_rps,
-                                          duration, concurrency, text_timeout, stable) if direct_text_rps else None
+                                          duration, concurrency, text_timeout, stable,
+                                          with_ids=True) if direct_text_rps else None
             text = beside.submit(canary.send_text_traffic, routed_text_url, {}, texts, text_rate, duration,
-                                 concurrency, text_timeout)
+                                 concurrency, text_timeout, with_ids=True)
             traffic.samples += canary.send_traffic(routed_url, {}, inputs, expected, rate, duration, concurrency, timeout)
             traffic.text += text.result()
             traffic.direct += baseline.result() if baseline is not None else []
             traffic.text_direct += text_baseline.result() if text_baseline is not None else []
             if traffic.enough(version, params, stable if fresh else None):
                 break
+    if isinstance(sampler, ComputeSampler):
+        traffic.compute = sampler.series
+    if stable is not None:
+        read_engine_timings(serving, traffic.text + traffic.text_direct, stable, version)
     return traffic
+
+
+
+
+def read_engine_timings(serving: Serving, samples: list[canary.TextSample], stable: int, version: int) -> None:
+    """Each stream's engine figures from the fronts' records of it (by request id), waited for
+    until every answered stream's record is there (at most ``RECORD_WAIT_S``). A platform that keeps no records of some leaves them NaN: the
+    judge then times those streams as deploy received them."""
+    ids = [s.request_id for s in samples if s.ok and s.request_id]
+    records: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def all_recorded() -> bool:
+        records.update({(r["request_id"], r["version"]): r for r in serving.shadow_records(ids, stable, version)})
+        return len(records) >= len(ids)
+
+    with contextlib.suppress(TimeoutError):
+        wait_until(all_recorded, RECORD_WAIT_S, 0.2, lambda: TimeoutError())
+    canary.with_engine_timings(samples, list(records.values()))
 
 
 def analyse_step(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
@@ -203,7 +275,7 @@ def analyse_step(serving: Serving, serve: ServeSettings, params: CanarySettings,
     started = time.monotonic()
     traffic = step_traffic(serving, serve, params, reference, stable, version, weight)
     result = canary.judge_step(traffic.samples, traffic.direct, stable, version, weight, params,
-                               traffic.text, traffic.text_direct, serving.fresh_baseline)
+                               traffic.text, traffic.text_direct, serving.fresh_baseline, traffic.compute)
     result["seconds"] = round(time.monotonic() - started, 2)
     result["sent_s"] = {"routed": canary.sent_span(traffic.samples, started),
                         "direct": canary.sent_span(traffic.direct, started)}

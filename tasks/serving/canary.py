@@ -137,8 +137,12 @@ class TextSample:
     matches: bool  # the text equals the reference continuation of its prompt
     sent_s: float
     error: str = ""
-    request_id: str = ""  # sent in X-Shadow-Pair (the shadow stage pairs its two answers by it)
+    request_id: str = ""  # sent in X-Shadow-Pair (the front records the answer under it)
     expected: str = ""  # the reference continuation of its prompt
+    # the answering engine's own time to first token (from taking a slot) and mean gap between
+    # tokens, from the front's record of this request (NaN: not recorded, or not timed)
+    engine_ttft_ms: float = math.nan
+    engine_itl_ms: float = math.nan
 
 
 def one_stream(url: str, headers: dict[str, str], body: bytes, expected: str, timeout_s: float,
@@ -221,25 +225,60 @@ def send_text_traffic(url: str, headers: dict[str, str], requests: list[tuple[by
     return at_rate(one, rate_rps, duration_s, concurrency)
 
 
+def with_engine_timings(samples: list[TextSample], records: list[dict[str, Any]]) -> None:
+    """Each stream's engine figures, from the front's record of it (by request id and the
+    version that answered)."""
+    by_key = {(r["request_id"], r["version"]): r for r in records}
+    for sample in samples:
+        record = by_key.get((sample.request_id, sample.version))
+        if record is not None:
+            sample.engine_ttft_ms = float(record.get("engine_ttft_ms", math.nan))
+            sample.engine_itl_ms = float(record.get("engine_itl_ms", math.nan))
+
+
+def _finite(samples: list[TextSample], name: str) -> list[float]:
+    return [v for s in samples if math.isfinite(v := getattr(s, name))]
+
+
+CLIENT_TIMED = "as deploy's client received them"
+
+
+def step_timings(mine: list[TextSample], theirs: list[TextSample], key: str,
+                 wanted: int) -> tuple[list[float], list[float], str]:
+    """The canary's and stable's figures of ``key`` (``ttft_ms``, ``itl_ms``) at a step, and how
+    they were measured: by the engines themselves where both sides have ``wanted`` of them (what
+    the versions did: at 100% the canary's engine holds every routed stream, users' included,
+    while stable's holds deploy's baseline alone, and an identical copy's time to first token as
+    deploy received it read 10.9x stable's: the two engines' queues for a slot), else as deploy's
+    client received the chunks (an engine that does not time itself; a platform whose split
+    keeps no records)."""
+    engine = _finite(mine, f"engine_{key}"), _finite(theirs, f"engine_{key}")
+    if min(len(engine[0]), len(engine[1])) >= wanted:
+        return engine[0], engine[1], ENGINE_TIMED
+    return _finite(mine, key), _finite(theirs, key), CLIENT_TIMED
+
+
 def summarize_text(samples: list[TextSample], version: int | None) -> dict[str, Any]:
     mine = [s for s in samples if s.version == version]
     ok = [s for s in mine if s.ok]
-    ttft = np.asarray([s.ttft_ms for s in ok if math.isfinite(s.ttft_ms)])
-    itl = np.asarray([s.itl_ms for s in ok if math.isfinite(s.itl_ms)])
+    ttft, itl = np.asarray(_finite(ok, "ttft_ms")), np.asarray(_finite(ok, "itl_ms"))
     errors = [s.error or str(s.status) for s in mine if not s.ok]
     return {"version": version, "streams": len(mine), "errors": len(errors),
             "error_rate": _share(len(errors), len(mine)), "first_error": errors[0] if errors else "",
             "text_agreement": _share(sum(s.matches for s in ok), len(ok)),
             "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
-            "itl_p50_ms": _percentile(itl, 50), "itl_p99_ms": _percentile(itl, 99)}
+            "itl_p50_ms": _percentile(itl, 50), "itl_p99_ms": _percentile(itl, 99),
+            "engine_ttft_p50_ms": _percentile(_finite(ok, "engine_ttft_ms"), 50),
+            "engine_itl_p50_ms": _percentile(_finite(ok, "engine_itl_ms"), 50)}
 
 
 def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int | None, canary: int, weight: float,
                params: CanarySettings, baseline_only: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The text endpoint's checks for one step: enough streams, their error rate, text equal to
     the reference, and time to first token and inter-token latency against stable's (the same
-    Mann-Whitney rule as the logits latency); ``baseline_only``: stable's side is the streams
-    sent straight to the fresh baseline, not those the route gave the long-running stable pods."""
+    Mann-Whitney rule as the logits latency, on the engines' own figures where recorded:
+    :func:`step_timings`); ``baseline_only``: stable's side is the streams sent straight to the
+    fresh baseline, not those the route gave the long-running stable pods."""
     stable_side = direct if baseline_only else samples + direct
     canary_stats, stable_stats = summarize_text(samples, canary), summarize_text(stable_side, stable)
     checks: list[dict[str, Any]] = []
@@ -253,14 +292,14 @@ def judge_text(samples: list[TextSample], direct: list[TextSample], stable: int 
     check("text_agreement", canary_stats["text_agreement"] >= params.min_text_agreement,
           canary_stats["text_agreement"], params.min_text_agreement,
           f"{canary_stats['text_agreement']:.0%} of canary greedy completions equal the export's PyTorch reference")
-    tests: dict[str, dict[str, float]] = {}
+    tests: dict[str, dict[str, Any]] = {}
+    canary_ok = [s for s in samples if s.version == canary and s.ok]
+    stable_ok = [s for s in stable_side if s.version == stable and s.ok]
     for key, label in (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency")):
-        mine = [getattr(s, key) for s in samples if s.version == canary and s.ok and math.isfinite(getattr(s, key))]
-        theirs = [getattr(s, key) for s in stable_side
-                  if s.version == stable and s.ok and math.isfinite(getattr(s, key))]
+        mine, theirs, measured = step_timings(canary_ok, stable_ok, key, wanted)
         if len(mine) >= wanted and len(theirs) >= wanted:
-            tests[key] = judge_latency(check, key.removesuffix("_ms"), label, mine, theirs,
-                                       params.text_max_latency_ratio, params)
+            tests[key] = {**judge_latency(check, key.removesuffix("_ms"), label, mine, theirs,
+                                          params.text_max_latency_ratio, params, measured), "measured": measured}
         elif stable is not None and len(theirs) < wanted:  # (a canary short of samples: text_samples)
             check(f"stable_{key.removesuffix('_ms')}_samples", INCONCLUSIVE, len(theirs), wanted,
                   f"{len(theirs)} stable streams with a {label} at {weight:g}%: no baseline to compare with")
@@ -472,29 +511,49 @@ def latency_verdict(test: dict[str, float], max_ratio: float, params: CanarySett
 
 
 def judge_latency(check: Check, name: str, label: str, canary_ms: list[float], baseline_ms: list[float],
-                  max_ratio: float, params: CanarySettings) -> dict[str, float]:
+                  max_ratio: float, params: CanarySettings, measured: str = "") -> dict[str, float]:
     """``name``'s verdict (:func:`latency_verdict`) on the canary's latencies against stable's
-    (Mann-Whitney U); returns the test."""
+    (Mann-Whitney U; ``measured``: how they were timed, for the detail); returns the test."""
     test = latency_test(canary_ms, baseline_ms)
     check(name, latency_verdict(test, max_ratio, params), test["median_ratio"], max_ratio,
-          f"median {label} {test['median_ratio']:.2f}x stable's (Mann-Whitney U p={test['p_value']:.2g}, "
-          f"alpha {params.latency_alpha})")
+          f"median {label} {test['median_ratio']:.2f}x stable's{', ' + measured if measured else ''} "
+          f"(Mann-Whitney U p={test['p_value']:.2g}, alpha {params.latency_alpha})")
     return test
+
+
+TRITON_TIMED = "compute time per request as Triton timed it, per interval"
+
+
+def logits_timings(samples: list[Sample], stable_side: list[Sample], stable: int | None, canary: int,
+                   compute: dict[int, list[float]] | None, wanted: int) -> tuple[list[float], list[float], str]:
+    """The canary's and stable's logits figures, and how they were measured: each version's
+    compute time per request as Triton timed it over the step's intervals (``compute``: Kayenta
+    compares metric series so), where both have ``wanted`` intervals; else the latencies as
+    deploy's client received them. On 2 busy cores the latency is mostly the wait in each
+    version's queue: an identical copy read 3.2x stable's latency with equal compute times (queue
+    271 vs 171 ms, compute 34.9 vs 32.7 ms per request)."""
+    series = compute or {}
+    if stable is not None and min(len(series.get(canary, [])), len(series.get(stable, []))) >= wanted:
+        return series[canary], series[stable], TRITON_TIMED
+    return ([s.latency_ms for s in samples if s.version == canary and s.ok],
+            [s.latency_ms for s in stable_side if s.version == stable and s.ok], CLIENT_TIMED)
 
 
 def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, canary: int, weight: float,
                params: CanarySettings, text: list[TextSample] | None = None,
-               text_direct: list[TextSample] | None = None, baseline_only: bool = False) -> dict[str, Any]:
+               text_direct: list[TextSample] | None = None, baseline_only: bool = False,
+               compute: dict[int, list[float]] | None = None) -> dict[str, Any]:
     """One step's summary and checks (``passed`` False when any failed): ``samples`` came through
     the router, ``direct`` went straight to stable in the same window (see :func:`split_rates`);
     the canary's latencies are compared with all of stable's, or (``baseline_only``: a fresh
-    baseline of stable beside the canary) with the baseline's alone. ``text``/``text_direct``:
-    the streamed completions of the same window (:func:`judge_text`)."""
+    baseline of stable beside the canary) with the baseline's alone; ``compute``: per version,
+    Triton's compute time per request in each interval of the window (:func:`logits_timings`).
+    ``text``/``text_direct``: the streamed completions of the same window (:func:`judge_text`)."""
     stable_side = direct if baseline_only else samples + direct
     canary_stats, stable_stats = summarize(samples, canary), summarize(stable_side, stable)
     unrouted = [s for s in samples if s.version is None]
-    canary_ms = [s.latency_ms for s in samples if s.version == canary and s.ok]
-    baseline_ms = [s.latency_ms for s in stable_side if s.version == stable and s.ok]
+    canary_ms, baseline_ms, measured = logits_timings(samples, stable_side, stable, canary, compute,
+                                                      params.min_samples)
     checks: list[dict[str, Any]] = []
     check = _recorder(checks)
     n = canary_stats["requests"]
@@ -506,10 +565,10 @@ def judge_step(samples: list[Sample], direct: list[Sample], stable: int | None, 
           f"{canary_stats['non_finite']} canary responses had NaN/inf logits")
     check("next_token_agreement", canary_stats["agreement"] >= params.min_agreement, canary_stats["agreement"],
           params.min_agreement, f"{canary_stats['agreement']:.1%} of canary next tokens equal the export reference")
-    latency: dict[str, float] = {}
+    latency: dict[str, Any] = {}
     if len(canary_ms) >= params.min_samples and len(baseline_ms) >= params.min_samples:
-        latency = judge_latency(check, "latency", "latency", canary_ms, baseline_ms, params.max_latency_ratio,
-                                params)
+        latency = {**judge_latency(check, "latency", "latency", canary_ms, baseline_ms, params.max_latency_ratio,
+                                   params, measured), "measured": measured}
     elif stable is not None:
         check("stable_samples", INCONCLUSIVE, len(baseline_ms), params.min_samples,
               f"{len(baseline_ms)} stable latencies at {weight:g}%: no baseline to compare the canary with")

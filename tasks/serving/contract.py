@@ -26,8 +26,8 @@ PUBLIC_LOGITS_ACTIONS = ("infer",)
 # -- headers ----------------------------------------------------------------------------------------
 VERSION_HEADER = "X-Model-Version"  # on every answer: the version that answered
 ROUTE_HEADER = "X-Route-Version"  # router -> front: the version the split picked
-# While a version shadows stable, deploy's own /v1 requests carry a pair id (32 hex digits) and are
-# marked for the record, their mirrored copies too: the front keeps both answers under the id
+# Deploy's own /v1 requests carry a pair id (32 hex digits) and are marked for the record, their
+# mirrored copies too (while a version shadows): the front keeps each answer under the id
 RECORD_HEADER, PAIR_HEADER = "X-Shadow-Record", "X-Shadow-Pair"
 COPY_HEADER = "X-Shadow-Copy"  # on a mirrored copy only: the front answers 202 and generates it in the background
 TRACK_HEADER = "X-Serving-Track"  # the internal HTTPRoute's rules: picks one track (clusters)

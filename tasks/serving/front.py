@@ -22,14 +22,15 @@ header of :data:`~tasks.serving.contract.INTERNAL_HEADERS` is set by the router 
 (a client's own is removed at the public entry).
 
 Shadow records: while deploy shadows stable with a new version, the router mirrors each ``/v1``
-request (the copy marked ``X-Shadow-Copy``: answered 202 at once, generated in the background),
-and marks deploy's own requests and their copies for the record (``X-Shadow-Record``, one
-``X-Shadow-Pair`` id for both; in a cluster the HTTPRoute's filters do). This server then keeps
-what each marked request answered (version, status, time to first token, inter-token gaps, the
-engine's own per-token times, the text chunks) in a bounded in-memory table
-(:class:`ShadowRecords`), which deploy reads by request id (``POST /shadow/records``, not routed
-by the router: only deploy reaches it) to pair stable's answer with the shadow's. Unmarked
-requests are not recorded.
+request (the copy marked ``X-Shadow-Copy``: answered 202 at once, generated in the background).
+Deploy's own requests carry an ``X-Shadow-Pair`` id, and the router's internal listener marks them
+and their copies for the record (``X-Shadow-Record``; in a cluster the HTTPRoute's filters do).
+This server then keeps what each marked request answered (version, status, time to first token,
+inter-token gaps, the engine's own per-token times, the text chunks) in a bounded in-memory
+table (:class:`ShadowRecords`), which deploy reads by request id (``POST /shadow/records``, not
+routed by the router: only deploy reaches it): in the shadow stage to pair stable's answer with
+the shadow's, at the traffic steps for each version's engine timings. Unmarked requests (every
+public one) are not recorded.
 
 Capture: a sample (``serve.capture.rate``) of the requests this server answered, with their
 answers, the version that answered, latency, token counts and the client (its address, hashed),

@@ -44,6 +44,7 @@ from tasks.serving.contract import (
     BASELINE,
     INTERNAL_HEADERS,
     NO_VERSION,
+    RECORD_HEADER,
     ROUTE_HEADER,
     SHADOW_TRACK,
     TRACK_HEADER,
@@ -150,6 +151,10 @@ class Serving(Protocol):
     """What deploy needs from a serving platform (see the module docstring)."""
 
     fresh_baseline: bool  # each step compares the canary with a baseline of stable started beside it
+    # metrics() reads each version's counters from the one process that serves it (one Triton
+    # locally): a series of reads gives each version's compute time per interval. In a cluster a
+    # read through a track's Service reaches one of its pods, and successive reads do not subtract
+    per_version_metrics: bool
 
     url: str  # where the canary sends its traffic to the split, as clients' requests go: the router / gateway
 
@@ -217,6 +222,7 @@ class LocalServing:
     run in that one Triton on the same cores: no separate baseline."""
 
     fresh_baseline = False
+    per_version_metrics = True
 
     def __init__(self, serve: ServeSettings) -> None:
         missing = [k for k in ("TRITON_URL", "TRITON_REPOSITORY") if not os.environ.get(k)]
@@ -288,7 +294,8 @@ class LocalServing:
         front = os.environ.get("OPENAI_API_URL", "").rstrip("/")
         if not front:
             raise StepError("OPENAI_API_URL not set: the OpenAI front is started by `python -m stack up`")
-        return front + "/v1/completions", {ROUTE_HEADER: str(version)}
+        # marked for the record: a request with a pair id is kept, its engine's timings judged
+        return front + "/v1/completions", {ROUTE_HEADER: str(version), RECORD_HEADER: "1"}
 
     def shadow_target(self) -> tuple[str, dict[str, str]]:
         return self.url + "/v1/completions", {}  # the internal listener: the split, its mirror, pair ids kept
@@ -414,6 +421,7 @@ class KubernetesServing:
         self.internal_url = os.environ["ROUTER_INTERNAL_URL"].rstrip("/")  # the track-header rules
         self.names = {track: f"{self.cluster.name}-{track}" for track in (*TRACKS, BASELINE)}
         self.fresh_baseline = self.cluster.fresh_baseline
+        self.per_version_metrics = False
         self.exports: dict[int, str] = {}
         self.lease = Lease(self.api, namespace, f"{self.cluster.route}-deploy", int(self.cluster.lease_duration_s))
 
@@ -563,7 +571,9 @@ class KubernetesServing:
         if version != self.live().stable:  # the new version: before the first step moves traffic the route names no canary
             return (f"http://{self.names['canary']}.{self.namespace}.svc:{self.cluster.ports['openai']}"
                     "/v1/completions", {})
-        return self.internal_url + "/v1/completions", {TRACK_HEADER: BASELINE if self.fresh_baseline else "stable"}
+        # marked for the record (the internal route passes it on): the baseline's engine timings
+        return self.internal_url + "/v1/completions", {TRACK_HEADER: BASELINE if self.fresh_baseline else "stable",
+                                                       RECORD_HEADER: "1"}
 
     def shadow_target(self) -> tuple[str, dict[str, str]]:
         # the internal route's shadow rule (plugins/serving.py): stable's pods, mirrored to the canary track
@@ -572,10 +582,12 @@ class KubernetesServing:
     def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
         # each track's pod runs its own front and serves one version: the shadow is on the canary
         # track (one pod). Stable's records are split between its pods, and a read through the
-        # Service reaches one of them: deploy merges what successive reads return
+        # Service reaches one of them: deploy merges what successive reads return. A fresh
+        # baseline (stable's version) keeps those of the steps' baseline streams
         port = self.cluster.ports["openai"]
+        tracks = [("stable", stable), ("canary", shadow)] + ([(BASELINE, stable)] if self.fresh_baseline else [])
         return [{**record, "version": version}
-                for track, version in (("stable", stable), ("canary", shadow))
+                for track, version in tracks
                 for record in read_shadow_records(f"http://{self.names[track]}.{self.namespace}.svc:{port}",
                                                   request_ids)]
 

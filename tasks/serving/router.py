@@ -123,13 +123,13 @@ def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: in
             proxy_read_timeout 300s;
             {internal_headers({})}"""
     def routed(internal: bool) -> str:
-        # only deploy's listener passes the record mark and pair id on: public requests are
-        # mirrored while a version shadows, never recorded (their text stays nobody's table)
-        record, pair = ("$shadow_record", "$shadow_pair_id") if internal else ('""', '""')
-        copy_record = "1" if internal else '""'
+        # only deploy's listener passes the record mark and pair id on (the front records a
+        # request that has both: deploy's, at every stage, read back for the engines' own
+        # timings): public requests are mirrored while a version shadows, never recorded
+        record, pair = ('"1"', "$shadow_pair_id") if internal else ('""', '""')
         to_front = {ROUTE_HEADER: "$model_version", RECORD_HEADER: record, PAIR_HEADER: pair,
                     CLIENT_HEADER: "$remote_addr"}
-        to_shadow = {ROUTE_HEADER: "$shadow_version", RECORD_HEADER: copy_record, PAIR_HEADER: pair, COPY_HEADER: "1",
+        to_shadow = {ROUTE_HEADER: "$shadow_version", RECORD_HEADER: record, PAIR_HEADER: pair, COPY_HEADER: "1",
                      CLIENT_HEADER: "$remote_addr"}
         # deploy reaches every model's inference paths; clients the logits model's (PUBLIC_LOGITS_ACTIONS)
         split_models, split_actions = (models, actions) if internal else (ROUTED_MODELS[0], "|".join(PUBLIC_LOGITS_ACTIONS))
@@ -254,10 +254,7 @@ def split_conf(route: Route) -> str:
             lines.append(f'    {route.canary_weight:g}% "{route.canary}";')
         lines.append(f'    * "{route.stable if route.stable is not None else ""}";')
     lines.append("}")
-    shadowing = route.shadow is not None
-    lines.append(f'map "" $shadow_version {{ default "{route.shadow if shadowing else ""}"; }}')
-    # an empty value sends no header (and drops a client's own): requests are recorded only while shadowing
-    lines.append(f'map "" $shadow_record {{ default "{1 if shadowing else ""}"; }}')
+    lines.append(f'map "" $shadow_version {{ default "{route.shadow if route.shadow is not None else ""}"; }}')
     lines.append(f"map \"\" $route_state {{ default '{json.dumps(asdict(route))}'; }}")
     return "\n".join(lines) + "\n"
 

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -306,21 +307,83 @@ def test_the_shadows_latency_is_judged_on_the_engines_own_timings() -> None:
     assert judge_shadow(untimed, 3, 4, params)["paired_tests"]["itl_ms"]["measured"] == FRONT_TIMED
 
 
+def test_a_steps_text_latency_is_judged_on_the_engines_own_timings() -> None:
+    """At 100% the canary's engine holds every routed stream (users' too) and stable's only
+    deploy's baseline: an identical copy's streams reached deploy 10x later than stable's (the
+    wait for a slot) but its engine timed them as stable's did: it passes, judged on the records'
+    engine figures. Engine figures 5x stable's fail; streams without records (an engine that does
+    not time itself) are judged as deploy received them."""
+    from tasks.serving.canary import CLIENT_TIMED, ENGINE_TIMED, TextSample, judge_text, with_engine_timings
+
+    params = canary_settings(text_min_samples=8)
+    rng = np.random.default_rng(7)
+
+    def streams(version: int, n: int, client_ms: float, engine_ms: float, start: int) -> tuple[list[TextSample], list[dict[str, Any]]]:
+        sent = [TextSample(version, True, 200, client_ms * rng.uniform(0.8, 1.2), 4.0 * rng.uniform(0.8, 1.2), 8, True,
+                           0.0, request_id=f"{start + i:032x}") for i in range(n)]
+        records = [{"request_id": s.request_id, "version": version, "engine_ttft_ms": engine_ms * rng.uniform(0.8, 1.2),
+                    "engine_itl_ms": 4.0 * rng.uniform(0.8, 1.2)} for s in sent]
+        return sent, records
+
+    routed, routed_records = streams(5, 20, client_ms=300.0, engine_ms=3.0, start=0)
+    direct, direct_records = streams(4, 20, client_ms=30.0, engine_ms=3.0, start=100)
+    stray = [{**routed_records[0], "version": 4}]  # another version's record of the same id: not this stream's
+    unrecorded = [dataclasses.replace(s) for s in routed]
+    as_received, checks = judge_text(unrecorded, [dataclasses.replace(s) for s in direct], 4, 5, 100.0, params)
+    assert as_received["tests"]["ttft_ms"]["measured"] == CLIENT_TIMED
+    assert any(c["check"] == "ttft" and c["verdict"] == "fail" for c in checks)
+    with_engine_timings(routed + direct, routed_records[1:] + direct_records + stray)
+    assert math.isnan(routed[0].engine_ttft_ms) and routed[1].engine_ttft_ms == routed_records[1]["engine_ttft_ms"]
+    report, checks = judge_text(routed, direct, 4, 5, 100.0, params)
+    assert report["tests"]["ttft_ms"]["measured"] == ENGINE_TIMED and all(c["passed"] for c in checks), checks
+    assert 0.5 < report["tests"]["ttft_ms"]["median_ratio"] < 2 and report["canary"]["engine_ttft_p50_ms"] < 4
+    for sample in routed:
+        sample.engine_ttft_ms *= 5
+    _, checks = judge_text(routed, direct, 4, 5, 100.0, params)
+    slower = next(c for c in checks if c["check"] == "ttft")
+    assert slower["verdict"] == "fail" and "as the engines timed them" in slower["detail"], slower
+
+
+def test_a_steps_logits_latency_is_judged_on_tritons_compute_time() -> None:
+    """On 2 busy cores a version's logits latency is mostly its wait in its own queue: an
+    identical copy read 3.2x stable's latency with equal compute times. Given Triton's compute
+    time per request per interval for both versions, the step judges those (equal: pass; the
+    canary's 4x: fail); with too few intervals of either, the latencies deploy's client received."""
+    from tasks.serving.canary import CLIENT_TIMED, TRITON_TIMED, Sample, judge_step
+
+    params = canary_settings(min_samples=10)
+    rng = np.random.default_rng(3)
+
+    def sample(version: int, ms: float) -> Sample:
+        return Sample(version, True, 200, ms * rng.uniform(0.8, 1.2), True, True, 0.0)
+
+    routed = [sample(5, 300.0) for _ in range(30)]  # the canary's queue: 10x slower as received
+    direct = [sample(4, 30.0) for _ in range(30)]
+    same = {5: list(rng.uniform(30, 40, 16)), 4: list(rng.uniform(30, 40, 16))}
+    judged = judge_step(routed, direct, 4, 5, 100.0, params, compute=same)
+    assert judged["passed"] and judged["latency_test"]["measured"] == TRITON_TIMED, judged["failed"]
+    slower = judge_step(routed, direct, 4, 5, 100.0, params, compute={**same, 5: [4 * v for v in same[5]]})
+    assert slower["verdict"] == "fail" and "compute time per request" in slower["failed"][0], slower["failed"]
+    for sparse in ({5: same[5][:9], 4: same[4]}, None):
+        received = judge_step(routed, direct, 4, 5, 100.0, params, compute=sparse)
+        assert received["latency_test"]["measured"] == CLIENT_TIMED and received["verdict"] == "fail"
+
+
 def test_a_shadow_route_mirrors_v1_only_and_marks_both_requests(tmp_path: Path) -> None:
     from tasks.serving.router import mirror_conf, nginx_conf
 
     assert mirror_conf(Route(2)).startswith("#") and "mirror /_shadow;" in mirror_conf(Route(2, shadow=3))
     shadowing = split_conf(Route(2, shadow=3))
-    assert '$shadow_version { default "3"; }' in shadowing and '$shadow_record { default "1"; }' in shadowing
+    assert '$shadow_version { default "3"; }' in shadowing and '$shadow_version { default ""; }' in split_conf(Route(2))
     assert '* "2";' in shadowing and Route(2, shadow=3).versions() == [2, 3]
-    assert '$shadow_record { default ""; }' in split_conf(Route(2, 3, 10.0))  # no marks, no records
     conf = nginx_conf(tmp_path, 1, 2, 3, 4)
     public, internal = (part.split("location")[0] for part in conf.split("location /v1/ {")[1:])
     for v1 in (public, internal):
         assert f"include {tmp_path / 'mirror.conf'};" in v1 and 'proxy_set_header X-Shadow-Copy "";' in v1
-    # deploy's requests (internal, with a pair id) are recorded; public clients' are mirrored, never recorded
+    # deploy's requests (internal, with a pair id) are recorded at every stage; public clients'
+    # are mirrored, never recorded
     assert 'proxy_set_header X-Shadow-Record "";' in public and 'proxy_set_header X-Shadow-Pair "";' in public
-    assert "proxy_set_header X-Shadow-Record $shadow_record;" in internal
+    assert 'proxy_set_header X-Shadow-Record "1";' in internal
     assert "proxy_set_header X-Shadow-Pair $shadow_pair_id;" in internal
     assert conf.count("include") == 3  # split.conf, and mirror.conf in both listeners' /v1/ (not Triton's paths)
 
@@ -525,7 +588,7 @@ def test_a_fresh_baseline_of_stable_starts_with_the_canary_and_goes_with_it(
             assert kube.baseline_target(4) == ("http://gateway-internal.example/v2/models/llm/versions/4/infer",
                                                {"X-Serving-Track": "baseline"})
             assert kube.text_target(4) == ("http://gateway-internal.example/v1/completions",
-                                           {"X-Serving-Track": "baseline"})
+                                           {"X-Serving-Track": "baseline", "X-Shadow-Record": "1"})
             kube.route(4, version, 10.0)
             assert weights(fake) == [(900, "4"), (100, str(version))]  # the baseline takes no route weight
             if end == "roll_back":
