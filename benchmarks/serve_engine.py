@@ -73,7 +73,7 @@ def build(preset: str, folder: Path) -> tuple[GPT, Any, Path]:
 
 def open_engine(kind: str, model: GPT, tokenizer: Any, path: Path, slots: int, queue: int) -> Engine:
     c = model.config
-    decoder = DECODERS[kind](str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, slots)
+    decoder = DECODERS[kind](str(path), c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len, slots)
     return Engine(decoder, tokenizer, c.seq_len, slots, queue, 16, 600.0).start()
 
 

@@ -360,8 +360,8 @@ def onnxruntime_steps(folder: Path) -> tuple[Callable[[list[int]], int], Callabl
     from tasks.serving.triton_models.llm_generate.engine import KVDecoder
 
     shape = json.loads((folder / "generation.json").read_text())
-    decoder = KVDecoder(str(folder / "decoder.onnx"), shape["n_layers"], shape["n_heads"], shape["head_dim"],
-                        shape["seq_len"], 1, 0)
+    decoder = KVDecoder(str(folder / "decoder.onnx"), shape["n_layers"], shape.get("n_kv_heads", shape["n_heads"]),
+                        shape["head_dim"], shape["seq_len"], 1, 0)
     return (lambda ids: int(np.argmax(decoder.prefill(0, ids))),
             lambda token: int(np.argmax(decoder.decode([0], [token])[0])))
 

@@ -120,10 +120,11 @@ def export_decoder(model: GPT, path: Path, opset: int) -> None:
 
 
 def generation_shape(model: GPT) -> dict[str, int]:
-    """What the engine needs to size its cache (``generation.json``)."""
+    """What the engine needs to size its cache (``generation.json``): the cache holds the
+    key/value heads (``n_kv_heads``, fewer than ``n_heads`` under grouped-query attention)."""
     c = model.config
-    return {"seq_len": c.seq_len, "n_layers": c.n_layers, "n_heads": c.n_heads, "head_dim": c.head_dim,
-            "vocab_size": c.vocab_size}
+    return {"seq_len": c.seq_len, "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
+            "head_dim": c.head_dim, "vocab_size": c.vocab_size}
 
 
 @torch.no_grad()
@@ -137,7 +138,7 @@ def check_decoder(model: GPT, decoder_path: Path, tokenizer: Any, prompts: list[
     # teacher forcing on whole-context windows: each row prefilled to its own length (ragged
     # caches, up to half the window), the rest decoded a token at a time, all rows in one batch
     rows = np.concatenate([w for w in windows if w.shape[1] == c.seq_len])[:6]
-    decoder = KVDecoder(str(decoder_path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, max(len(rows), len(prompts)))
+    decoder = KVDecoder(str(decoder_path), c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len, max(len(rows), len(prompts)))
     worst = 0.0
     full = model(torch.from_numpy(rows)).numpy()
     starts = [max(1, (i + 1) * rows.shape[1] // (2 * len(rows))) for i in range(len(rows))]  # ragged caches

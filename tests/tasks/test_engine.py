@@ -48,7 +48,7 @@ def engine_of(exported: tuple[GPT, Any, Path], slots: int = 4, queue: int = 8, t
               decoder_kind: type[KVDecoder] = KVDecoder) -> Engine:
     model, tokenizer, path = exported
     c = model.config
-    decoder = decoder_kind(str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, slots, threads=1)
+    decoder = decoder_kind(str(path), c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len, slots, threads=1)
     return Engine(decoder, tokenizer, c.seq_len, slots, queue, 8, timeout_s).start()
 
 
@@ -98,6 +98,31 @@ def test_requests_joining_a_running_batch_get_the_reference_continuations(export
         assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_id)
     assert engine.stats.steps < sum(len(r.tokens) for r in results)  # decode steps were shared
     assert engine.in_use == 0 and len(engine.free) == 4
+
+
+def test_a_grouped_query_model_exports_and_serves_its_reference_continuations(
+        exported: tuple[GPT, Any, Path], tmp_path: Path) -> None:
+    """A checkpoint's architecture (one key/value head for four query heads, 16-channel heads,
+    q/k/v biases, an untied head, llama3 rotary scaling) through the ONNX decoder export and the
+    engine: a cache of the key/value heads only, and PyTorch's greedy continuations."""
+    from tasks.export import export_decoder
+
+    _, tokenizer, _ = exported
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), seq_len=CONTEXT, d_model=32, n_layers=2, n_heads=4,
+                          n_kv_heads=1, head_size=16, qkv_bias=True, tie_embeddings=False,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.bias.normal_(0.0, 0.5)
+    export_decoder(model, tmp_path / "decoder.onnx", 18)
+    engine = engine_of((model, tokenizer, tmp_path / "decoder.onnx"), slots=2)
+    assert engine.decoder.shape == (2, 2, 1, CONTEXT, 16)  # (layers, slots, kv heads, context, head size)
+    prompts = [prompt_ids(tokenizer, t) for t in ("Return the", "raise ValueError", "café")]
+    results = staggered(engine, prompts, [CONTEXT - len(ids) for ids in prompts], 0.01)
+    for ids, result in zip(prompts, results, strict=True):
+        assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_id)
 
 
 class GpuOnnxRuntime:

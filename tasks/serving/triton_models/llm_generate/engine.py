@@ -423,7 +423,9 @@ class Engine:
 
         with open(os.path.join(folder, "generation.json")) as fh:
             shape = json.load(fh)
-        decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), shape["n_layers"], shape["n_heads"],
+        # the cache holds the key/value heads (exports before grouped-query attention: n_heads)
+        kv_heads = shape.get("n_kv_heads", shape["n_heads"])
+        decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), shape["n_layers"], kv_heads,
                                  shape["head_dim"], shape["seq_len"], slots, threads, tensorrt)
         tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         return cls(decoder, tokenizer, int(shape["seq_len"]), slots, max_queue, default_max_tokens, request_timeout_s)
