@@ -25,7 +25,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env up down status pipeline replay drift report predict repro test test-fast config-docs lint benchmark clean
+.PHONY: help env up down status pipeline replay drift report import predict repro test test-fast config-docs lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (embedded default)"
@@ -34,6 +34,7 @@ help:
 	@echo "make replay VERSION=N     rebuild a registered version from its lineage, compare the weights"
 	@echo "make drift [TRAFFIC=normal]   demo traffic through the router, then the drift check (llm_drift)"
 	@echo "make report     the newest run's summary (report.json, report.html: paths printed)"
+	@echo "make import SOURCE=...    a corpus (JSON Lines, Parquet, CSV, text files, datasets) into the raw partitions"
 	@echo "make predict PROMPT=...   a completion from the serving model, through the router"
 	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow) and the Airflow UI"
 	@echo "make repro      the data half as DVC stages (dvc repro), outside Airflow"
@@ -162,6 +163,15 @@ drift: env .airflow/airflow.db
 # The newest run's summary (what it trained, how good, what serves, how to query it).
 report:
 	@$(STACK_ENV) && LOG_LEVEL=WARNING $(RT_PY) -m tasks.report show
+
+# A corpus into the raw partitions the retrain reads: make import SOURCE=path/to/corpus.jsonl
+# [IMPORT_ARGS="--text-field body --timestamp-field created"] (tasks/ingest.py: formats, fields)
+SOURCE ?=
+IMPORT_TO ?= $(shell grep -m1 'raw_data_uri:' params.yaml | awk '{print $$2}')
+import: env
+	@test -n "$(SOURCE)" || { echo "make import SOURCE=<file or folder>: which corpus?"; exit 2; }
+	$(RT_PY) -m stack up
+	$(STACK_ENV) && $(RT_PY) -m tasks.ingest import "$(SOURCE)" --to $(IMPORT_TO) $(IMPORT_ARGS)
 
 # A completion from the serving model through the router: make predict PROMPT="Return the number of"
 PROMPT ?= Return the number of

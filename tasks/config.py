@@ -145,6 +145,12 @@ class IngestSettings:
     """The ingest DAG's id."""
     schedule: str
     """When it lands the day's raw partition."""
+    max_bad_share: float
+    """``python -m tasks.ingest import``: a corpus with a larger share of bad rows (no text, wrong
+    type, undecodable) fails with exit 2, nothing written; below it the bad rows are quarantined."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.max_bad_share <= 1, "max_bad_share", self.max_bad_share, "expected a share in [0, 1]")
 
 
 # -- launcher -----------------------------------------------------------------------------------

@@ -420,6 +420,47 @@ def commit_dir(local_dir: Path, uri: str, write_once: bool = False) -> None:
         shutil.move(str(local_dir), final)
 
 
+def add_files(local_dir: Path, uri: str) -> list[str]:
+    """Add ``local_dir``'s files to the output at ``uri`` (committed or not there yet), never
+    changing a file already in it: the new files first, then the ``_SUCCESS`` manifest listing old
+    and new (the output stays complete throughout for its readers). A name already listed with
+    the same sha256 is skipped (a retried or repeated addition adds nothing); with other content
+    it is refused. Returns the names added."""
+    if not exists(join(uri, SUCCESS_MARKER)):
+        with staged_output(uri) as staging:
+            for path in sorted(p for p in local_dir.iterdir() if p.is_file()):
+                shutil.copy2(path, staging / path.name)
+        return sorted(p.name for p in local_dir.iterdir() if p.is_file())
+    manifest = read_manifest(uri)
+    listed: dict[str, Any] = manifest["files"]
+    added: list[str] = []
+    for path in sorted(p for p in local_dir.iterdir() if p.is_file()):
+        entry = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        if path.name in listed:
+            if listed[path.name]["sha256"] != entry["sha256"]:
+                raise StepError(f"{join(uri, path.name)}: already there with other content: a committed file is "
+                                "never replaced")
+            continue
+        target = join(uri, path.name)
+        if is_s3(uri):
+            upload(path, target)
+        else:  # a rename on one filesystem: a reader sees the whole file or none
+            staged = Path(uri) / f".{path.name}.{uuid.uuid4().hex[:8]}"
+            shutil.copy2(path, staged)
+            staged.rename(target)
+        listed[path.name] = entry
+        added.append(path.name)
+    if added:
+        data = json.dumps({**manifest, "files": listed}, indent=1, sort_keys=True).encode()
+        if is_s3(uri):
+            write_bytes(join(uri, SUCCESS_MARKER), data)
+        else:
+            staged = Path(uri) / f".{SUCCESS_MARKER}.{uuid.uuid4().hex[:8]}"
+            staged.write_bytes(data)
+            staged.replace(Path(uri) / SUCCESS_MARKER)
+    return added
+
+
 def require_complete(uri: str) -> None:
     """Fail unless ``uri`` is a committed output (its ``_SUCCESS`` manifest exists)."""
     if not exists(join(uri, SUCCESS_MARKER)):
