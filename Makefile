@@ -213,6 +213,7 @@ benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) benchmarks/tokenization.py
 	$(STACK_ENV) && $(RT_PY) benchmarks/storage.py
+	$(RT_PY) benchmarks/ingest.py
 	$(RT_PY) benchmarks/train.py
 	$(RT_PY) benchmarks/fsdp_units.py
 	$(RT_PY) benchmarks/serve.py
