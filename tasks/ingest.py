@@ -33,8 +33,8 @@ import datetime as dt
 import hashlib
 import io
 import json
+import re
 import resource
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -52,6 +52,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 BATCH_ROWS = 1024  # Parquet and Arrow rows decoded at a time
 RAW_CHARS = 500  # of a bad row kept in the quarantine
 OPEN_DAYS = 64  # day files open at once while rows are sorted into days
+EPOCH_RE = re.compile(r"-?\d{1,12}(\.\d+)?")  # seconds since the epoch, as text
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,13 @@ class BadRow(ValueError):
 
 
 def source_format(source: Path) -> str:
+    try:
+        return _source_format(source)
+    except OSError as exc:
+        raise StepError(f"{source}: not readable ({type(exc).__name__}: {exc.strerror or exc})") from None
+
+
+def _source_format(source: Path) -> str:
     if source.is_dir():
         if (source / "state.json").exists() or (source / "dataset_dict.json").exists():
             return "hf"
@@ -108,8 +116,17 @@ def source_files(source: Path, kind: str, split: str | None) -> list[Path]:
             raise StepError(f"{source}: no {'/'.join(TEXT_SUFFIXES)} files in this folder")
         return files
     if kind == "hf":
-        return [folder / entry["filename"] for folder in dataset_folders(source, split)
-                for entry in read_json_file(folder / "state.json")["_data_files"]]
+        files = []
+        for folder in dataset_folders(source, split):
+            state = read_json_file(folder / "state.json")
+            entries = state.get("_data_files") if isinstance(state, dict) else None
+            if not isinstance(entries, list) or not all(isinstance(e, dict) and "filename" in e for e in entries):
+                raise StepError(f"{folder / 'state.json'}: no list of _data_files (not a datasets save_to_disk folder)")
+            missing = [e["filename"] for e in entries if not (folder / e["filename"]).is_file()]
+            if missing:
+                raise StepError(f"{folder}: {missing[0]} is missing (its state.json lists it)")
+            files += [folder / e["filename"] for e in entries]
+        return files
     return [source]
 
 
@@ -132,36 +149,62 @@ def dataset_folders(source: Path, split: str | None) -> list[Path]:
     return [source / name for name in splits]
 
 
-def rows_of(source: Path, kind: str, split: str | None) -> Iterator[Row]:
+def rows_of(source: Path, kind: str, split: str | None, max_bytes: int) -> Iterator[Row]:
+    try:
+        yield from _rows_of(source, kind, split, max_bytes)
+    except OSError as exc:
+        raise StepError(f"{getattr(exc, 'filename', None) or source}: not readable ({type(exc).__name__}: "
+                        f"{exc.strerror or exc})") from None
+
+
+def _rows_of(source: Path, kind: str, split: str | None, max_bytes: int) -> Iterator[Row]:
     if kind == "jsonl":
-        yield from jsonl_rows(source)
+        yield from jsonl_rows(source, max_bytes)
     elif kind == "parquet":
         yield from parquet_rows(source)
     elif kind == "csv":
-        yield from csv_rows(source)
+        yield from csv_rows(source, max_bytes)
     elif kind == "text":
-        yield from text_rows(source)
+        yield from text_rows(source, max_bytes)
     else:
         for path in source_files(source, kind, split):
             yield from arrow_rows(path, source)
 
 
-def jsonl_rows(path: Path) -> Iterator[Row]:
+def bounded_lines(fh: IO[bytes], limit: int) -> Iterator[tuple[bytes, bool]]:
+    """Each line (``(line, False)``), or the head of one longer than ``limit`` bytes
+    (``(head, True)``, the rest skipped a chunk at a time): a line is never held whole past it."""
+    while line := fh.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line, False
+            continue
+        while (rest := fh.readline(1 << 20)) and not rest.endswith(b"\n"):
+            pass
+        yield line[:RAW_CHARS], True
+
+
+def jsonl_rows(path: Path, max_bytes: int) -> Iterator[Row]:
     with path.open("rb") as fh:
-        for number, line in enumerate(fh, start=1):
+        for number, (line, too_long) in enumerate(bounded_lines(fh, max_bytes), start=1):
+            where, raw = f"{path.name}:{number}", line[:RAW_CHARS].decode("utf-8", "replace")
+            if too_long:
+                yield Row(where, None, f"a line above snapshot.max_record_bytes {max_bytes}", raw)
+                continue
             if not line.strip():
                 continue
-            where = f"{path.name}:{number}"
             try:
                 value = json.loads(line.decode("utf-8"))
             except UnicodeDecodeError:
-                yield Row(where, None, "not UTF-8", line[:RAW_CHARS].decode("utf-8", "replace"))
+                yield Row(where, None, "not UTF-8", raw)
                 continue
             except json.JSONDecodeError as exc:
-                yield Row(where, None, f"not JSON ({exc.msg})", line[:RAW_CHARS].decode("utf-8", "replace"))
+                yield Row(where, None, f"not JSON ({exc.msg})", raw)
+                continue
+            except RecursionError:
+                yield Row(where, None, "not JSON (nested too deeply)", raw)
                 continue
             if not isinstance(value, dict):
-                yield Row(where, None, f"a JSON {type(value).__name__}, not an object", line[:RAW_CHARS].decode())
+                yield Row(where, None, f"a JSON {type(value).__name__}, not an object", raw)
                 continue
             yield Row(where, value)
 
@@ -177,7 +220,7 @@ def parquet_rows(path: Path) -> Iterator[Row]:
             for value in batch.to_pylist():
                 number += 1
                 yield Row(f"{path.name}:row {number}", value)
-    except (pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, OSError, OverflowError, ValueError) as exc:  # (a date past year 9999: Overflow)
         raise StepError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())[:200]})") from None
 
 
@@ -190,17 +233,18 @@ def arrow_rows(path: Path, source: Path) -> Iterator[Row]:
             reader = pa.ipc.open_stream(mapped)
             number = 0
             for batch in reader:
-                for value in batch.to_pylist():
-                    number += 1
-                    yield Row(f"{path.relative_to(source)}:row {number}", value)
-    except (pa.ArrowException, OSError) as exc:
+                for start in range(0, batch.num_rows, BATCH_ROWS):
+                    for value in batch.slice(start, BATCH_ROWS).to_pylist():
+                        number += 1
+                        yield Row(f"{path.relative_to(source)}:row {number}", value)
+    except (pa.ArrowException, OSError, OverflowError, ValueError) as exc:
         raise StepError(f"{path}: not a readable Arrow file ({' '.join(str(exc).split())[:200]})") from None
 
 
-def csv_rows(path: Path) -> Iterator[Row]:
-    csv.field_size_limit(sys.maxsize)
+def csv_rows(path: Path, max_bytes: int) -> Iterator[Row]:
+    csv.field_size_limit(max_bytes)  # an unclosed quote cannot swallow the rest of the file
     with path.open("rb") as raw:
-        text = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline="")
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
         reader = csv.DictReader(text)
         try:
             for value in reader:
@@ -224,15 +268,21 @@ def has_surrogates(text: str) -> bool:
     return False
 
 
-def text_rows(folder: Path) -> Iterator[Row]:
+def text_rows(folder: Path, max_bytes: int) -> Iterator[Row]:
+    """One row a file; its id the path and the content's hash (an edited file imported again is
+    another record, not a second one of the same id)."""
     for path in source_files(folder, "text", None):
         name = path.relative_to(folder).as_posix()
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            yield Row(name, None, "not UTF-8", path.read_bytes()[:RAW_CHARS].decode("utf-8", "replace"))
+        if path.stat().st_size > max_bytes:
+            yield Row(name, None, f"a file above snapshot.max_record_bytes {max_bytes}")
             continue
-        yield Row(name, {"text": text, "id": name})
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            yield Row(name, None, "not UTF-8", data[:RAW_CHARS].decode("utf-8", "replace"))
+            continue
+        yield Row(name, {"text": text, "id": f"{name}@{hashlib.sha256(data).hexdigest()[:12]}"})
 
 
 # -- rows into records ------------------------------------------------------------------------
@@ -246,8 +296,10 @@ def record_of(fields: dict[str, Any], mapping: FieldMap, source_name: str, today
     text = fields[mapping.text]
     if not isinstance(text, str):
         raise BadRow(f"{mapping.text!r} is {type(text).__name__}, not a string")
-    if not text.strip():
-        raise BadRow(f"{mapping.text!r} is empty")
+    if has_surrogates(text):
+        raise BadRow(f"{mapping.text!r} is not valid UTF-8 (a lone surrogate)")
+    if not records.normalize_text(text):
+        raise BadRow(f"{mapping.text!r} is empty (or only spaces and control characters)")
     record = {"id": row_id(fields, mapping, text), "text": text,
               "source": named(fields, mapping.source, "source") if mapping.source else source_name,
               "created_at": created_at(fields, mapping.timestamp, today).isoformat()}
@@ -265,7 +317,8 @@ def row_id(fields: dict[str, Any], mapping: FieldMap, text: str) -> str:
 
 def named(fields: dict[str, Any], name: str, what: str) -> str:
     value = fields.get(name)
-    if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
+    if isinstance(value, bool) or not isinstance(value, str | int) or value == "" or (
+            isinstance(value, str) and has_surrogates(value)):
         raise BadRow(f"{what} field {name!r} is {'missing' if value is None else repr(value)[:40]}")
     return str(value)
 
@@ -275,6 +328,8 @@ def created_at(fields: dict[str, Any], name: str | None, today: dt.date) -> dt.d
     if name is None:
         return dt.datetime.combine(today, dt.time(), dt.UTC)
     value = fields.get(name)
+    if isinstance(value, str) and EPOCH_RE.fullmatch(value.strip()):  # CSV cells are strings
+        value = float(value)
     try:
         if isinstance(value, dt.datetime):
             moment = value
@@ -286,9 +341,9 @@ def created_at(fields: dict[str, Any], name: str | None, today: dt.date) -> dt.d
             moment = dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
         else:
             raise BadRow(f"timestamp field {name!r} is {'missing' if value is None else type(value).__name__}")
+        return moment.replace(tzinfo=dt.UTC) if moment.tzinfo is None else moment.astimezone(dt.UTC)
     except (ValueError, OverflowError, OSError):
         raise BadRow(f"timestamp field {name!r}: {str(value)[:40]!r} is not ISO 8601 or epoch seconds") from None
-    return moment.replace(tzinfo=dt.UTC) if moment.tzinfo is None else moment.astimezone(dt.UTC)
 
 
 # -- the import -------------------------------------------------------------------------------
@@ -357,10 +412,11 @@ def sort_rows(rows: Iterator[Row], mapping: FieldMap, source_name: str, today: d
                 days.add(dt.date.fromisoformat(record["created_at"][:10]), record)
                 continue
             except BadRow as exc:
-                problem, raw = str(exc), json.dumps(row.fields, ensure_ascii=False, default=str)[:RAW_CHARS]
+                problem, raw = str(exc), json.dumps(row.fields, default=str)[:RAW_CHARS]
         tally.bad += 1
         tally.reasons[problem] += 1
-        quarantine.write(json.dumps({"row": row.where, "reason": problem, "raw": raw}, ensure_ascii=False) + "\n")
+        # ASCII: a row's raw text may hold what UTF-8 cannot encode (a lone surrogate)
+        quarantine.write(json.dumps({"row": row.where, "reason": problem, "raw": raw}) + "\n")
     return tally
 
 
@@ -378,6 +434,27 @@ def refusal(source: Path, tally: Tally, mapping: FieldMap, limit: float) -> str 
         return (f"{source}: {tally.bad} of {tally.rows} rows are bad ({tally.bad_share():.1%}, above "
                 f"ingest.max_bad_share {limit:.0%}): {worst}")
     return None
+
+
+def ledger_uri(to: str, key: str) -> str:
+    return storage.join(to, "_imports", f"import-{key}.json")
+
+
+def import_day(to: str, key: str, asked: str | None) -> dt.date:
+    """The day of rows without a timestamp: ``--date``, else today (UTC); this source imported
+    before (its ledger, written before anything lands): that import's day, so a second import, or
+    a rerun after a crash past midnight, lands the same records in the same files."""
+    try:
+        wanted = dt.date.fromisoformat(asked) if asked else None
+    except ValueError:
+        raise StepError(f"--date {asked!r}: expected YYYY-MM-DD") from None
+    if storage.exists(ledger_uri(to, key)):
+        before = dt.date.fromisoformat(storage.read_json(ledger_uri(to, key))["date"])
+        if wanted is not None and wanted != before:
+            raise StepError(f"{ledger_uri(to, key)}: this source was imported with --date {before}: import it with "
+                            "that date (or none) to finish or repeat it, not another")
+        return before
+    return wanted or dt.datetime.now(dt.UTC).date()
 
 
 def land(days: DayFiles, to: str, key: str) -> dict[str, list[str]]:
@@ -406,22 +483,21 @@ def import_main(args: argparse.Namespace) -> dict[str, Any]:
     source_name = args.source_name or source.name
     files = source_files(source, kind, args.split)
     key = import_key(files, source, mapping, source_name, args.split)
-    try:
-        today = dt.date.fromisoformat(args.date) if args.date else dt.datetime.now(dt.UTC).date()
-    except ValueError:
-        raise StepError(f"--date {args.date!r}: expected YYYY-MM-DD") from None
+    today = import_day(args.to, key, args.date)
     with storage.scratch() as scratch:
         days = DayFiles(scratch / "days")
         (scratch / "quarantine").mkdir()
         with (scratch / "quarantine" / "rows.jsonl").open("w", encoding="utf-8") as quarantine:
             try:
-                tally = sort_rows(rows_of(source, kind, args.split), mapping, source_name, today,
-                                  settings.snapshot.max_record_bytes, days, quarantine)
+                tally = sort_rows(rows_of(source, kind, args.split, settings.snapshot.max_record_bytes), mapping,
+                                  source_name, today, settings.snapshot.max_record_bytes, days, quarantine)
             finally:
                 days.close()
         why_not = refusal(source, tally, mapping, settings.ingest.max_bad_share)
         if why_not:
             raise StepError(why_not)
+        storage.write_bytes(ledger_uri(args.to, key), json.dumps({"date": today.isoformat(), "source": str(source),
+                                                                  "format": kind}).encode())
         quarantine_uri = storage.join(args.to, "_quarantine", f"import-{key}")
         if tally.bad:
             storage.add_files(scratch / "quarantine", quarantine_uri)

@@ -423,25 +423,42 @@ def commit_dir(local_dir: Path, uri: str, write_once: bool = False) -> None:
 def add_files(local_dir: Path, uri: str) -> list[str]:
     """Add ``local_dir``'s files to the output at ``uri`` (committed or not there yet), never
     changing a file already in it: the new files first, then the ``_SUCCESS`` manifest listing old
-    and new (the output stays complete throughout for its readers). A name already listed with
-    the same sha256 is skipped (a retried or repeated addition adds nothing); with other content
-    it is refused. Returns the names added."""
-    if not exists(join(uri, SUCCESS_MARKER)):
-        with staged_output(uri) as staging:
-            for path in sorted(p for p in local_dir.iterdir() if p.is_file()):
-                shutil.copy2(path, staging / path.name)
-        return sorted(p.name for p in local_dir.iterdir() if p.is_file())
-    manifest = read_manifest(uri)
-    listed: dict[str, Any] = manifest["files"]
+    and new (the output stays complete throughout for its readers; a bare marker, as other
+    ingestion jobs write, is left as it is). A name already there with the same bytes is skipped
+    (a retried or repeated addition adds nothing); with other bytes it is refused. Returns the
+    names added."""
+    files = sorted(p for p in local_dir.iterdir() if p.is_file())
+    manifest: dict[str, Any] | None
+    if exists(join(uri, SUCCESS_MARKER)):
+        manifest = marker_manifest(uri)
+    else:
+        ours = {p.name: sha256_file(p) for p in files}
+        unmarked = {name.rsplit("/", 1)[-1]: name for name in list_files(uri)}
+        if any(ours.get(name) != existing_sha256(found) for name, found in unmarked.items()):
+            # another writer's, unfinished or failed: never deleted, never completed by us
+            raise StepError(f"{uri}: files but no {SUCCESS_MARKER} marker: a folder still being written, or whose "
+                            "writer failed, is left alone (finish or remove it, then add again)")
+        if unmarked:  # our own earlier attempt, which died before the marker: completed, marker last
+            manifest = {"files": {}}
+        else:
+            with staged_output(uri, write_once=True) as staging:  # a writer committing first wins
+                for path in files:
+                    shutil.copy2(path, staging / path.name)
+            manifest = marker_manifest(uri)
+            if manifest is not None and all(manifest["files"].get(n, {}).get("sha256") == h for n, h in ours.items()):
+                return list(ours)
+    listed: dict[str, Any] = manifest["files"] if manifest else {}
     added: list[str] = []
-    for path in sorted(p for p in local_dir.iterdir() if p.is_file()):
-        entry = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-        if path.name in listed:
-            if listed[path.name]["sha256"] != entry["sha256"]:
-                raise StepError(f"{join(uri, path.name)}: already there with other content: a committed file is "
-                                "never replaced")
+    for path in files:
+        target, entry = join(uri, path.name), {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        there = listed.get(path.name, {}).get("sha256") or (existing_sha256(target) if exists(target) else None)
+        if there is not None:
+            if there != entry["sha256"]:
+                raise StepError(f"{target}: already there with other content: a committed file is never replaced")
+            if path.name not in listed and manifest is not None:  # landed by an attempt that died before the manifest
+                listed[path.name] = entry
+                added.append(path.name)
             continue
-        target = join(uri, path.name)
         if is_s3(uri):
             upload(path, target)
         else:  # a rename on one filesystem: a reader sees the whole file or none
@@ -450,7 +467,7 @@ def add_files(local_dir: Path, uri: str) -> list[str]:
             staged.rename(target)
         listed[path.name] = entry
         added.append(path.name)
-    if added:
+    if added and manifest is not None:
         data = json.dumps({**manifest, "files": listed}, indent=1, sort_keys=True).encode()
         if is_s3(uri):
             write_bytes(join(uri, SUCCESS_MARKER), data)
@@ -459,6 +476,27 @@ def add_files(local_dir: Path, uri: str) -> list[str]:
             staged.write_bytes(data)
             staged.replace(Path(uri) / SUCCESS_MARKER)
     return added
+
+
+def marker_manifest(uri: str) -> dict[str, Any] | None:
+    """The ``_SUCCESS`` manifest of ``uri``, or None for a bare marker (empty, or not ours)."""
+    try:
+        found = json.loads(read_bytes(join(uri, SUCCESS_MARKER)) or b"null")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return found if isinstance(found, dict) and isinstance(found.get("files"), dict) else None
+
+
+def existing_sha256(uri: str) -> str:
+    """A stored file's sha256, read a chunk at a time."""
+    if not is_s3(uri):
+        return sha256_file(Path(uri))
+    digest = hashlib.sha256()
+    bucket, key = split_s3(uri)
+    with s3_call(uri, "read"):
+        for chunk in s3_client().get_object(Bucket=bucket, Key=key)["Body"].iter_chunks(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def require_complete(uri: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import run_module
+from helpers import run_module, step_result
 
 from tasks.lib import records, storage
 from tasks.lib.errors import StepError
@@ -20,7 +20,7 @@ ROWS = [{"doc": f"Document {i}: how to return the number of items in bucket {i}.
 MAPPING = ("--text-field", "doc", "--id-field", "key", "--timestamp-field", "when")
 
 
-def run_import(source: Path, to: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+def run_import(source: Path, to: Path | str, *args: str) -> tuple[int, dict[str, Any], str]:
     """The import in this process (the exit code and the one line: :func:`run_import_process`)."""
     from tasks.ingest import main, parser
 
@@ -31,7 +31,9 @@ def run_import(source: Path, to: Path, *args: str) -> tuple[int, dict[str, Any],
 
 
 def run_import_process(source: Path, to: Path, *args: str) -> tuple[int, str]:
-    proc = run_module("tasks.ingest", *args[:2], "import", str(source), "--to", str(to), *args[2:])
+    """``python -m tasks.ingest [--set ...] import SOURCE --to TO ARGS``."""
+    settings = list(args[:2]) if args[:1] == ("--set",) else []
+    proc = run_module("tasks.ingest", *settings, "import", str(source), "--to", str(to), *args[len(settings):])
     return proc.returncode, proc.stderr
 
 
@@ -101,8 +103,8 @@ def test_a_folder_of_text_files_is_one_record_a_file_on_the_import_date(tmp_path
     code, result, stderr = run_import(folder, tmp_path / "raw", "--date", "2026-11-02")
     assert code == 0 and result["format"] == "text", stderr[-2000:]
     landed = partitions(tmp_path / "raw")["2026-11-02"]
-    assert {r["id"]: r["text"] for r in landed} == {"guide/install.md": "# Install\nRun make pipeline.",
-                                                    "notes.txt": "Notes on the canary."}
+    assert {r["id"].split("@")[0]: r["text"] for r in landed} == {"guide/install.md": "# Install\nRun make pipeline.",
+                                                                  "notes.txt": "Notes on the canary."}
     assert {r["source"] for r in landed} == {"docs"}
 
 
@@ -131,8 +133,7 @@ def test_too_many_bad_rows_or_no_text_field_fail_with_one_line_and_nothing_writt
     rows = [dict(r) for r in ROWS]
     for row in rows[:10]:
         row["doc"] = 7  # a third of the rows: over ingest.max_bad_share (20%)
-    code, stderr = run_import_process(write_jsonl(tmp_path / "a.jsonl", rows), tmp_path / "raw", "--set",
-                                      "max_bad_share=0.2", *MAPPING)
+    code, stderr = run_import_process(write_jsonl(tmp_path / "a.jsonl", rows), tmp_path / "raw", *MAPPING)
     assert code == 2 and not (tmp_path / "raw").exists()
     assert stderr.strip().splitlines()[-1] == (
         f"ERROR python -m tasks.ingest: {tmp_path / 'a.jsonl'}: 10 of 30 rows are bad (33.3%, above "
@@ -181,3 +182,150 @@ def test_a_day_partition_is_read_by_the_snapshot_layout(tmp_path: Path) -> None:
     files = records.partition_files(str(tmp_path / "raw"), days)
     parsed = [r for _, uri in files for r in records.parse_lines(uri, Path(uri).read_bytes(), 1 << 20)]
     assert len(parsed) == 30
+
+
+def test_a_partition_another_job_landed_with_a_bare_marker_gets_the_import_beside_its_files(tmp_path: Path) -> None:
+    """Other ingestion jobs (Spark, Hadoop) mark a partition complete with an empty ``_SUCCESS``:
+    the import adds its file and leaves their files and marker as they are; again, nothing."""
+    day = tmp_path / "raw" / "date=2026-10-01"
+    day.mkdir(parents=True)
+    theirs = day / "part-00000.jsonl"
+    theirs.write_text(json.dumps({"id": "x", "text": "landed by Spark", "source": "spark",
+                                  "created_at": "2026-10-01T00:00:00"}) + "\n")
+    (day / storage.SUCCESS_MARKER).write_bytes(b"")
+    source = write_jsonl(tmp_path / "corpus.jsonl", ROWS)
+    assert run_import(source, tmp_path / "raw", *MAPPING)[1]["days_added"] == ["2026-10-01", "2026-10-02", "2026-10-03"]
+    assert (day / storage.SUCCESS_MARKER).read_bytes() == b"" and theirs.exists()
+    assert len(partitions(tmp_path / "raw")["2026-10-01"]) == 11
+    assert run_import(source, tmp_path / "raw", *MAPPING)[1]["days_added"] == []
+
+
+@pytest.mark.integration
+def test_an_import_to_s3_lands_what_the_snapshot_step_reads(stack_env: dict[str, str], tmp_path: Path) -> None:
+    """On the real S3 server: the partitions committed with their manifests, the same corpus
+    again adds nothing, and the snapshot step versions the imported records."""
+    import uuid
+
+    raw = f"s3://raw/test-import-{uuid.uuid4().hex[:8]}"
+    source = write_jsonl(tmp_path / "corpus.jsonl", ROWS)
+    code, first, stderr = run_import(source, raw, *MAPPING)
+    assert code == 0 and len(first["days_added"]) == 3, stderr
+    names = storage.list_files(raw)
+    assert {n.rsplit("/", 1)[-1] for n in names} == {"part-import-" + first["key"] + ".jsonl", storage.SUCCESS_MARKER}
+    assert run_import(source, raw, *MAPPING)[1]["days_already_there"] == ["2026-10-01", "2026-10-02", "2026-10-03"]
+    assert storage.list_files(raw) == names
+    snapshot = run_module("tasks.snapshot", "--source", raw, "--end-date", "2026-10-04", "--lookback-days", "3",
+                          "--output", f"s3://pipeline/tests/{uuid.uuid4().hex[:12]}/snapshot")
+    assert snapshot.returncode == 0, snapshot.stderr[-2000:]
+    assert step_result(snapshot)["data_version"]["records"] == 30  # type: ignore[index]
+
+
+def test_the_day_is_the_timestamps_in_utc_whatever_its_form(tmp_path: Path) -> None:
+    """Offsets, ``Z``, naive times (UTC), epoch seconds as numbers and as CSV text: each row in
+    the partition of its UTC day, near midnight too."""
+    stamps = ["2026-10-01T23:30:00-02:00", "2026-10-02T00:30:00+02:00", "2026-10-01T23:59:59Z",
+              "2026-10-03T00:00:00", 1790812800, "1790812800.5"]
+    days = ["2026-10-02", "2026-10-01", "2026-10-01", "2026-10-03", "2026-10-01", "2026-10-01"]
+    rows = [{"doc": f"text {i}", "key": f"k{i}", "when": stamp} for i, stamp in enumerate(stamps)]
+    code, result, stderr = run_import(write_csv(tmp_path / "c.csv", rows), tmp_path / "raw", *MAPPING)
+    assert code == 0 and result["bad"] == 0, (stderr, result)
+    landed = {r["id"]: day for day, rows in partitions(tmp_path / "raw").items() for r in rows}
+    assert landed == {f"k{i}": day for i, day in enumerate(days)}
+
+
+def test_bad_rows_of_every_kind_are_rows_not_tracebacks(tmp_path: Path) -> None:
+    from tasks.lib.params import load_settings
+
+    limit = load_settings().snapshot.max_record_bytes
+    rows: list[Any] = [dict(r) for r in ROWS]
+    rows[1] = {**ROWS[1], "doc": "\ud800 lone"}  # json.dumps escapes it: the import reads a lone surrogate
+    rows[2] = {**ROWS[2], "doc": "\x00\x01 \x7f"}  # only control characters: empty once normalized
+    rows[3] = {**ROWS[3], "when": "0001-01-01T00:00:00+05:00"}  # before year 1 in UTC
+    rows[4] = {**ROWS[4], "doc": "x" * (limit + 10)}
+    rows[5] = "[" * 100000  # nested too deeply
+    rows[6] = '"a string"'
+    code, result, stderr = run_import(write_jsonl(tmp_path / "a.jsonl", rows), tmp_path / "raw", *MAPPING)
+    assert code == 0, stderr
+    assert result["bad"] == 6 and set(result["bad_reasons"]) == {
+        "'doc' is not valid UTF-8 (a lone surrogate)", "'doc' is empty (or only spaces and control characters)",
+        "timestamp field 'when': '0001-01-01T00:00:00+05:00' is not ISO 8601 or epoch seconds",
+        f"a line above snapshot.max_record_bytes {limit}", "not JSON (nested too deeply)",
+        "a JSON str, not an object"}
+    with_bom = tmp_path / "bom.csv"
+    with_bom.write_bytes(b"\xef\xbb\xbf" + write_csv(tmp_path / "plain.csv", ROWS).read_bytes())
+    assert run_import(with_bom, tmp_path / "raw2", *MAPPING)[1]["imported"] == 30
+
+
+def test_a_broken_datasets_folder_or_a_foreign_partition_is_one_line(tmp_path: Path) -> None:
+    folder = write_dataset(tmp_path / "ds", ROWS)
+    next((folder / "train").glob("*.arrow")).unlink()
+    code, _, stderr = run_import(folder, tmp_path / "raw", *MAPPING)
+    assert code == 2 and "is missing (its state.json lists it)" in stderr
+    code, _, stderr = run_import(write_dataset(tmp_path / "ds2", ROWS), tmp_path / "raw", *MAPPING, "--split", "val")
+    assert code == 2 and "no split 'val' (it has train, test)" in stderr
+    unfinished = tmp_path / "raw" / "date=2026-10-02"  # another writer's, no marker yet
+    unfinished.mkdir(parents=True)
+    (unfinished / "part-00000.jsonl").write_text("{}\n")
+    code, _, stderr = run_import(write_jsonl(tmp_path / "a.jsonl", ROWS), tmp_path / "raw", *MAPPING)
+    assert code == 2 and "files but no _SUCCESS marker" in stderr and (unfinished / "part-00000.jsonl").exists()
+
+
+def test_an_import_killed_midway_lands_the_rest_when_run_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second corpus on the days the first landed: the first day gets its file, then the
+    import dies after the second day's file landed but before that partition's manifest was
+    rewritten. The rerun lists the stray file, adds the third day: every record once, the first
+    corpus's files untouched."""
+    assert run_import(write_jsonl(tmp_path / "corpus.jsonl", ROWS), tmp_path / "raw", *MAPPING)[0] == 0
+    original = storage.add_files
+    calls = {"n": 0}
+
+    def dies_on_the_second(local_dir: Path, uri: str) -> list[str]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            for path in local_dir.iterdir():  # the file lands, the manifest never does
+                (Path(uri) / path.name).write_bytes(path.read_bytes())
+            raise KeyboardInterrupt
+        return original(local_dir, uri)
+
+    more = [{**r, "key": f"e{i}", "doc": r["doc"] + " Again."} for i, r in enumerate(ROWS)]
+    second = write_jsonl(tmp_path / "more.jsonl", more)
+    monkeypatch.setattr(storage, "add_files", dies_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        run_import(second, tmp_path / "raw", *MAPPING)
+    monkeypatch.setattr(storage, "add_files", original)
+    code, rerun, stderr = run_import(second, tmp_path / "raw", *MAPPING)
+    assert code == 0, stderr
+    assert rerun["days_already_there"] == ["2026-10-01"] and rerun["days_added"] == ["2026-10-02", "2026-10-03"]
+    stray = tmp_path / "raw" / "date=2026-10-02"
+    assert set(storage.read_manifest(str(stray))["files"]) == {p.name for p in stray.glob("*.jsonl")}
+    assert sum(len(day) for day in partitions(tmp_path / "raw").values()) == 60
+
+
+def test_a_source_without_timestamps_lands_on_its_first_imports_day_again(tmp_path: Path) -> None:
+    """Rows without a timestamp go to the import's day; the same source imported again on
+    another day (or a rerun after a crash past midnight) uses the first import's day, recorded
+    before anything landed: nothing twice. Another explicit --date is refused with one line."""
+    rows = [{"doc": r["doc"], "key": r["key"]} for r in ROWS]
+    source = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    mapping = ("--text-field", "doc", "--id-field", "key")
+    assert run_import(source, tmp_path / "raw", *mapping, "--date", "2026-10-05")[1]["days_added"] == ["2026-10-05"]
+    again = run_import(source, tmp_path / "raw", *mapping)  # today: the ledger's day instead
+    assert again[0] == 0 and again[1]["days_already_there"] == ["2026-10-05"] and again[1]["days_added"] == []
+    code, _, stderr = run_import(source, tmp_path / "raw", *mapping, "--date", "2026-10-06")
+    assert code == 2 and "this source was imported with --date 2026-10-05" in stderr
+
+
+def test_a_new_partition_an_earlier_attempt_left_without_its_marker_is_completed(tmp_path: Path) -> None:
+    """On S3 a commit uploads the files, then the marker: an attempt that died between left our
+    own file alone in the folder. The rerun completes it; a folder holding another writer's
+    file is refused (see above)."""
+    from tasks.lib.storage import add_files
+
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "part-import-k.jsonl").write_text("{}\n")
+    target = tmp_path / "raw" / "date=2026-10-01"
+    target.mkdir(parents=True)
+    (target / "part-import-k.jsonl").write_text("{}\n")
+    assert add_files(ours, str(target)) == ["part-import-k.jsonl"]
+    assert set(storage.read_manifest(str(target))["files"]) == {"part-import-k.jsonl"}
