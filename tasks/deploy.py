@@ -130,8 +130,9 @@ def warm_up(serving: Serving, version: int, reference: dict[str, Any], params: C
 
 
 RECORD_WAIT_S = 5.0  # the front records an answer just after its last chunk
-# how often Triton's counters are read during a step: at 10% (~2.5 canary requests a second) most
-# quarter-seconds have one, and a step's window gives each version 10 or more intervals
+# how often Triton's counters are read during a step: at 10% (~2.5 canary requests a second) about
+# half the quarter-seconds have one, ~15 intervals a window (fewer than min_samples: the step's
+# latency is judged as deploy's client received it, and the report says so)
 COMPUTE_INTERVAL_S = 0.25
 
 
@@ -168,22 +169,31 @@ class ComputeSampler:
     def read(self) -> dict[int, dict[str, float]]:
         try:
             return self.serving.metrics()
-        except OSError:  # a missed read merges its interval into the next
+        except Exception as exc:  # a missed read merges its interval into the next; the step goes on
+            log.debug("Triton's metrics not read (%s)", first_line(exc))
             return {}
 
     def sample(self) -> None:
-        last = self.read()
+        last: dict[int, dict[str, float]] = {}
+        while not last and not self.stopping.is_set():  # the first good read is the baseline
+            last = self.read()
+            if not last:
+                self.stopping.wait(self.interval_s)
         while not self.stopping.wait(self.interval_s):
             now = self.read()
             if not now:
                 continue
             for version, counters in now.items():
-                before = last.get(version, {})
-                done = counters.get("success", 0.0) - before.get("success", 0.0)
-                if done > 0:
-                    compute_us = counters.get("compute_us", 0.0) - before.get("compute_us", 0.0)
-                    self.series.setdefault(version, []).append(compute_us / done / 1000)
+                before = last.get(version)
+                done = counters.get("success", 0.0) - (before or {}).get("success", 0.0)
+                if before is not None and done > 0:  # (a version first seen now: no baseline of its own)
+                    self.series.setdefault(version, []).append(compute_ms(counters, before) / done)
             last = now
+
+
+def compute_ms(now: dict[str, float], before: dict[str, float]) -> float:
+    """Triton's time computing between two reads (ms): the model's input, execution and output."""
+    return sum(now.get(k, 0.0) - before.get(k, 0.0) for k in ("compute_input_us", "compute_us", "compute_output_us")) / 1000
 
 
 @dataclass
@@ -245,7 +255,7 @@ def step_traffic(serving: Serving, serve: ServeSettings, params: CanarySettings,
                 break
     if isinstance(sampler, ComputeSampler):
         traffic.compute = sampler.series
-    if stable is not None:
+    if stable is not None and serving.step_records:
         read_engine_timings(serving, traffic.text + traffic.text_direct, stable, version)
     return traffic
 
@@ -254,8 +264,9 @@ def step_traffic(serving: Serving, serve: ServeSettings, params: CanarySettings,
 
 def read_engine_timings(serving: Serving, samples: list[canary.TextSample], stable: int, version: int) -> None:
     """Each stream's engine figures from the fronts' records of it (by request id), waited for
-    until every answered stream's record is there (at most ``RECORD_WAIT_S``). A platform that keeps no records of some leaves them NaN: the
-    judge then times those streams as deploy received them."""
+    until every answered stream's record is there (at most ``RECORD_WAIT_S``). Streams without a
+    record (not kept, or the read failed: logged) keep NaN: the judge then times both sides as
+    deploy received them."""
     ids = [s.request_id for s in samples if s.ok and s.request_id]
     records: dict[tuple[str, int], dict[str, Any]] = {}
 
@@ -263,8 +274,12 @@ def read_engine_timings(serving: Serving, samples: list[canary.TextSample], stab
         records.update({(r["request_id"], r["version"]): r for r in serving.shadow_records(ids, stable, version)})
         return len(records) >= len(ids)
 
-    with contextlib.suppress(TimeoutError):
+    try:
         wait_until(all_recorded, RECORD_WAIT_S, 0.2, lambda: TimeoutError())
+    except TimeoutError:
+        log.info("%d of %d streams recorded with their engine's timings", len(records), len(ids))
+    except (RuntimeError, StepError) as exc:
+        log.warning("the fronts' records not read (%s): streams judged as deploy received them", first_line(exc))
     canary.with_engine_timings(samples, list(records.values()))
 
 
@@ -281,13 +296,17 @@ def analyse_step(serving: Serving, serve: ServeSettings, params: CanarySettings,
                         "direct": canary.sent_span(traffic.direct, started)}
     result["triton"] = metrics_delta(before, serving.metrics())
     text = result["text"]
+    judged = {"latency": result["latency_test"].get("measured", ""),
+              **{key: test.get("measured", "") for key, test in text.get("tests", {}).items()}}
     log.info("canary %g%%: %d requests (stable %d, %d of them direct; canary %d), canary p50 %.1f ms vs "
-             "stable %.1f ms; %d streams (canary %d), TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms: %s",
+             "stable %.1f ms; %d streams (canary %d), TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms (as "
+             "received; judged: %s): %s",
              weight, len(traffic.samples) + len(traffic.direct), result["stable"]["requests"], len(traffic.direct),
              result["canary"]["requests"], result["canary"]["p50_ms"], result["stable"]["p50_ms"],
              len(traffic.text) + len(traffic.text_direct), text["canary"]["streams"],
              text["canary"]["ttft_p50_ms"], text["stable"]["ttft_p50_ms"], text["canary"]["itl_p50_ms"],
-             text["stable"]["itl_p50_ms"], "pass" if result["passed"] else "; ".join(result["failed"]))
+             text["stable"]["itl_p50_ms"], "; ".join(f"{k} {v}" for k, v in judged.items() if v) or "-",
+             "pass" if result["passed"] else "; ".join(result["failed"]))
     return result
 
 

@@ -228,6 +228,8 @@ def version_counters(metrics_text: str, model: str) -> dict[int, dict[str, float
     wanted = {"nv_inference_request_success": "success", "nv_inference_request_failure": "failure",
               "nv_inference_request_duration_us": "duration_us", "nv_inference_queue_duration_us": "queue_us",
               "nv_inference_compute_infer_duration_us": "compute_us",
+              "nv_inference_compute_input_duration_us": "compute_input_us",
+              "nv_inference_compute_output_duration_us": "compute_output_us",
               "nv_inference_exec_count": "executions", "nv_inference_count": "inferences"}
     found: dict[int, dict[str, float]] = {}
     pattern = re.compile(r'^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$')

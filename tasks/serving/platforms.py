@@ -155,6 +155,10 @@ class Serving(Protocol):
     # locally): a series of reads gives each version's compute time per interval. In a cluster a
     # read through a track's Service reaches one of its pods, and successive reads do not subtract
     per_version_metrics: bool
+    # the fronts keep deploy's step streams, routed and baseline, by request id: their engines'
+    # timings can be read back (locally; in a cluster the routed streams pass the public route,
+    # which keeps no records, so a step's streams are judged as deploy received them)
+    step_records: bool
 
     url: str  # where the canary sends its traffic to the split, as clients' requests go: the router / gateway
 
@@ -223,6 +227,7 @@ class LocalServing:
 
     fresh_baseline = False
     per_version_metrics = True
+    step_records = True
 
     def __init__(self, serve: ServeSettings) -> None:
         missing = [k for k in ("TRITON_URL", "TRITON_REPOSITORY") if not os.environ.get(k)]
@@ -421,7 +426,7 @@ class KubernetesServing:
         self.internal_url = os.environ["ROUTER_INTERNAL_URL"].rstrip("/")  # the track-header rules
         self.names = {track: f"{self.cluster.name}-{track}" for track in (*TRACKS, BASELINE)}
         self.fresh_baseline = self.cluster.fresh_baseline
-        self.per_version_metrics = False
+        self.per_version_metrics = self.step_records = False
         self.exports: dict[int, str] = {}
         self.lease = Lease(self.api, namespace, f"{self.cluster.route}-deploy", int(self.cluster.lease_duration_s))
 

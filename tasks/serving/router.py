@@ -255,6 +255,9 @@ def split_conf(route: Route) -> str:
         lines.append(f'    * "{route.stable if route.stable is not None else ""}";')
     lines.append("}")
     lines.append(f'map "" $shadow_version {{ default "{route.shadow if route.shadow is not None else ""}"; }}')
+    # read by an nginx.conf rendered before the internal listener marked every request (a router
+    # started by older code, until its restart): without it nginx -t refuses every route change
+    lines.append('map "" $shadow_record { default "1"; }')
     lines.append(f"map \"\" $route_state {{ default '{json.dumps(asdict(route))}'; }}")
     return "\n".join(lines) + "\n"
 

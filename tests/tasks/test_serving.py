@@ -369,6 +369,50 @@ def test_a_steps_logits_latency_is_judged_on_tritons_compute_time() -> None:
         assert received["latency_test"]["measured"] == CLIENT_TIMED and received["verdict"] == "fail"
 
 
+def test_the_compute_sampler_gives_each_version_its_compute_time_per_request_per_interval() -> None:
+    """Triton's counters read every interval: per version, (input + execution + output time) /
+    requests of each interval that had requests; a failed read merges its interval into the next,
+    the first good read is the baseline (never Triton's lifetime average), and the thread lives on."""
+    from tasks.deploy import ComputeSampler
+
+    class Counters:
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def metrics(self) -> dict[int, dict[str, float]]:
+            self.reads += 1
+            if self.reads in (1, 4):
+                raise http.client.IncompleteRead(b"")  # not an OSError: it must not stop the sampler
+            n = self.reads
+            return {4: {"success": 1000.0 + 2 * n, "compute_input_us": 100.0 * n, "compute_us": 8000.0 * n,
+                        "compute_output_us": 100.0 * n},
+                    5: {"success": 5.0 * (n > 5) + n // 7, "compute_us": 30000.0 * n}}
+
+    counters = Counters()
+    sampler = ComputeSampler(counters, interval_s=0.01)  # type: ignore[arg-type]
+    with sampler:
+        wait = time.monotonic() + 5
+        while counters.reads < 12 and time.monotonic() < wait:
+            time.sleep(0.01)
+    assert sampler.thread.is_alive() is False and counters.reads >= 12
+    assert sampler.series[4] and all(v == pytest.approx(4.1) for v in sampler.series[4])  # 8.2 ms per 2 requests
+    assert 5 in sampler.series and all(v > 0 for v in sampler.series[5])
+
+
+def test_records_that_cannot_be_read_leave_the_streams_as_received() -> None:
+    """A front that does not answer its records: the step goes on, judged as deploy received it."""
+    from tasks.deploy import read_engine_timings
+    from tasks.serving.canary import TextSample
+
+    class NoRecords:
+        def shadow_records(self, ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
+            raise RuntimeError("http://front/shadow/records: the shadow's records could not be read (refused)")
+
+    samples = [TextSample(5, True, 200, 10.0, 2.0, 4, True, 0.0, request_id=f"{i:032x}") for i in range(3)]
+    read_engine_timings(NoRecords(), samples, 4, 5)  # type: ignore[arg-type]
+    assert all(math.isnan(s.engine_ttft_ms) for s in samples)
+
+
 def test_a_shadow_route_mirrors_v1_only_and_marks_both_requests(tmp_path: Path) -> None:
     from tasks.serving.router import mirror_conf, nginx_conf
 
