@@ -224,16 +224,17 @@ def triton_ms(delta: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]
             for version, c in delta.items()}
 
 
-TIMERS = {ENGINE_TIMED: "engines", TRITON_TIMED: "Triton", FRONT_TIMED: "front"}
+TIMERS = {ENGINE_TIMED: "the engines", TRITON_TIMED: "Triton", FRONT_TIMED: "the front"}
 
 
 def timed_by(step: dict[str, Any]) -> str:
-    """Who timed a shadow analysis's paired latencies: ``engines`` or ``front`` (per figure when they differ)."""
+    """Who timed a stage's latencies: the engines, Triton, the front or deploy's client (per
+    figure when they differ)."""
     measured = step["measured"] or {}
-    names = {key: TIMERS.get(how, "client") for key, how in measured.items() if how}
+    names = {key: TIMERS.get(how, "deploy's client") for key, how in measured.items() if how}
     if len(set(names.values())) == 1:
-        return f"timed by the {next(iter(names.values()))}"
-    return ", ".join(f"{key} by the {who}" for key, who in names.items()) or "no paired timings"
+        return f"timed by {next(iter(names.values()))}"
+    return ", ".join(f"{key} by {who}" for key, who in names.items()) or "nothing compared"
 
 
 def failed_on(result: dict[str, Any]) -> str:
