@@ -211,7 +211,9 @@ def test_an_import_to_s3_lands_what_the_snapshot_step_reads(stack_env: dict[str,
     code, first, stderr = run_import(source, raw, *MAPPING)
     assert code == 0 and len(first["days_added"]) == 3, stderr
     names = storage.list_files(raw)
-    assert {n.rsplit("/", 1)[-1] for n in names} == {"part-import-" + first["key"] + ".jsonl", storage.SUCCESS_MARKER}
+    landed = {n.rsplit("/", 1)[-1] for n in names if "/date=" in n}
+    assert landed == {"part-import-" + first["key"] + ".jsonl", storage.SUCCESS_MARKER}
+    assert {n.removeprefix(raw + "/") for n in names if "/date=" not in n} == {f"_imports/import-{first['key']}.json"}
     assert run_import(source, raw, *MAPPING)[1]["days_already_there"] == ["2026-10-01", "2026-10-02", "2026-10-03"]
     assert storage.list_files(raw) == names
     snapshot = run_module("tasks.snapshot", "--source", raw, "--end-date", "2026-10-04", "--lookback-days", "3",
