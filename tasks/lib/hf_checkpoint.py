@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from tasks.lib.model import GPT, ROPE_SCALINGS, GPTConfig
-from tasks.lib.tokens import EOS, PAD
+from tasks.lib.tokens import EOS, PAD, SpecialTokens
 
 FAMILIES = ("llama", "mistral", "qwen2")  # transformers' model_type of each family read
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
@@ -259,6 +259,65 @@ def read_weights(folder: Path, c: GPTConfig) -> dict[str, torch.Tensor]:
     if c.tie_embeddings:
         state["head.weight"] = state["embed.weight"]
     return state
+
+
+def checkpoint_special_tokens(folder: Path, tokenizer: Any) -> SpecialTokens:
+    """A checkpoint's special tokens: end-of-sequence ids from ``generation_config.json`` (what
+    generation stops at; Llama 3's instruct models list two) or ``config.json``, the BOS and pad
+    ids, ``add_bos_token`` from ``tokenizer_config.json``; each token ``tokenizer_config.json``
+    names must have the id the configs give it in ``tokenizer``, and every id must be in its
+    vocabulary. One line naming the file and field otherwise."""
+    def read(name: str) -> dict[str, Any]:
+        path = folder / name
+        if not path.exists():
+            return {}
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: not readable JSON ({type(exc).__name__})") from None
+        return found if isinstance(found, dict) else {}
+
+    config, generation, tokenizer_config = read("config.json"), read("generation_config.json"), read(
+        "tokenizer_config.json")
+    vocab = tokenizer.get_vocab_size()
+
+    def ids(name: str) -> list[int]:
+        for source, values in (("generation_config.json", generation), ("config.json", config)):
+            value = values.get(name)
+            if value is None:
+                continue
+            found = value if isinstance(value, list) else [value]
+            if not found or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in found):
+                raise CheckpointError(f"{folder / source}: {name} {value!r} is not token ids of its vocabulary of "
+                                      f"{vocab}")
+            return found
+        text = token_text(tokenizer_config.get(name.removesuffix("_id")))
+        return [tokenizer.token_to_id(text)] if text is not None and tokenizer.token_to_id(text) is not None else []
+
+    eos, bos, pad = ids("eos_token_id"), ids("bos_token_id"), ids("pad_token_id")
+    for name, found in (("eos_token", eos), ("bos_token", bos), ("pad_token", pad)):
+        text = token_text(tokenizer_config.get(name))
+        if text is not None and found and tokenizer.token_to_id(text) not in found:
+            raise CheckpointError(f"{folder / 'tokenizer_config.json'}: {name} {text!r} is id "
+                                  f"{tokenizer.token_to_id(text)} in tokenizer.json, the config says {found}")
+    if not eos:
+        raise CheckpointError(f"{folder}: no end-of-sequence token (eos_token_id in generation_config.json or "
+                              "config.json, or eos_token in tokenizer_config.json)")
+    add_bos = tokenizer_config.get("add_bos_token")
+    if not isinstance(add_bos, bool):  # unsaid (Llama 3): whether tokenizer.json's own post-processor adds it
+        probe = tokenizer.encode("a", add_special_tokens=True).ids
+        add_bos = bool(bos) and bool(probe) and probe[0] == bos[0]
+    return SpecialTokens(tuple(eos), bos[0] if bos else None, pad[0] if pad else None, add_bos)
+
+
+def token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's dict (the
+    engine's chat.py, copied into exports alone, keeps a copy of its own)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
 
 
 def read_checkpoint(folder: Path, seq_len: int | None = None) -> GPT:

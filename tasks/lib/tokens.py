@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,30 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [EOS, PAD]
 SPLITS = ("train", "val")
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The ids a model's text is framed with: generation ends at any of ``eos_ids`` (the first
+    also separates documents in training data), ``bos_id`` opens a sequence where ``add_bos``,
+    ``pad_id`` pads. Ours (:func:`our_special_tokens`), or a checkpoint's
+    (:func:`tasks.lib.hf_checkpoint.checkpoint_special_tokens`)."""
+
+    eos_ids: tuple[int, ...]
+    bos_id: int | None = None
+    pad_id: int | None = None
+    add_bos: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def our_special_tokens(tokenizer: Any) -> SpecialTokens:
+    """The pipeline's own convention: ``<|endoftext|>`` ends and separates, no BOS."""
+    eos = tokenizer.token_to_id(EOS)
+    if eos is None:
+        raise StepError(f"the tokenizer has no {EOS} token")
+    return SpecialTokens((eos,), None, tokenizer.token_to_id(PAD))
 
 
 def token_dtype(vocab_size: int) -> np.dtype[Any]:

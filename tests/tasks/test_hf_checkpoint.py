@@ -218,3 +218,45 @@ def test_missing_shards_tensors_and_wrong_shapes_are_one_line(tmp_path: Path) ->
     save_file({**tensors, "model.layers.0.extra.weight": torch.zeros(1)}, str(weights))
     with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.extra\.weight is not part of"):
         read_checkpoint(tmp_path / "one")
+
+
+def special_tokenizer(add_bos_post_processor: bool = False) -> Any:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.processors import TemplateProcessing
+
+    vocab = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<|eot_id|>": 2, "a": 3, "<unk>": 4}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    if add_bos_post_processor:
+        tokenizer.post_processor = TemplateProcessing(single="<|begin_of_text|> $A",
+                                                      special_tokens=[("<|begin_of_text|>", 0)])
+    return tokenizer
+
+
+def test_a_checkpoints_special_tokens_come_from_its_configs_and_must_agree(tmp_path: Path) -> None:
+    """End-of-sequence ids as generation stops (a list in generation_config.json, as Llama 3's
+    instruct models), BOS added by tokenizer.json's post-processor when tokenizer_config.json does
+    not say; a token whose id disagrees with tokenizer.json, or no EOS at all, is one line."""
+    from tasks.lib.hf_checkpoint import checkpoint_special_tokens
+    from tasks.lib.tokens import SpecialTokens
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 1, "bos_token_id": 0}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"content": "<|end_of_text|>", "special": True}, "bos_token": "<|begin_of_text|>"}))
+    assert checkpoint_special_tokens(tmp_path, special_tokenizer(add_bos_post_processor=True)) == SpecialTokens(
+        (1, 2), 0, None, True)
+    assert checkpoint_special_tokens(tmp_path, special_tokenizer()).add_bos is False
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>", "add_bos_token": True}))
+    (tmp_path / "generation_config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"eos_token '<\|eot_id\|>' is id 2 in tokenizer.json, the config says \[1\]"):
+        checkpoint_special_tokens(tmp_path, special_tokenizer())
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 97}))
+    with pytest.raises(CheckpointError, match="eos_token_id 97 is not token ids of its vocabulary of 5"):
+        checkpoint_special_tokens(tmp_path, special_tokenizer())
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="no end-of-sequence token"):
+        checkpoint_special_tokens(tmp_path, special_tokenizer())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    assert checkpoint_special_tokens(tmp_path, special_tokenizer()).eos_ids == (2,)
