@@ -260,6 +260,20 @@ def step_traffic(serving: Serving, serve: ServeSettings, params: CanarySettings,
     return traffic
 
 
+def recorded(serving: Serving, ids: list[str], stable: int, version: int, per_id: int,
+             timeout_s: float) -> list[dict[str, Any]]:
+    """The fronts' records of requests ``ids``, read until each has ``per_id`` of them (the
+    shadow: stable's answer and the copy's; a step: the one answer) or ``timeout_s`` passed: what
+    was found by then. Each read adds to the last (in a cluster, stable's pods answer in turn)."""
+    records: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def all_recorded() -> bool:
+        records.update({(r["request_id"], r["version"]): r for r in serving.shadow_records(ids, stable, version)})
+        return len(records) >= per_id * len(ids)
+
+    with contextlib.suppress(TimeoutError):
+        wait_until(all_recorded, timeout_s, 0.2, lambda: TimeoutError())
+    return list(records.values())
 
 
 def read_engine_timings(serving: Serving, samples: list[canary.TextSample], stable: int, version: int) -> None:
@@ -268,19 +282,14 @@ def read_engine_timings(serving: Serving, samples: list[canary.TextSample], stab
     record (not kept, or the read failed: logged) keep NaN: the judge then times both sides as
     deploy received them."""
     ids = [s.request_id for s in samples if s.ok and s.request_id]
-    records: dict[tuple[str, int], dict[str, Any]] = {}
-
-    def all_recorded() -> bool:
-        records.update({(r["request_id"], r["version"]): r for r in serving.shadow_records(ids, stable, version)})
-        return len(records) >= len(ids)
-
     try:
-        wait_until(all_recorded, RECORD_WAIT_S, 0.2, lambda: TimeoutError())
-    except TimeoutError:
-        log.info("%d of %d streams recorded with their engine's timings", len(records), len(ids))
+        records = recorded(serving, ids, stable, version, 1, RECORD_WAIT_S)
     except (RuntimeError, StepError) as exc:
         log.warning("the fronts' records not read (%s): streams judged as deploy received them", first_line(exc))
-    canary.with_engine_timings(samples, list(records.values()))
+        return
+    if len(records) < len(ids):
+        log.info("%d of %d streams recorded with their engine's timings", len(records), len(ids))
+    canary.with_engine_timings(samples, records)
 
 
 def analyse_step(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
@@ -319,16 +328,9 @@ def shadow_traffic(serving: Serving, params: CanarySettings, reference: dict[str
     sent = canary.send_text_traffic(url, headers, canary.text_requests(reference),
                                     params.text_rps, params.step_duration_s, params.concurrency,
                                     params.text_timeout_s, with_ids=True)
-    ids = [s.request_id for s in sent if s.ok]
-    records: dict[tuple[str, int], dict[str, Any]] = {}
-
-    def all_recorded() -> bool:  # each read adds what it found (in a cluster, stable's pods answer in turn)
-        records.update({(r["request_id"], r["version"]): r for r in serving.shadow_records(ids, stable, version)})
-        return len(records) >= 2 * len(ids)
-
-    with contextlib.suppress(TimeoutError):  # a copy never recorded counts as a shadow error
-        wait_until(all_recorded, params.text_timeout_s, 0.2, lambda: TimeoutError())
-    return canary.pair_records(sent, list(records.values()), stable, version)
+    # a copy never recorded by then counts as a shadow error
+    records = recorded(serving, [s.request_id for s in sent if s.ok], stable, version, 2, params.text_timeout_s)
+    return canary.pair_records(sent, records, stable, version)
 
 
 def analyse_shadow(serving: Serving, params: CanarySettings, reference: dict[str, Any], stable: int,
