@@ -428,11 +428,11 @@ def add_files(local_dir: Path, uri: str) -> list[str]:
     (a retried or repeated addition adds nothing); with other bytes it is refused. Returns the
     names added."""
     files = sorted(p for p in local_dir.iterdir() if p.is_file())
+    ours = {p.name: sha256_file(p) for p in files}  # each file hashed once
     manifest: dict[str, Any] | None
     if exists(join(uri, SUCCESS_MARKER)):
         manifest = marker_manifest(uri)
     else:
-        ours = {p.name: sha256_file(p) for p in files}
         unmarked = {name.rsplit("/", 1)[-1]: name for name in list_files(uri)}
         if any(ours.get(name) != existing_sha256(found) for name, found in unmarked.items()):
             # another writer's, unfinished or failed: never deleted, never completed by us
@@ -450,7 +450,7 @@ def add_files(local_dir: Path, uri: str) -> list[str]:
     listed: dict[str, Any] = manifest["files"] if manifest else {}
     added: list[str] = []
     for path in files:
-        target, entry = join(uri, path.name), {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        target, entry = join(uri, path.name), {"bytes": path.stat().st_size, "sha256": ours[path.name]}
         there = listed.get(path.name, {}).get("sha256") or (existing_sha256(target) if exists(target) else None)
         if there is not None:
             if there != entry["sha256"]:
