@@ -38,7 +38,7 @@ import resource
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -389,7 +389,7 @@ def import_key(files: list[Path], source: Path, mapping: FieldMap, source_name: 
 class Tally:
     rows: int = 0
     bad: int = 0
-    reasons: Counter[str] | None = None
+    reasons: Counter[str] = field(default_factory=Counter)
     first_fields: list[str] | None = None
 
     def bad_share(self) -> float:
@@ -399,8 +399,7 @@ class Tally:
 def sort_rows(rows: Iterator[Row], mapping: FieldMap, source_name: str, today: dt.date, max_bytes: int,
               days: DayFiles, quarantine: IO[str]) -> Tally:
     """Every row into its day's file, or into the quarantine with its reason."""
-    tally = Tally(reasons=Counter())
-    assert tally.reasons is not None
+    tally = Tally()
     for row in rows:
         tally.rows += 1
         if tally.first_fields is None and row.fields is not None:
@@ -422,7 +421,6 @@ def sort_rows(rows: Iterator[Row], mapping: FieldMap, source_name: str, today: d
 
 def refusal(source: Path, tally: Tally, mapping: FieldMap, limit: float) -> str | None:
     """Why the import must not land (one line), or None."""
-    assert tally.reasons is not None
     if tally.rows == 0:
         return f"{source}: no rows"
     missing_text = tally.reasons.get(f"no field {mapping.text!r}", 0)
@@ -502,7 +500,6 @@ def import_main(args: argparse.Namespace) -> dict[str, Any]:
         if tally.bad:
             storage.add_files(scratch / "quarantine", quarantine_uri)
         landed = land(days, args.to, key)
-    assert tally.reasons is not None
     seconds = time.monotonic() - started
     peak_mb = peak_rss_mb()
     log.info("imported %d of %d rows of %s (%s) into %d day partitions under %s (%d added, %d already there); "
