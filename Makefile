@@ -207,7 +207,7 @@ config-docs: env
 lint: env
 	$(ORCH)/bin/ruff check .
 	$(ORCH)/bin/mypy --python-executable $(ORCH_PY) dags plugins
-	$(ORCH)/bin/mypy --python-executable $(RT_PY) tasks stack benchmarks
+	$(ORCH)/bin/mypy --python-executable $(RT_PY) tasks stack benchmarks examples
 
 benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) -m stack up

@@ -179,7 +179,14 @@ with DAG(
         ),
         "tokenizer_uri": Param(
             None, type=["null", "string"], title="Tokenizer",
-            description="Use this tokenizer.json; empty: the production model's, or train one on first run.",
+            description="Use this tokenizer.json; empty: the base's, the production model's, or train one on "
+                        "first run.",
+        ),
+        "train_base": Param(
+            train_params.base, type="string", title="Base checkpoint",
+            description="A Hugging Face checkpoint folder or s3:// URI (Llama, Mistral, Qwen2) the line starts "
+                        "from: its weights, tokenizer and architecture; retrains continue from their champion "
+                        "while it descends from this base. Empty: the preset, from scratch (train.base).",
         ),
     },
     tags=["llm", "retrain"],
@@ -209,6 +216,8 @@ with DAG(
             "--snapshot", result(snapshot, "snapshot_uri"),
             "--output", run_output_uri("tokenize/tokenizer"),
             "--tokenizer", "{{ params.tokenizer_uri or '' }}",
+            "--base", "{{ params.train_base }}",
+            "--preset", "{{ params.train_preset }}",
         ],
     )
     merge = tokenize_steps(result(snapshot, "snapshot_uri"), result(tokenizer, "tokenizer_uri"),
@@ -223,7 +232,7 @@ with DAG(
             "--checkpoints", run_output_uri("train/checkpoints"),
             "--output", run_output_uri("train/model"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
-            "--init-from", result(tokenizer, "champion_model_uri"),
+            "--init-from", result(tokenizer, "init_model_uri"),
             "--set", "max_steps={{ params.train_max_steps }}",
             "--set", "init_from={{ params.train_init_from }}",
             "--set", "preset={{ params.train_preset }}",

@@ -350,6 +350,8 @@ class TokenizeSettings:
     """Snapshot bytes per encode_batch call."""
     tokenizer_store: str
     """Content-addressed tokenizers: ``sha256-<hash>/tokenizer.json``."""
+    base_store: str
+    """Imported base checkpoints (train.base) as model folders: ``sha256-<identity>/``."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_shards", "batch_bytes")
@@ -448,6 +450,9 @@ class TrainSettings:
     """The MLflow experiment of training runs."""
     presets: dict[str, Preset]
     """Model sizes by name."""
+    base: str = ""
+    """A Hugging Face checkpoint folder (local or s3://) the line starts from; empty: a preset from
+    scratch. (A default: the settings models recorded before it replay as they were.)"""
 
     def __post_init__(self) -> None:
         _check(self.preset in self.presets, "preset", self.preset, f"expected one of {', '.join(self.presets)}")

@@ -150,8 +150,9 @@ class Reference:
 
 
 def byte_fallback_ids(vocab: dict[str, int]) -> np.ndarray:
-    """The ids of single-byte tokens of a byte non-ASCII (>= 0x80): byte-level BPE's pieces of a
-    character its merges never covered."""
+    """The ids of single-byte tokens of a byte non-ASCII (>= 0x80): pieces of a character the
+    tokenizer's merges never covered, in byte-level BPE's alphabet (GPT-2, Llama 3, Qwen2) or
+    as SentencePiece's byte-fallback tokens ``<0x80>``..``<0xFF>`` (Llama 2, Mistral)."""
     visible = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     alphabet, extra = {}, 0
     for byte in range(256):  # GPT-2's bytes_to_unicode: visible bytes as themselves, the rest from 256 up
@@ -160,8 +161,9 @@ def byte_fallback_ids(vocab: dict[str, int]) -> np.ndarray:
         else:
             alphabet[chr(256 + extra)] = byte
             extra += 1
-    return np.array(sorted(i for piece, i in vocab.items() if len(piece) == 1 and alphabet.get(piece, 0) >= 0x80),
-                    dtype=np.int64)
+    pieces = {f"<0x{byte:02X}>" for byte in range(0x80, 0x100)}
+    return np.array(sorted(i for piece, i in vocab.items() if (len(piece) == 1 and alphabet.get(piece, 0) >= 0x80)
+                           or piece in pieces), dtype=np.int64)
 
 
 def distribution(windows: list[np.ndarray], vocab_size: int) -> np.ndarray:
@@ -610,7 +612,7 @@ def check(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
         raise StepError(f"champion v{champion}: its training dataset {dataset_uri or '(not recorded)'} is gone: "
                         "nothing to compare the traffic with")
     with storage.scratch() as scratch:
-        tokenizer = tokens.load_tokenizer(loaded.tokenizer_uri, scratch)
+        tokenizer = tokens.load_vocabulary(loaded.tokenizer_uri, scratch).tokenizer
     # a prompt counts with its first max_prompt_tokens tokens: a token is at most a few dozen
     # characters, so a huge prompt's tail is not even encoded (its reported length stops there)
     most = 64 * drift.max_prompt_tokens

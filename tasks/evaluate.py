@@ -55,37 +55,38 @@ def stream_metrics(model: GPT, stream: np.ndarray[Any, Any], max_tokens: int, ba
             "nats": total_loss}
 
 
-def eval_set_stream(eval_set: Path, tokenizer: Any) -> tuple[np.ndarray[Any, Any], int]:
-    """The held-out texts as one token stream (EOS after each) and their UTF-8 byte count."""
+def eval_set_stream(eval_set: Path, vocabulary: tokens.Vocabulary) -> tuple[np.ndarray[Any, Any], int]:
+    """The held-out texts as one token stream, each framed as training framed its documents (the
+    model's BOS where it wants one, EOS after), and their UTF-8 byte count."""
     texts = [json.loads(line)["text"] for line in eval_set.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not texts:
         raise StepError(f"{eval_set}: evaluation set is empty")
-    eos = tokenizer.token_to_id(tokens.EOS)
     ids: list[int] = []
-    for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eos)
+    for enc in vocabulary.tokenizer.encode_batch(texts, add_special_tokens=False):
+        ids.extend(vocabulary.special.frame(enc.ids))
     return np.asarray(ids, dtype=np.int64), sum(len(t.encode("utf-8")) + 1 for t in texts)
 
 
 @torch.no_grad()
-def generate(model: GPT, tokenizer: Any, prompt: str, new_tokens: int) -> str:
-    """Greedy continuation (deterministic, so runs compare)."""
-    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False).ids], dtype=torch.long)
-    eos = tokenizer.token_to_id(tokens.EOS)
+def generate(model: GPT, vocabulary: tokens.Vocabulary, prompt: str, new_tokens: int) -> str:
+    """Greedy continuation (deterministic, so runs compare), to any of the model's EOS ids."""
+    special = vocabulary.special
+    ids = torch.tensor([special.prefix + vocabulary.tokenizer.encode(prompt, add_special_tokens=False).ids],
+                       dtype=torch.long)
     for _ in range(new_tokens):
         next_id = int(model(ids[:, -model.config.seq_len :])[0, -1].argmax())
-        if next_id == eos:
+        if next_id in special.eos_ids:
             break
         ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
-    text: str = tokenizer.decode(ids[0].tolist())
+    text: str = vocabulary.tokenizer.decode(ids[0].tolist())  # special tokens (a BOS) skipped
     return text
 
 
 def measure(loaded: LoadedModel, val: np.ndarray[Any, Any] | None, eval_set: Path, params: EvaluateSettings,
             scratch: Path) -> dict[str, Any]:
-    tokenizer = tokens.load_tokenizer(loaded.tokenizer_uri, scratch / f"tok-{loaded.description['tokenizer_hash'][:12]}")
-    stream, n_bytes = eval_set_stream(eval_set, tokenizer)
+    folder = scratch / f"tok-{loaded.description['tokenizer_hash'][:12]}"
+    vocabulary = tokens.load_vocabulary(loaded.tokenizer_uri, folder)
+    stream, n_bytes = eval_set_stream(eval_set, vocabulary)
     held_out = stream_metrics(loaded.model, stream, params.max_eval_tokens, params.batch)
     # bits per byte over the measured windows' share of the text: comparable across tokenizers
     held_out["bits_per_byte"] = held_out.pop("nats") / math.log(2) / (n_bytes * held_out["tokens"] / len(stream))
@@ -96,7 +97,7 @@ def measure(loaded: LoadedModel, val: np.ndarray[Any, Any] | None, eval_set: Pat
         val_metrics.pop("nats")
         out.update({f"val_{k}": v for k, v in val_metrics.items()})
     out["samples"] = [
-        {"prompt": p, "completion": generate(loaded.model, tokenizer, p, params.sample_tokens)}
+        {"prompt": p, "completion": generate(loaded.model, vocabulary, p, params.sample_tokens)}
         for p in params.prompts
     ]
     return out

@@ -8,8 +8,10 @@ holding a Triton model-repository fragment for that version
     triton/llm/<version>/model.py           python backend (ONNX Runtime), used by that backend
     triton/llm/<version>/model.json         its vocabulary size and context (requests are checked)
     triton/llm_generate/config.pbtxt        text in, text out or streamed (python backend, decoupled)
-    triton/llm_generate/<version>/          decoder.onnx (KV cache), engine.py + model.py (the
-                                            generation engine), tokenizer.json, generation.json
+    triton/llm_generate/<version>/          decoder.onnx (KV cache), engine.py + model.py + chat.py
+                                            (the generation engine), tokenizer.json, generation.json
+                                            (cache shape, EOS ids, BOS), a base's tokenizer_config.json
+                                            (its chat template, rendered by the engine)
     hf/                                     the Hugging Face LlamaForCausalLM checkpoint (safetensors,
                                             config, tokenizer): what vLLM, transformers, aiperf read
     configs/                                every backend's config.pbtxt and load-API JSON
@@ -62,7 +64,7 @@ TRITON_MODELS = REPO_ROOT / "tasks" / "serving" / "triton_models"
 ONNX_INPUTS, ONNX_OUTPUTS = ["input_ids"], ["logits", "next_token"]
 DECODER_INPUTS = ["input_ids", "past_keys", "past_values", "past_lengths"]
 DECODER_OUTPUTS = ["logits", "present_keys", "present_values"]
-ENGINE_FILES = ("model.py", "engine.py")
+ENGINE_FILES = ("model.py", "engine.py", "chat.py")
 CONTRACT = REPO_ROOT / "tasks" / "serving" / "contract.py"  # the limits the engine shares with the front
 
 
@@ -119,22 +121,25 @@ def export_decoder(model: GPT, path: Path, opset: int) -> None:
     program.save(str(path))
 
 
-def generation_shape(model: GPT) -> dict[str, int]:
-    """What the engine needs to size its cache (``generation.json``): the cache holds the
-    key/value heads (``n_kv_heads``, fewer than ``n_heads`` under grouped-query attention)."""
+def generation_shape(model: GPT, special: tokens.SpecialTokens) -> dict[str, Any]:
+    """What the engine needs to size its cache and frame text (``generation.json``): the cache
+    holds the key/value heads (``n_kv_heads``, fewer than ``n_heads`` under grouped-query
+    attention); generation ends at any of ``eos_ids``; ``bos_id`` (when the model was trained
+    with one) opens every prompt."""
     c = model.config
     return {"seq_len": c.seq_len, "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
-            "head_dim": c.head_dim, "vocab_size": c.vocab_size}
+            "head_dim": c.head_dim, "vocab_size": c.vocab_size, "eos_ids": list(special.eos_ids),
+            "bos_id": special.prefix[0] if special.prefix else None}
 
 
 @torch.no_grad()
-def check_decoder(model: GPT, decoder_path: Path, tokenizer: Any, prompts: list[str], windows: list[np.ndarray[Any, Any]],
-                  atol: float, new_tokens: int) -> dict[str, Any]:
+def check_decoder(model: GPT, decoder_path: Path, vocabulary: tokens.Vocabulary, prompts: list[str],
+                  windows: list[np.ndarray[Any, Any]], atol: float, new_tokens: int) -> dict[str, Any]:
     """The KV-cache decoder against PyTorch (see the module docstring); raises StepError."""
     from tasks.serving.triton_models.llm_generate.engine import Engine, KVDecoder, check_sampling, generate
 
-    c = model.config
-    shape = generation_shape(model)
+    c, tokenizer = model.config, vocabulary.tokenizer
+    shape = generation_shape(model, vocabulary.special)
     # teacher forcing on whole-context windows: each row prefilled to its own length (ragged
     # caches, up to half the window), the rest decoded a token at a time, all rows in one batch
     rows = np.concatenate([w for w in windows if w.shape[1] == c.seq_len])[:6]
@@ -152,9 +157,10 @@ def check_decoder(model: GPT, decoder_path: Path, tokenizer: Any, prompts: list[
         worst = max(worst, float(np.abs(logits - expected).max()))
     if not np.isfinite(worst) or worst > atol:
         raise StepError(f"decoder.onnx parity: max |logit difference| {worst:.3g} > tolerance {atol:g} (KV cache)")
-    engine = Engine(decoder, tokenizer, c.seq_len, len(prompts), len(prompts), new_tokens, 120.0).start()
+    engine = Engine(decoder, tokenizer, c.seq_len, len(prompts), len(prompts), new_tokens, 120.0, shape["eos_ids"],
+                    shape["bos_id"]).start()
     try:
-        prompt_ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+        prompt_ids = [engine.encode(p) for p in prompts]
         wanted = [min(new_tokens, c.seq_len - len(ids)) for ids in prompt_ids]
         results: list[Any] = [None] * len(prompts)
         with ThreadPoolExecutor(len(prompts)) as pool:  # together: the engine decodes them as one batch
@@ -166,7 +172,7 @@ def check_decoder(model: GPT, decoder_path: Path, tokenizer: Any, prompts: list[
         engine.stop()
     generations = []
     for prompt, ids, limit, sequence in zip(prompts, prompt_ids, wanted, sequences, strict=True):
-        reference = generate_greedy(model, ids, limit, engine.eos_id)
+        reference = generate_greedy(model, ids, limit, engine.eos_ids)
         if sequence.tokens != reference:
             at = next((i for i, (a, b) in enumerate(zip(sequence.tokens, reference, strict=False)) if a != b),
                       min(len(sequence.tokens), len(reference)))
@@ -189,13 +195,16 @@ def check_hf_checkpoint(model: GPT, folder: Path, inputs: list[np.ndarray[Any, A
     return {"max_abs_logit_diff": worst, "inputs": len(inputs), "architecture": "LlamaForCausalLM"}
 
 
-def parity_inputs(model: GPT, tokenizer: Any, eval_text: Path, prompts: list[str], windows: int,
+def parity_inputs(model: GPT, vocabulary: tokens.Vocabulary, eval_text: Path, prompts: list[str], windows: int,
                   seed: int = 0) -> list[np.ndarray[Any, Any]]:
-    """Real inputs: each prompt alone, then batches of held-out windows of several lengths."""
+    """Real inputs: each prompt alone (as the engine frames it), then batches of held-out windows
+    of several lengths."""
     from tasks.evaluate import eval_set_stream
 
-    batches = [np.asarray([tokenizer.encode(p, add_special_tokens=False).ids], dtype=np.int64) for p in prompts]
-    stream, _ = eval_set_stream(eval_text, tokenizer)
+    prefix = vocabulary.special.prefix
+    batches = [np.asarray([prefix + vocabulary.tokenizer.encode(p, add_special_tokens=False).ids], dtype=np.int64)
+               for p in prompts]
+    stream, _ = eval_set_stream(eval_text, vocabulary)
     seq_len = model.config.seq_len
     rng = np.random.default_rng(seed)
     lengths = sorted({max(1, seq_len // 8), seq_len // 2, seq_len})
@@ -281,9 +290,10 @@ def build_tensorrt(onnx_path: Path, plan_path: Path, seq_len: int, trt_params: T
     return "built: fp16" if trt_params.fp16 else "built: fp32"
 
 
-def write_repository(out: Path, version: str, onnx_path: Path, decoder_path: Path, tokenizer_path: Path,
-                     shape: dict[str, int], serve: ServeSettings) -> dict[str, Any]:
-    """The Triton repository fragment of this version and every backend's configuration."""
+def write_repository(out: Path, version: str, onnx_path: Path, decoder_path: Path, vocabulary: tokens.Vocabulary,
+                     shape: dict[str, Any], serve: ServeSettings) -> dict[str, Any]:
+    """The Triton repository fragment of this version and every backend's configuration (a
+    base's tokenizer_config.json beside the engine: its chat template)."""
     logits_name, generate_name = serve.triton_model, serve.generate_model
     served = triton.logits_model_config(logits_name, serve.backend, serve)
     generate = triton.generate_model_config(generate_name, serve)
@@ -299,7 +309,9 @@ def write_repository(out: Path, version: str, onnx_path: Path, decoder_path: Pat
         shutil.copy(TRITON_MODELS / "llm_generate" / name, generate_dir / name)
     shutil.copy(CONTRACT, generate_dir / "serving_contract.py")  # what engine.py imports there
     shutil.copy(decoder_path, generate_dir / "decoder.onnx")
-    shutil.copy(tokenizer_path, generate_dir / "tokenizer.json")
+    shutil.copy(vocabulary.file, generate_dir / "tokenizer.json")
+    if vocabulary.chat_config is not None:
+        (generate_dir / tokens.TOKENIZER_CONFIG_FILE).write_text(vocabulary.chat_config, encoding="utf-8")
     (generate_dir / "generation.json").write_text(json.dumps(shape))
     (out / "triton" / logits_name / "config.pbtxt").write_text(triton.to_pbtxt(served))
     (out / "triton" / generate_name / "config.pbtxt").write_text(triton.to_pbtxt(generate))
@@ -316,11 +328,11 @@ def write_repository(out: Path, version: str, onnx_path: Path, decoder_path: Pat
     return served
 
 
-def write_hf_checkpoint(model: GPT, tokenizer_path: Path, folder: Path, inputs: list[np.ndarray[Any, Any]],
+def write_hf_checkpoint(model: GPT, vocabulary: tokens.Vocabulary, folder: Path, inputs: list[np.ndarray[Any, Any]],
                        atol: float) -> dict[str, Any]:
     """The Hugging Face folder, checked by transformers; a gpt-v1 model has none (one line)."""
     try:
-        hf_checkpoint.write_checkpoint(model, tokenizer_path, folder)
+        hf_checkpoint.write_checkpoint(model, vocabulary, folder)
     except hf_checkpoint.NotLlama as exc:
         log.info("hf checkpoint: skipped, %s", exc)
         return {"skipped": str(exc)}
@@ -396,27 +408,26 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     # write_once: should another attempt commit first (a zombie and its retry), its output stays
     with storage.scratch() as scratch, storage.staged_output(args.output, write_once=True) as out:
         loaded = load_version(name, version)
-        tokenizer_path = storage.download(loaded.tokenizer_uri, scratch / "tokenizer.json")
-        tokenizer = tokens.load_tokenizer(str(tokenizer_path), scratch)  # a local path: not copied again
+        vocabulary = tokens.load_vocabulary(loaded.tokenizer_uri, scratch)
         eval_text = storage.download(args.eval_set or settings.evaluate.eval_set_uri, scratch / "eval.jsonl")
         onnx_path = scratch / "model.onnx"
         export_onnx(loaded.model, onnx_path, params.opset, serve.max_batch_size)
         prompts = list(settings.evaluate.prompts)
-        inputs = parity_inputs(loaded.model, tokenizer, eval_text, prompts, params.parity_windows)
+        inputs = parity_inputs(loaded.model, vocabulary, eval_text, prompts, params.parity_windows)
         atol = params.parity_atol
         parity = check_parity(loaded.model, onnx_path, inputs, atol)
         log.info("ONNX parity: max |logit diff| %.3g over %d inputs, all greedy next tokens equal",
                  parity["max_abs_logit_diff"], parity["inputs"])
         decoder_path = scratch / "decoder.onnx"
         export_decoder(loaded.model, decoder_path, params.opset)
-        decoder = check_decoder(loaded.model, decoder_path, tokenizer, prompts, inputs[len(prompts):], atol,
+        decoder = check_decoder(loaded.model, decoder_path, vocabulary, prompts, inputs[len(prompts):], atol,
                                 params.parity_new_tokens)
         log.info("decoder.onnx parity: max |logit diff| %.3g (KV cache, %d windows), greedy continuations of %d "
                  "prompts identical to PyTorch's (%d tokens)", decoder["max_abs_logit_diff"], decoder["windows"],
                  len(prompts), decoder["greedy_tokens_compared"])
-        hf = write_hf_checkpoint(loaded.model, Path(tokenizer_path), out / "hf", inputs, atol)
+        hf = write_hf_checkpoint(loaded.model, vocabulary, out / "hf", inputs, atol)
         tensorrt = build_tensorrt(onnx_path, out / "model.plan", loaded.model.config.seq_len, params.tensorrt)
-        write_repository(out, version, onnx_path, decoder_path, Path(tokenizer_path), decoder.pop("shape"), serve)
+        write_repository(out, version, onnx_path, decoder_path, vocabulary, decoder.pop("shape"), serve)
         generations = decoder.pop("generations")
         parity |= {"decoder": decoder, "hf_checkpoint": hf}
         reference = {"inputs": [ids.tolist() for ids in inputs], "next_tokens": parity.pop("expected_next_tokens"),

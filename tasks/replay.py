@@ -65,7 +65,7 @@ def check_data(settings: Settings, tag: str, content_hash: str, uri: str) -> Non
 def check_tokenizer(tokenizer_uri: str, tokenizer_hash: str, uri: str) -> None:
     if not storage.exists(tokenizer_uri):
         raise StepError(f"{uri}: its tokenizer {tokenizer_uri} is gone (content hash {tokenizer_hash[:12]})")
-    found = tokens.tokenizer_hash(storage.read_bytes(tokenizer_uri).decode("utf-8"))
+    found = tokens.stored_hash(tokenizer_uri)
     if found != tokenizer_hash:
         raise StepError(f"{uri}: its tokenizer {tokenizer_uri} now hashes to {found[:12]}, not {tokenizer_hash[:12]}")
 

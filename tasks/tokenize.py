@@ -2,13 +2,14 @@
 
 Three sub-commands, three kinds of DAG task:
 
-    prepare  pick the tokenizer: an explicit --tokenizer, else the production model's (a
-             retrain must not change the vocabulary), else train a byte-level BPE on the
-             snapshot. Tokenizers are stored content-addressed: {store}/sha256-<hash>/. The
-             result also names the production model version (training may start from it).
+    prepare  pick the tokenizer and the model training starts from: an explicit --tokenizer, else
+             a base checkpoint's (--base, train.base: imported once, the line's first run starts
+             from it, and so does every run after the base changed), else the production
+             model's (a retrain must not change the vocabulary), else train a byte-level BPE on
+             the snapshot. Tokenizers are stored content-addressed: {store}/sha256-<hash>/.
     encode   one shard (--shard-index i --num-shards N: a contiguous record range holding about
-             1/N of the snapshot's bytes): token ids of each document + EOS, split train/val by
-             document hash. N run in parallel.
+             1/N of the snapshot's bytes): token ids of each document framed by the model's
+             special tokens (BOS where it wants one, EOS), split train/val by document hash. N run in parallel.
     merge    concatenate the N shards in shard order into train.bin / val.bin + offsets +
              index.json. Shards are contiguous and the split is by hash, so the output is
              byte-identical for any N.
@@ -29,25 +30,34 @@ from array import array
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tasks.config import TokenizeSettings
+from tasks.config import Settings, TokenizeSettings
 from tasks.lib import storage, tokens
+from tasks.lib.base_model import BaseModel, base_identity, import_base
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import Progress, log, run_step, step_parser
 
 
-def champion(model_name: str) -> tuple[str, str] | None:
-    """The production model (MLflow alias ``champion``) as (``models:/NAME/VERSION``, its
-    tokenizer URI), if any. The version is pinned here: training starts from these weights
-    even if another run promotes a new champion meanwhile."""
+@dataclass(frozen=True)
+class Production:
+    """The production model (MLflow alias ``champion``), pinned to its version: training starts
+    from these weights even if another run promotes a new champion meanwhile."""
+
+    model_uri: str  # models:/NAME/VERSION
+    tokenizer_uri: str
+    base_identity: str  # of the base its line started from ("": the pipeline's own presets)
+
+
+def champion(model_name: str) -> Production | None:
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         return None
-    from tasks.lib.model_store import version_by_alias
+    from tasks.lib.model_store import tag_description, version_by_alias
 
     version = version_by_alias(model_name, "champion")
     if version is None:
@@ -55,31 +65,42 @@ def champion(model_name: str) -> tuple[str, str] | None:
     uri = version.tags.get("tokenizer_uri")
     if not uri:
         raise StepError(f"models:/{model_name}@champion (version {version.version}) has no tokenizer_uri tag")
-    return f"models:/{model_name}/{version.version}", str(uri)
+    base = tag_description(version.tags, f"models:/{model_name}/{version.version}").get("base") or {}
+    return Production(f"models:/{model_name}/{version.version}", str(uri), str(base.get("identity", "")))
 
 
-def store_tokenizer(tokenizer: Any, store: str) -> tuple[str, str]:
-    serialized = tokenizer.to_str()
-    digest = tokens.tokenizer_hash(serialized)
-    folder = storage.join(store, f"sha256-{digest}")
-    uri = storage.join(folder, "tokenizer.json")
-    if not storage.exists(storage.join(folder, storage.SUCCESS_MARKER)):
-        # content-addressed: written once, never deleted (other runs may be reading it)
-        with storage.staged_output(folder, write_once=True) as out:
-            (out / "tokenizer.json").write_text(serialized, encoding="utf-8")
-    return uri, digest
+def start_point(args: argparse.Namespace, settings: Settings, production: Production | None,
+                scratch: Path) -> tuple[str, str, BaseModel | None]:
+    """(tokenizer URI or "" to train one, its source, the base imported for this run or None)."""
+    if args.tokenizer:
+        return args.tokenizer, "explicit", None
+    if args.base:
+        seq_len = settings.train.presets[args.preset].seq_len
+        identity = base_identity(args.base, seq_len)
+        if production is None or production.base_identity != identity:
+            base = import_base(args.base, seq_len, settings.tokenize.base_store, settings.tokenize.tokenizer_store,
+                               scratch)
+            return base.tokenizer_uri, "base", base
+        log.info("train.base %s: the champion %s descends from it: continuing from the champion", args.base,
+                 production.model_uri)
+    if production is not None:
+        return production.tokenizer_uri, "champion", None
+    return "", "trained", None
 
 
-def prepare(args: argparse.Namespace, params: TokenizeSettings, model_name: str) -> dict[str, Any]:
+def prepare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+    params = settings.tokenize
+    if args.preset not in settings.train.presets:
+        raise StepError(f"--preset {args.preset!r}: expected one of {', '.join(settings.train.presets)}")
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
-        production = champion(model_name)
-        existing = args.tokenizer or (production[1] if production else None)
+        production = champion(settings.pipeline.model_name)
+        existing, source, base = start_point(args, settings, production, scratch)
         if existing:
-            source = "explicit" if args.tokenizer else "champion"
-            tokenizer = tokens.load_tokenizer(existing, scratch)
+            vocabulary = tokens.load_vocabulary(existing, scratch)
+            tokenizer = vocabulary.tokenizer
+            uri, digest = tokens.store_vocabulary(tokenizer, params.tokenizer_store, vocabulary.companions)
             log.info("reusing the %s tokenizer %s (vocab %d)", source, existing, tokenizer.get_vocab_size())
         else:
-            source = "trained"
             snapshot = storage.download(args.snapshot, scratch / "snapshot.jsonl")
             count = sum(1 for _ in tokens.read_jsonl(snapshot))
             started = time.perf_counter()
@@ -90,13 +111,17 @@ def prepare(args: argparse.Namespace, params: TokenizeSettings, model_name: str)
                 "trained a byte-level BPE (vocab %d) on %d documents in %.1fs",
                 tokenizer.get_vocab_size(), count, time.perf_counter() - started,
             )
-        uri, digest = store_tokenizer(tokenizer, params.tokenizer_store)
+            uri, digest = tokens.store_vocabulary(tokenizer, params.tokenizer_store)
+        production_uri = production.model_uri if production else ""
         info = {
             "tokenizer_uri": uri,
             "tokenizer_hash": digest,
             "tokenizer_source": source,
-            # what training may start from (train.init_from): it checks the vocabulary matches
-            "champion_model_uri": production[0] if production else "",
+            "champion_model_uri": production_uri,
+            # what training starts from (train.init_from: champion): the imported base, else the
+            # champion (training checks its architecture and vocabulary are the run's)
+            "init_model_uri": base.model_uri if base else production_uri,
+            "base": base.record if base else None,
             "vocab_size": tokenizer.get_vocab_size(),
             "dtype": tokens.token_dtype(tokenizer.get_vocab_size()).name,
         }
@@ -140,9 +165,9 @@ def encoded_batches(tokenizer: Any, batches: Iterator[list[dict[str, Any]]]) -> 
 
 def encode(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
-        tokenizer = tokens.load_tokenizer(args.tokenizer, scratch)
+        vocabulary = tokens.load_vocabulary(args.tokenizer, scratch)
+        tokenizer, frame = vocabulary.tokenizer, vocabulary.special.frame
         dtype = tokens.token_dtype(tokenizer.get_vocab_size())
-        eos = tokenizer.token_to_id(tokens.EOS)
         lines, start, end = shard_lines(args.snapshot, args.shard_index, args.num_shards, scratch)
         batches = tokens.record_batches(lines, params.batch_bytes, args.snapshot, first_line=start + 1)
         files = {split: (out / f"{split}.bin").open("wb") for split in tokens.SPLITS}
@@ -155,8 +180,7 @@ def encode(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]
             batch_ids: dict[str, list[int]] = {split: [] for split in tokens.SPLITS}
             for record, enc in zip(chunk, encoded, strict=True):
                 split = tokens.split_of(record["content_hash"], val_fraction)
-                ids = enc.ids  # a new Python list on every access: take it once
-                ids.append(eos)
+                ids = frame(enc.ids)  # enc.ids is a new Python list on every access: taken once
                 batch_ids[split].extend(ids)
                 lengths[split].append(len(ids))
             for split, ids in batch_ids.items():
@@ -189,7 +213,8 @@ def merge(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         local = [storage.download_tree(uri, scratch / f"{i:05d}") for i, uri in enumerate(shard_uris)]
         shard_stats = [json.loads((d / "stats.json").read_text()) for d in local]
-        tokenizer = tokens.load_tokenizer(args.tokenizer, scratch)
+        vocabulary = tokens.load_vocabulary(args.tokenizer, scratch)
+        tokenizer = vocabulary.tokenizer
         dtype = tokens.token_dtype(tokenizer.get_vocab_size())
         splits: dict[str, Any] = {}
         for split in tokens.SPLITS:
@@ -215,9 +240,10 @@ def merge(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]:
             "format": "llm-pipeline-tokens/1",
             "dtype": dtype.name,
             "vocab_size": tokenizer.get_vocab_size(),
-            "eos_id": tokenizer.token_to_id(tokens.EOS),
+            "eos_id": vocabulary.special.eos_ids[0],
+            "special_tokens": vocabulary.special.to_dict(),
             "tokenizer_uri": args.tokenizer,
-            "tokenizer_hash": tokens.tokenizer_hash(tokenizer.to_str()),
+            "tokenizer_hash": vocabulary.hash,
             "snapshot_uri": args.snapshot,
             "val_fraction": params.val_fraction,
             "splits": splits,
@@ -240,10 +266,13 @@ def merge(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     settings = load_settings("tokenize", args.overrides)
+    if args.command == "prepare":  # their defaults: params.yaml's
+        args.base = settings.train.base if args.base is None else args.base
+        args.preset = args.preset or settings.train.preset
     if not storage.exists(args.snapshot):
         raise StepError(f"{args.snapshot}: snapshot not found")
     if args.command == "prepare":
-        return prepare(args, settings.tokenize, settings.pipeline.model_name)
+        return prepare(args, settings)
     handler = {"encode": encode, "merge": merge}[args.command]
     result: dict[str, Any] = handler(args, settings.tokenize)
     return result
@@ -259,8 +288,13 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--output", required=True, help="run-scoped output URI")
         if name == "prepare":
             cmd.add_argument(
-                "--tokenizer", default="", help="use this tokenizer.json (empty: the champion's, else train one)"
+                "--tokenizer", default="", help="use this tokenizer.json (empty: the base's or the champion's, "
+                "else train one)"
             )
+            cmd.add_argument("--base", default=None, help="a Hugging Face checkpoint folder or s3:// URI the line "
+                             "starts from (default: train.base; empty: none)")
+            cmd.add_argument("--preset", default=None, help="the train preset: its seq_len is the context a base "
+                             "is trained at (default: train.preset)")
         else:
             cmd.add_argument("--tokenizer", required=True, help="URI of tokenizer.json")
             cmd.add_argument("--num-shards", type=int, required=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +231,46 @@ def register_gpt(name: str, tokenizer_uri: str, seed: int, **overrides: int) -> 
         model_uri = log_model(model, description)
     version = mlflow.register_model(model_uri, name, tags={"model_description": json.dumps(description)})
     return str(version.version)
+
+
+def register_model_dir(name: str, folder: str) -> str:
+    """A model folder of this pipeline's form (a train step's output, an imported base)
+    registered the way the register step does."""
+    import mlflow
+
+    from tasks.lib import storage
+    from tasks.lib.model_store import load_model_dir, log_model
+
+    with storage.scratch() as scratch:
+        loaded = load_model_dir(folder, scratch)
+    with mlflow.start_run(run_name=f"serving test {name} of {folder}"):
+        model_uri = log_model(loaded.model, loaded.description)
+    version = mlflow.register_model(model_uri, name, tags={
+        "model_description": json.dumps(loaded.description), "tokenizer_uri": loaded.description["tokenizer_uri"],
+        "tokenizer_hash": loaded.description["tokenizer_hash"]})
+    return str(version.version)
+
+
+@contextlib.contextmanager
+def served_alone(env: dict[str, str], version: str, export_dir: Path, scratch: Path) -> Iterator[None]:
+    """An exported version loaded in the stack's Triton with all traffic routed to it; unloaded
+    and the route emptied afterwards, as the next module expects the stack."""
+    from tasks.lib import triton
+    from tasks.lib.params import load_settings
+    from tasks.serving.platforms import serve_versions, stage_version
+    from tasks.serving.router import NginxRouter
+
+    serve = load_settings().serve
+    repository, client = Path(env["TRITON_REPOSITORY"]), triton.TritonClient(env["TRITON_URL"])
+    router = NginxRouter(Path(env["ROUTER_DIR"]), env["ROUTER_URL"], env["ROUTER_INTERNAL_URL"])
+    stage_version(str(export_dir), int(version), repository, serve, scratch)
+    serve_versions(client, repository, serve, [int(version)])
+    router.apply(int(version))
+    try:
+        yield
+    finally:
+        router.apply(None)
+        serve_versions(client, repository, serve, [])
 
 
 def export(version: str, out: Path, env: dict[str, str], eval_text: Path) -> dict[str, Any]:

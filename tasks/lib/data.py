@@ -26,6 +26,7 @@ import torch
 from tasks.lib import storage
 from tasks.lib.errors import StepError
 from tasks.lib.parallel import Dist
+from tasks.lib.tokens import SpecialTokens
 
 DATASET_CACHE = Path(tempfile.gettempdir()) / "llm-pipeline-datasets"
 
@@ -69,6 +70,7 @@ class TokenSplit:
     eos_id: int
     tokenizer_uri: str
     tokenizer_hash: str
+    special_tokens: SpecialTokens
     index: dict[str, Any] = field(default_factory=dict)  # the dataset's index.json (how it was split)
 
 
@@ -96,6 +98,9 @@ def open_split(dataset_dir: Path, split: str) -> TokenSplit:
         eos_id=int(index["eos_id"]),
         tokenizer_uri=str(index["tokenizer_uri"]),
         tokenizer_hash=str(index["tokenizer_hash"]),
+        # datasets tokenized before checkpoints' tokenizers: the pipeline's convention (EOS alone)
+        special_tokens=SpecialTokens.from_dict(index.get("special_tokens") or {"eos_ids": [index["eos_id"]]},
+                                               str(index_path)),
         index={k: v for k, v in index.items() if k != "splits"},
     )
 

@@ -16,10 +16,10 @@ and ONNX Runtime GenAI's builders, llama.cpp's converter) and what load generato
 tokenizer from (aiperf):
 
     config.json              LlamaForCausalLM (Qwen2ForCausalLM for q/k/v biases alone), fp32
-    generation_config.json   EOS, greedy by default
+    generation_config.json   EOS (a base's, all of them), BOS, pad; greedy by default
     model.safetensors        the weights under the family's names (q/k/v and gate/up split from
                              our fused matrices; lm_head only when it is not tied)
-    tokenizer.json, tokenizer_config.json, special_tokens_map.json
+    tokenizer.json, tokenizer_config.json (a base's as it was: its chat template), special_tokens_map.json
 
 Only the ``llama`` layout has this form: a gpt-v1 model (GELU MLP, interleaved rotary) is no
 Llama, and :func:`write_checkpoint` refuses it.
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from tasks.lib.model import GPT, ROPE_SCALINGS, GPTConfig
-from tasks.lib.tokens import EOS, PAD, SpecialTokens
+from tasks.lib.tokens import SpecialTokens, Vocabulary
 
 FAMILIES = ("llama", "mistral", "qwen2")  # transformers' model_type of each family read
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
@@ -59,7 +59,7 @@ def family_of(c: GPTConfig) -> str:
     return "llama"
 
 
-def hf_config(model: GPT, eos_id: int, pad_id: int | None) -> dict[str, Any]:
+def hf_config(model: GPT, special: SpecialTokens) -> dict[str, Any]:
     c = model.config
     family = family_of(c)
     rope = {"rope_type": "default"} if c.rope_scaling is None else dict(c.rope_scaling)
@@ -80,9 +80,7 @@ def hf_config(model: GPT, eos_id: int, pad_id: int | None) -> dict[str, Any]:
         "rope_parameters": {**rope, "rope_theta": c.rope_theta},
         "attention_dropout": 0.0,
         "tie_word_embeddings": c.tie_embeddings,
-        "bos_token_id": None,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
+        **special_ids(special),
         "initializer_range": 0.02,
         "use_cache": True,
         "torch_dtype": "float32",
@@ -261,6 +259,26 @@ def read_weights(folder: Path, c: GPTConfig) -> dict[str, torch.Tensor]:
     return state
 
 
+def checkpoint_tokenizer(folder: Path, embedding_rows: int) -> Any:
+    """The checkpoint's ``tokenizer.json``, whose every id must have a row in the embedding
+    (``embedding_rows``; more rows than tokens is padding, as Qwen2's)."""
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise CheckpointError(f"{folder}: no tokenizer.json (a base brings its tokenizer in the fast form "
+                              "transformers saves; tokenizer.model alone is not read)")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on bad files
+        raise CheckpointError(f"{path}: not a valid tokenizer file ({str(exc).splitlines()[0]})") from None
+    largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if largest >= embedding_rows:
+        raise CheckpointError(f"{path}: token id {largest} has no row in the embedding of {embedding_rows} "
+                              "(config.json vocab_size): the tokenizer is not this model's")
+    return tokenizer
+
+
 def checkpoint_special_tokens(folder: Path, tokenizer: Any) -> SpecialTokens:
     """A checkpoint's special tokens: end-of-sequence ids from ``generation_config.json`` (what
     generation stops at; Llama 3's instruct models list two) or ``config.json``, the BOS and pad
@@ -328,30 +346,36 @@ def read_checkpoint(folder: Path, seq_len: int | None = None) -> GPT:
     return model.eval()
 
 
-def write_checkpoint(model: GPT, tokenizer_json: Path, folder: Path) -> Path:
-    """The Hugging Face folder of ``model`` with its tokenizer (``folder`` is created)."""
+def write_checkpoint(model: GPT, vocabulary: Vocabulary, folder: Path) -> Path:
+    """The Hugging Face folder of ``model`` with its tokenizer and special tokens (``folder`` is
+    created). A base's tokenizer_config.json (its chat template) is kept as the base had it."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer
 
     if model.config.layout != "llama":
         raise NotLlama(f"a {model.config.layout} model has no Hugging Face Llama form (format 1: retrain it)")
-    tokenizer = Tokenizer.from_file(str(tokenizer_json))
-    eos_id, pad_id = tokenizer.token_to_id(EOS), tokenizer.token_to_id(PAD)
-    if eos_id is None:
-        raise ValueError(f"{tokenizer_json}: no {EOS} token")
+    special, tokenizer = vocabulary.special, vocabulary.tokenizer
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config(model, eos_id, pad_id), indent=1))
+    (folder / "config.json").write_text(json.dumps(hf_config(model, special), indent=1))
     (folder / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False, "max_length": model.config.seq_len}))
+        {**special_ids(special), "do_sample": False, "max_length": model.config.seq_len}))
     save_file(hf_weights(model), str(folder / SINGLE_FILE), metadata={"format": "pt"})
-    shutil.copy(tokenizer_json, folder / "tokenizer.json")
-    specials = {"eos_token": EOS, "pad_token": PAD if pad_id is not None else None}
-    (folder / "special_tokens_map.json").write_text(json.dumps({k: v for k, v in specials.items() if v}))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
+    shutil.copy(vocabulary.file, folder / "tokenizer.json")
+    texts = {"eos_token": tokenizer.id_to_token(special.eos_ids[0]),
+             "bos_token": None if special.bos_id is None else tokenizer.id_to_token(special.bos_id),
+             "pad_token": None if special.pad_id is None else tokenizer.id_to_token(special.pad_id)}
+    specials = {k: v for k, v in texts.items() if v}
+    (folder / "special_tokens_map.json").write_text(json.dumps(specials))
+    tokenizer_config = vocabulary.chat_config or json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.seq_len,
-        "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False,
-        **{k: v for k, v in specials.items() if v}}))
+        "clean_up_tokenization_spaces": False, "add_bos_token": special.add_bos, "add_eos_token": False, **specials})
+    (folder / "tokenizer_config.json").write_text(tokenizer_config)
     return folder
+
+
+def special_ids(special: SpecialTokens) -> dict[str, Any]:
+    """The special token ids as transformers' configs name them (several EOS ids: a list)."""
+    eos = special.eos_ids[0] if len(special.eos_ids) == 1 else list(special.eos_ids)
+    return {"bos_token_id": special.bos_id, "eos_token_id": eos, "pad_token_id": special.pad_id}
 
 
 def transformers_logits(folder: Path, batches: list[Any]) -> list[Any]:

@@ -21,6 +21,7 @@ Two forwards: :meth:`GPT.forward` (training and evaluation: the whole window, ca
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
@@ -332,9 +333,9 @@ def empty_cache(config: GPTConfig, batch: int, length: int = 1,
 
 
 @torch.no_grad()
-def generate_greedy(model: GPT, prompt: list[int], max_new: int, eos_id: int | None = None) -> list[int]:
+def generate_greedy(model: GPT, prompt: list[int], max_new: int, eos_ids: Collection[int] = ()) -> list[int]:
     """The reference continuation (greedy, KV cache, batch 1): what every served engine must
-    reproduce token for token. Stops at ``eos_id`` (not returned) or the context's end."""
+    reproduce token for token. Stops at any of ``eos_ids`` (not returned) or the context's end."""
     limit = min(max_new, model.config.seq_len - len(prompt))
     past_k, past_v = empty_cache(model.config, 1)
     length = torch.zeros(1, dtype=torch.long)
@@ -348,7 +349,7 @@ def generate_greedy(model: GPT, prompt: list[int], max_new: int, eos_id: int | N
             past_k, past_v = k, v
         length = torch.tensor([past_k.shape[3]], dtype=torch.long)
         token = int(logits.argmax(dim=-1))
-        if token == eos_id:
+        if token in eos_ids:
             break
         out.append(token)
         ids = torch.tensor([[token]], dtype=torch.long)

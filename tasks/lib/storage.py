@@ -180,6 +180,21 @@ def list_files(uri: str) -> list[str]:
     return sorted(found)
 
 
+def file_sizes(uri: str) -> dict[str, int]:
+    """Every file below ``uri`` (recursively) by its path relative to ``uri``, with its size in bytes."""
+    if not is_s3(uri):
+        root = Path(uri)
+        return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()} \
+            if root.is_dir() else {}
+    bucket, key = split_s3(uri)
+    prefix = key.rstrip("/") + "/" if key else ""
+    found: dict[str, int] = {}
+    with s3_call(uri, "list"):
+        for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            found |= {obj["Key"][len(prefix):]: int(obj["Size"]) for obj in page.get("Contents", [])}
+    return dict(sorted(found.items()))
+
+
 def newest_json(root: str, suffix: str, keep: Callable[[dict[str, Any]], bool] = lambda _: True
                 ) -> tuple[str, dict[str, Any]] | None:
     """The JSON file ending in ``suffix`` below ``root`` written last (its ``written_at``) among

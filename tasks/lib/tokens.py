@@ -2,8 +2,9 @@
 
 Dataset layout (what ``tokenize merge`` writes and training memory-maps):
 
-    index.json            dtype, vocab, tokenizer hash, per split: documents, tokens, files
-    train.bin / val.bin   concatenated token ids (each document ends with EOS), ``dtype``
+    index.json            dtype, vocab, tokenizer hash, special tokens, per split: documents, tokens, files
+    train.bin / val.bin   concatenated token ids (each document framed by :meth:`SpecialTokens.frame`:
+                          a BOS first where the model wants one, its EOS last), ``dtype``
     train.offsets.npy     int64, documents + 1 entries: document d is bin[offsets[d]:offsets[d+1]]
 """
 
@@ -13,7 +14,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,11 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [EOS, PAD]
 SPLITS = ("train", "val")
+# a stored tokenizer's folder: its tokenizer.json and, for a checkpoint's tokenizer, the special
+# tokens its model uses and the checkpoint's tokenizer_config.json (its chat template): the folder
+# is named by the hash of all of them (Llama 3's base and instruct share a tokenizer.json, not an EOS)
+TOKENIZER_FILE, SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "special_tokens.json", "tokenizer_config.json"
+COMPANION_FILES = (SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE)
 
 
 @dataclass(frozen=True)
@@ -41,14 +47,35 @@ class SpecialTokens:
     add_bos: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As JSON holds it (the EOS ids a list)."""
+        return {**asdict(self), "eos_ids": list(self.eos_ids)}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any], where: str) -> SpecialTokens:
+        try:
+            eos = tuple(int(i) for i in saved["eos_ids"])
+            if not eos:
+                raise ValueError("no eos_ids")
+            return cls(eos, None if saved.get("bos_id") is None else int(saved["bos_id"]),
+                       None if saved.get("pad_id") is None else int(saved["pad_id"]), bool(saved.get("add_bos", False)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StepError(f"{where}: special tokens {saved!r} cannot be read ({exc})") from None
+
+    @property
+    def prefix(self) -> list[int]:
+        """What opens every sequence the model reads: its BOS, where it wants one."""
+        return [self.bos_id] if self.add_bos and self.bos_id is not None else []
+
+    def frame(self, ids: list[int]) -> list[int]:
+        """A training document: the prefix, its ids, the (first) EOS, which also separates documents."""
+        return [*self.prefix, *ids, self.eos_ids[0]]
 
 
-def our_special_tokens(tokenizer: Any) -> SpecialTokens:
+def our_special_tokens(tokenizer: Any, where: str = "the tokenizer") -> SpecialTokens:
     """The pipeline's own convention: ``<|endoftext|>`` ends and separates, no BOS."""
     eos = tokenizer.token_to_id(EOS)
     if eos is None:
-        raise StepError(f"the tokenizer has no {EOS} token")
+        raise StepError(f"{where}: tokenizer has no {EOS} token (and no {SPECIAL_TOKENS_FILE} beside it)")
     return SpecialTokens((eos,), None, tokenizer.token_to_id(PAD))
 
 
@@ -82,24 +109,81 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, count: int | None = N
     return tokenizer
 
 
-def tokenizer_hash(serialized: str) -> str:
-    return hashlib.sha256(serialized.encode("utf-8")).hexdigest()
+def tokenizer_hash(serialized: str, companions: dict[str, str] | None = None) -> str:
+    """The content address of a tokenizer: its tokenizer.json, with a checkpoint's companion
+    files (name: text) when it has any (ours has none: their hash is the file's alone)."""
+    digest = hashlib.sha256(serialized.encode("utf-8"))
+    for name in sorted(companions or {}):
+        digest.update(b"\0" + name.encode() + b"\0" + (companions or {})[name].encode("utf-8"))
+    return digest.hexdigest()
 
 
-def load_tokenizer(uri: str, scratch: Path) -> Any:
+@dataclass(frozen=True)
+class Vocabulary:
+    """A stored tokenizer with what its model frames text with: the one way every step reads one."""
+
+    tokenizer: Any
+    special: SpecialTokens
+    hash: str
+    file: Path  # the tokenizer.json read (a local copy of a stored one)
+    companions: dict[str, str] = field(default_factory=dict)  # a checkpoint's: special_tokens.json, tokenizer_config.json
+
+    @property
+    def chat_config(self) -> str | None:
+        """The checkpoint's tokenizer_config.json (its chat template), if it came with one."""
+        return self.companions.get(TOKENIZER_CONFIG_FILE)
+
+
+def companions_of(uri: str) -> dict[str, str]:
+    """The companion files stored beside the tokenizer.json at ``uri`` (name: text)."""
+    return {name: storage.read_bytes(storage.sibling(uri, name)).decode("utf-8")
+            for name in COMPANION_FILES if storage.exists(storage.sibling(uri, name))}
+
+
+def stored_hash(uri: str) -> str:
+    """The content hash of the stored tokenizer at ``uri`` (what its folder is named by)."""
+    return tokenizer_hash(storage.read_bytes(uri).decode("utf-8"), companions_of(uri))
+
+
+def load_vocabulary(uri: str, scratch: Path) -> Vocabulary:
+    """The tokenizer.json at ``uri`` and its companions beside it; one named ``sha256-<hash>/``
+    must hash to its name (else a partial or replaced write: transient)."""
     from tokenizers import Tokenizer
 
-    path = storage.download(uri, scratch / "tokenizer.json")
+    path = storage.download(uri, scratch / TOKENIZER_FILE)
+    companions = companions_of(uri)
+    digest = tokenizer_hash(path.read_text(encoding="utf-8"), companions)
     named = re.search(r"sha256-([0-9a-f]{64})/tokenizer\.json$", uri)
-    if named and tokenizer_hash(path.read_text(encoding="utf-8")) != named.group(1):
+    if named and digest != named.group(1):
         raise storage.StorageUnavailable(f"{uri}: its content does not hash to its name (a partial or replaced write)")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad files
         raise StepError(f"{uri}: not a valid tokenizer file ({exc})") from None
-    if tokenizer.token_to_id(EOS) is None:
-        raise StepError(f"{uri}: tokenizer has no {EOS} token")
-    return tokenizer
+    if SPECIAL_TOKENS_FILE in companions:
+        try:
+            saved = json.loads(companions[SPECIAL_TOKENS_FILE])
+        except json.JSONDecodeError as exc:
+            raise StepError(f"{storage.sibling(uri, SPECIAL_TOKENS_FILE)}: not JSON ({exc.msg})") from None
+        special = SpecialTokens.from_dict(saved, storage.sibling(uri, SPECIAL_TOKENS_FILE))
+    else:
+        special = our_special_tokens(tokenizer, uri)
+    return Vocabulary(tokenizer, special, digest, path, companions)
+
+
+def store_vocabulary(tokenizer: Any, store: str, companions: dict[str, str] | None = None) -> tuple[str, str]:
+    """``tokenizer`` (with a checkpoint's companion files) in the content-addressed ``store``:
+    (the URI of its tokenizer.json, its hash). Written once, never replaced or deleted (other
+    runs may be reading it)."""
+    serialized = tokenizer.to_str()
+    digest = tokenizer_hash(serialized, companions)
+    folder = storage.join(store, f"sha256-{digest}")
+    if not storage.exists(storage.join(folder, storage.SUCCESS_MARKER)):
+        with storage.staged_output(folder, write_once=True) as out:
+            (out / TOKENIZER_FILE).write_text(serialized, encoding="utf-8")
+            for name, text in (companions or {}).items():
+                (out / name).write_text(text, encoding="utf-8")
+    return storage.join(folder, TOKENIZER_FILE), digest
 
 
 def lines_in(chunks: Iterable[bytes]) -> Iterator[bytes]:

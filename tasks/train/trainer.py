@@ -217,6 +217,41 @@ def model_config(settings: TrainSettings, vocab_size: int) -> GPTConfig:
         raise StepError(f"train.presets.{settings.preset}: {exc}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """A model line started from a Hugging Face base (train.base): every run of it trains the
+    base's architecture, whatever the preset, and records the base."""
+
+    config: GPTConfig
+    base: dict[str, str]
+
+
+def start_description(uri: str) -> dict[str, Any]:
+    """The description (config.json) of the model ``--init-from`` names, without its weights."""
+    from tasks.lib.model_store import DESCRIPTION_FILE, registered_version
+
+    if uri.startswith("models:/"):
+        name, _, version = uri.removeprefix("models:/").rpartition("/")
+        if not name or not version.isdigit():
+            raise StepError(f"--init-from {uri!r}: expected models:/NAME/VERSION or a model folder URI")
+        return registered_version(name, version)[1]
+    storage.require_complete(uri)
+    description: dict[str, Any] = storage.read_json(storage.join(uri, DESCRIPTION_FILE))
+    return description
+
+
+def line_of(uri: str) -> Line | None:
+    """The base line ``uri``'s model belongs to; None for a model of the presets."""
+    description = start_description(uri)
+    if not description.get("base"):
+        return None
+    try:
+        config = GPTConfig.from_saved(description["config"], int(description["format_version"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StepError(f"--init-from {uri}: its description cannot be read by this code ({exc})") from None
+    return Line(config, dict(description["base"]))
+
+
 def check_data(split: TokenSplit, config: GPTConfig, name: str) -> None:
     """Token ids must fit the model's vocabulary (catches dtype/vocab mix-ups before step 0)."""
     top = int(split.tokens.max())
@@ -259,10 +294,12 @@ def check_settings(settings: TrainSettings, env: parallel.Dist) -> None:
         raise StepError("train.engine deepspeed runs under torchrun (no WORLD_SIZE in the environment)")
 
 
-def initial_weights(uri: str, config: GPTConfig, tokenizer_hash: str) -> dict[str, torch.Tensor] | None:
+def initial_weights(uri: str, config: GPTConfig, tokenizer_hash: str, line: Line | None
+                    ) -> dict[str, torch.Tensor] | None:
     """The weights to start from: those of ``uri`` (``models:/NAME/VERSION`` or a train step's
     model folder) when its architecture and tokenizer are this run's, else None (logged): a
-    changed preset or vocabulary starts from scratch rather than failing the retrain."""
+    changed preset or vocabulary starts from scratch rather than failing the retrain. A base
+    line's model must start from its weights: another tokenizer fails the step."""
     from tasks.lib.model_store import load_model_dir, load_version
 
     with storage.scratch() as scratch:
@@ -283,6 +320,10 @@ def initial_weights(uri: str, config: GPTConfig, tokenizer_hash: str) -> dict[st
         log.warning("not starting from %s: its architecture %s is not this run's %s", uri,
                     loaded.model.config.to_dict(), config.to_dict())
         return None
+    if loaded.description["tokenizer_hash"] != tokenizer_hash and line is not None:
+        raise StepError(f"--init-from {uri}: its tokenizer {loaded.description['tokenizer_hash'][:12]} is not the "
+                        f"dataset's {tokenizer_hash[:12]}: a model of the base {line.base['uri']} reads its own "
+                        "tokenizer's ids (tokenize without --tokenizer)")
     if loaded.description["tokenizer_hash"] != tokenizer_hash:
         log.warning("not starting from %s: its tokenizer %s is not the dataset's %s", uri,
                     loaded.description["tokenizer_hash"][:12], tokenizer_hash[:12])
@@ -316,7 +357,8 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     dataset_dir = local_dataset(dataset)
     train_split, val_split = open_split(dataset_dir, "train"), open_split(dataset_dir, "val")
-    config = model_config(settings, train_split.vocab_size)
+    line = line_of(init_from) if init_from else None
+    config = line.config if line else model_config(settings, train_split.vocab_size)
     check_data(train_split, config, "train")
     check_data(val_split, config, "val")
     train_data = BatchSampler(train_split.tokens, config.seq_len, settings.micro_batch, settings.seed)
@@ -329,15 +371,17 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
     gpt = GPT(config)
     # a resumed run takes its weights from the checkpoint: the starting point matters only once
     init_uri = init_from if settings.init_from == "champion" and latest is None else ""
-    start_weights = initial_weights(init_uri, config, train_split.tokenizer_hash) if init_uri else None
+    start_weights = initial_weights(init_uri, config, train_split.tokenizer_hash, line) if init_uri else None
+    started_from = init_uri if start_weights is not None else None
     if start_weights is not None:
         gpt.load_state_dict(start_weights)
+        del start_weights  # the loaded model's copy: one model in memory from here
     gpt.activation_checkpointing = settings.activation_checkpointing
     if compile_wanted(settings.compile, env.device):
         compile_blocks(gpt)
     engine = build_engine(gpt, settings, env, lambda m: build_optimizer(m, settings))
     checkpointer = Checkpointer(store, engine.checkpoint_format(settings.async_checkpoint))
-    state = TrainState(initialized_from=init_uri if start_weights is not None else None)
+    state = TrainState(initialized_from=started_from)
     if latest is not None:
         state.load_state_dict(checkpointer.load(latest, engine, state.state_dict()))
     tracker = Tracker(env.is_main, settings, mlflow_run_tag)
@@ -347,14 +391,14 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
     malloc = malloc_in_use()
     log.info(
         "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s (%s, malloc: %s): %d steps x %d tokens, "
-        "from step %d of %s", settings.preset, config.num_params() / 1e6, settings.engine, env.rank, env.world,
+        "from step %d of %s", settings.preset if line is None else f"the base {line.base['uri']}", config.num_params() / 1e6, settings.engine, env.rank, env.world,
         os.getpid(), env.device, "bf16" if trainer.bf16 else "fp32", malloc, settings.max_steps,
         trainer.global_batch * config.seq_len, state.step,
         latest.uri if latest else state.initialized_from or "a random initialization",
     )
     figures = trainer.fit()
     result = {
-        **export_model(engine, config, train_split, dataset, output, state, env, tracker, settings),
+        **export_model(engine, config, train_split, dataset, output, state, env, tracker, settings, line),
         **figures,
         "checkpoints": [c.uri for c in list_complete(checkpoints)],
         "resumed_from": latest.uri if latest else None,
@@ -373,7 +417,8 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
 
 
 def export_model(engine: Engine, config: GPTConfig, split: TokenSplit, dataset: str, output: str,
-                 state: TrainState, env: parallel.Dist, tracker: Tracker, settings: TrainSettings) -> dict[str, Any]:
+                 state: TrainState, env: parallel.Dist, tracker: Tracker, settings: TrainSettings,
+                 line: Line | None) -> dict[str, Any]:
     """Gather the full weights on rank 0 and publish model.safetensors + config.json at ``output``
     (with what a replay needs to train it again: the settings, layout and runtime)."""
     full = engine.full_state_dict()
@@ -387,6 +432,8 @@ def export_model(engine: Engine, config: GPTConfig, split: TokenSplit, dataset: 
             "tokenizer_uri": split.tokenizer_uri,
             "tokenizer_hash": split.tokenizer_hash,
             "eos_id": split.eos_id,
+            "special_tokens": split.special_tokens.to_dict(),
+            "base": line.base if line else None,
             "dataset_uri": dataset,
             "step": state.step,
             "tokens_seen": state.samples_seen * config.seq_len,

@@ -95,7 +95,7 @@ def test_requests_joining_a_running_batch_get_the_reference_continuations(export
     results = staggered(engine, prompts, [CONTEXT - len(ids) for ids in prompts], 0.01)
     for ids, result in zip(prompts, results, strict=True):
         assert result.finish_reason in ("stop", "length")
-        assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_id)
+        assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_ids)
     assert engine.stats.steps < sum(len(r.tokens) for r in results)  # decode steps were shared
     assert engine.in_use == 0 and len(engine.free) == 4
 
@@ -122,7 +122,7 @@ def test_a_grouped_query_model_exports_and_serves_its_reference_continuations(
     prompts = [prompt_ids(tokenizer, t) for t in ("Return the", "raise ValueError", "café")]
     results = staggered(engine, prompts, [CONTEXT - len(ids) for ids in prompts], 0.01)
     for ids, result in zip(prompts, results, strict=True):
-        assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_id)
+        assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_ids)
 
 
 class GpuOnnxRuntime:
@@ -200,7 +200,7 @@ def test_on_a_gpu_the_engine_runs_on_cuda_with_the_cache_on_the_gpu_and_the_refe
     results = staggered(engine, prompts, [128] * len(prompts), 0.02, timeout_s=120)
     for ids, result in zip(prompts, results, strict=True):
         assert result.finish_reason in ("stop", "length"), result
-        assert result.tokens == generate_greedy(model, ids, 128, engine.eos_id)
+        assert result.tokens == generate_greedy(model, ids, 128, engine.eos_ids)
     assert engine.in_use == 0 and engine.stats.failed == 0
 
 
@@ -243,8 +243,8 @@ def test_ignore_eos_generates_exactly_max_tokens(exported: tuple[GPT, Any, Path]
     room = CONTEXT - len(ids)
     try:
         free = generate(engine, ids, check_sampling(room, 8, len(ids), CONTEXT)).tokens
-        engine.eos_id = free[2]
-        first_eos = free.index(engine.eos_id)
+        engine.eos_ids = frozenset({free[2]})
+        first_eos = free.index(free[2])
         stopped = generate(engine, ids, check_sampling(room, 8, len(ids), CONTEXT))
         forced = generate(engine, ids, check_sampling(room, 8, len(ids), CONTEXT, ignore_eos=True))
     finally:

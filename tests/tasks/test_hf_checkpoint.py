@@ -24,7 +24,7 @@ from tasks.lib.hf_checkpoint import (
     write_checkpoint,
 )
 from tasks.lib.model import GPT, empty_cache
-from tasks.lib.tokens import EOS, PAD
+from tasks.lib.tokens import EOS, PAD, load_vocabulary
 
 VOCAB, CONTEXT = 97, 32
 
@@ -136,7 +136,7 @@ def test_import_then_export_gives_back_the_same_tensors(family: str, tmp_path: P
     theirs = saved_checkpoint(tmp_path / "in", family, 1, shard_size="20KB", **options)
     assert (tmp_path / "in" / "model.safetensors.index.json").exists()
     ours = read_checkpoint(tmp_path / "in")
-    out = write_checkpoint(ours, tokenizer_file(tmp_path), tmp_path / "out")
+    out = write_checkpoint(ours, load_vocabulary(str(tokenizer_file(tmp_path)), tmp_path), tmp_path / "out")
     original = theirs.state_dict()
     with safe_open(str(out / "model.safetensors"), "pt") as written:
         names = set(written.keys())

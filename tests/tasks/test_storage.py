@@ -254,12 +254,12 @@ def test_a_tokenizer_whose_content_does_not_match_its_name_is_refused(tmp_path: 
     good = tmp_path / f"sha256-{tokens.tokenizer_hash(tokenizer.to_str())}" / "tokenizer.json"
     good.parent.mkdir()
     good.write_text(tokenizer.to_str())
-    assert tokens.load_tokenizer(str(good), tmp_path).get_vocab_size() == tokenizer.get_vocab_size()
+    assert tokens.load_vocabulary(str(good), tmp_path).tokenizer.get_vocab_size() == tokenizer.get_vocab_size()
     bad = tmp_path / f"sha256-{'0' * 64}" / "tokenizer.json"
     bad.parent.mkdir()
     bad.write_text(tokenizer.to_str())
     with pytest.raises(storage.StorageUnavailable, match="does not hash to its name"):
-        tokens.load_tokenizer(str(bad), tmp_path)
+        tokens.load_vocabulary(str(bad), tmp_path)
 
 
 @pytest.mark.integration

@@ -32,7 +32,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,11 +306,13 @@ class Detokenizer:
     committed step back, so decoders that change a piece by what precedes it (a word's leading
     space in SentencePiece's Metaspace, WordPiece's ``##``) give the text a whole decode gives."""
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], context: list[int] | None = None) -> None:
         self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.text = ""  # the text of ids[:read], whole characters
-        self.prefix = self.read = 0  # the window: ids[prefix:], of which ids[prefix:read] are in text
+        # the window opens on the prompt's last token: a first generated word keeps its leading
+        # space under Metaspace (Llama 2, Mistral), which a decode of that token alone strips
+        self.ids: list[int] = list(context or [])
+        self.text = ""  # the text of ids[len(context):read], whole characters
+        self.prefix, self.read = 0, len(self.ids)  # the window: ids[prefix:], of which ids[prefix:read] are decoded
         self.sent = 0  # characters of the text already emitted
         self.hold = max((len(s) for s in stops), default=1) - 1
 
@@ -398,14 +400,19 @@ class Engine:
     """The scheduler: a bounded admission queue, ``slots`` running sequences, one thread."""
 
     def __init__(self, decoder: KVDecoder, tokenizer: Any, context: int, slots: int, max_queue: int,
-                 default_max_tokens: int, request_timeout_s: float) -> None:
+                 default_max_tokens: int, request_timeout_s: float, eos_ids: Iterable[int] = (),
+                 bos_id: int | None = None) -> None:
+        """``eos_ids``: the ids generation ends at (a checkpoint's; none given: the pipeline's
+        ``<|endoftext|>``); ``bos_id``: opens every prompt, for models trained so."""
         self.decoder, self.tokenizer, self.context = decoder, tokenizer, context
         self.slots, self.max_queue = slots, max_queue
         self.default_max_tokens, self.request_timeout_s = default_max_tokens, request_timeout_s
-        eos = tokenizer.token_to_id(EOS)
-        if eos is None:
-            raise ValueError(f"the tokenizer has no {EOS} token")
-        self.eos_id: int = eos
+        stops = list(eos_ids) or [tokenizer.token_to_id(EOS)]
+        if stops[0] is None:
+            raise ValueError(f"the tokenizer has no {EOS} token, and no eos_ids were given")
+        self.eos_id: int = stops[0]
+        self.eos_ids = frozenset(stops)
+        self.prefix = [] if bos_id is None else [bos_id]
         self.queue: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}
         self.free = list(range(slots - 1, -1, -1))
@@ -428,7 +435,9 @@ class Engine:
         decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), shape["n_layers"], kv_heads,
                                  shape["head_dim"], shape["seq_len"], slots, threads, tensorrt)
         tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-        return cls(decoder, tokenizer, int(shape["seq_len"]), slots, max_queue, default_max_tokens, request_timeout_s)
+        # a checkpoint's special tokens (exports before them: <|endoftext|>, no BOS)
+        return cls(decoder, tokenizer, int(shape["seq_len"]), slots, max_queue, default_max_tokens, request_timeout_s,
+                   shape.get("eos_ids") or (), shape.get("bos_id"))
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -441,9 +450,11 @@ class Engine:
             self._max_prompt_bytes = self.context * max(longest, 4)  # 4: any one character, byte-fallback or not
         return self._max_prompt_bytes
 
-    def encode(self, prompt: str | bytes) -> list[int]:
-        """A prompt's token ids; one too long to fit the context is refused by its size before
-        it is tokenized (a 16 MB prompt would hold the engine's model thread for seconds)."""
+    def encode(self, prompt: str | bytes, framed: bool = True) -> list[int]:
+        """A prompt's token ids, opened by the model's BOS where it wants one (``framed``; a
+        rendered chat template holds its own); one too long to fit the context is refused by
+        its size before it is tokenized (a 16 MB prompt would hold the engine's model thread for
+        seconds)."""
         size = len(prompt)  # bytes, or characters: each at least one byte
         if isinstance(prompt, str) and size <= self.max_prompt_bytes:
             size = len(prompt.encode("utf-8", "surrogatepass"))
@@ -456,7 +467,7 @@ class Engine:
             except UnicodeDecodeError as exc:
                 raise RequestError(f"prompt is not valid UTF-8 (byte {exc.start})") from None
         ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        return ids
+        return self.prefix + ids if framed else ids
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                emit: Callable[[Sequence, str, str | None], None],
@@ -464,7 +475,7 @@ class Engine:
         """Queue a request (checked already: :func:`check_sampling`); :class:`Overloaded` when full."""
         rng = np.random.default_rng(params.seed)
         sequence = Sequence(prompt_ids, params, emit, cancelled, time.monotonic() + self.request_timeout_s,
-                            Detokenizer(self.tokenizer, params.stop), rng)
+                            Detokenizer(self.tokenizer, params.stop, prompt_ids[-1:]), rng)
         with self.wake:
             if len(self.queue) >= self.max_queue:
                 self.stats.rejected += 1
@@ -563,7 +574,7 @@ class Engine:
             self.stats.ttft_s.append(now - sequence.submitted)
         sequence.last_token_at = now
         sequence.taken += 1
-        if token == self.eos_id and not sequence.params.ignore_eos:
+        if token in self.eos_ids and not sequence.params.ignore_eos:
             self.finish(sequence, "stop", sequence.detok.flush())  # with the text held back for stop strings
             return
         sequence.tokens.append(token)

@@ -1,0 +1,111 @@
+"""A team's Hugging Face checkpoint as the start of a model line (``train.base``).
+
+The tokenize step's ``prepare`` imports a base the first time a line meets it: the checkpoint's
+architecture (:func:`tasks.lib.hf_checkpoint.checkpoint_config`), its tokenizer with the special
+tokens its model uses and its ``tokenizer_config.json`` (the chat template), stored
+content-addressed beside the pipeline's own tokenizers, and its weights as a model folder of
+this pipeline's form in ``tokenize.base_store``, named by the base's identity. The next run, and
+any other DAG run, finds it there and reads nothing from the checkpoint again; training loads it
+as it loads a champion.
+
+A base is known by its identity: the hash of its small files (configs, tokenizer), its weight
+files' names and sizes, and the context trained. A model trained from it records it (``base``:
+uri, identity), and so does each successor: a retrain continues from the champion while the
+champion descends from this base, and starts from the base again when the base changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.lib import hf_checkpoint, storage, tokens
+from tasks.lib.errors import StepError
+from tasks.lib.model import FORMAT_VERSION
+from tasks.lib.model_store import DESCRIPTION_FILE, save_model_files
+
+# what says which checkpoint a folder holds, besides its weight files' names and sizes
+IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", hf_checkpoint.INDEX_FILE)
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """An imported base: where it came from, and its model folder and tokenizer in our stores."""
+
+    uri: str
+    identity: str
+    model_uri: str
+    tokenizer_uri: str
+    tokenizer_hash: str
+
+    @property
+    def record(self) -> dict[str, str]:
+        """What every model of its line records as its ``base``."""
+        return {"uri": self.uri, "identity": self.identity}
+
+
+def base_identity(uri: str, seq_len: int) -> str:
+    """The identity of the checkpoint at ``uri`` trained at ``seq_len`` tokens (reads its small files only)."""
+    sizes = storage.file_sizes(uri)
+    if "config.json" not in sizes:
+        raise StepError(f"train.base {uri}: not a Hugging Face checkpoint folder (no config.json)")
+    digest = hashlib.sha256(f"seq_len={seq_len}\n".encode())
+    for name in IDENTITY_FILES:
+        if name in sizes:
+            digest.update(b"\0" + name.encode() + b"\0" + storage.read_bytes(storage.join(uri, name)))
+    for name, size in sizes.items():
+        if name.endswith(".safetensors"):
+            digest.update(f"\0{name}\0{size}".encode())
+    return digest.hexdigest()
+
+
+def fetch_checkpoint(uri: str, scratch: Path) -> Path:
+    """The checkpoint as a local folder (a local one is read in place)."""
+    if not storage.is_s3(uri):
+        return Path(uri)
+    local = scratch / "base-checkpoint"
+    for name in storage.file_sizes(uri):
+        storage.download(storage.join(uri, name), local / name)
+    return local
+
+
+def read_checkpoint_line(folder: Path, seq_len: int) -> tuple[Any, tokens.SpecialTokens, dict[str, str], Any]:
+    """(architecture, special tokens, tokenizer companions, tokenizer) of a checkpoint folder,
+    checked against each other; CheckpointError (one line) otherwise."""
+    config = hf_checkpoint.checkpoint_config(folder, seq_len)
+    tokenizer = hf_checkpoint.checkpoint_tokenizer(folder, config.vocab_size)
+    special = hf_checkpoint.checkpoint_special_tokens(folder, tokenizer)
+    companions = {tokens.SPECIAL_TOKENS_FILE: json.dumps(special.to_dict(), sort_keys=True)}
+    tokenizer_config = folder / tokens.TOKENIZER_CONFIG_FILE
+    if tokenizer_config.exists():
+        companions[tokens.TOKENIZER_CONFIG_FILE] = tokenizer_config.read_text(encoding="utf-8")
+    return config, special, companions, tokenizer
+
+
+def import_base(uri: str, seq_len: int, base_store: str, tokenizer_store: str, scratch: Path) -> BaseModel:
+    """The base at ``uri`` in our stores, imported unless it already is (written once)."""
+    identity = base_identity(uri, seq_len)
+    folder = storage.join(base_store, f"sha256-{identity}")
+    if not storage.exists(storage.join(folder, storage.SUCCESS_MARKER)):
+        local = fetch_checkpoint(uri, scratch)
+        try:
+            config, special, companions, tokenizer = read_checkpoint_line(local, seq_len)
+            weights = hf_checkpoint.read_weights(local, config)  # one tensor at a time, into our layout
+        except hf_checkpoint.CheckpointError as exc:  # named by the user's URI, not the local copy's path
+            raise StepError(f"train.base: {str(exc).replace(str(local), uri)}") from None
+        tokenizer_uri, tokenizer_hash = tokens.store_vocabulary(tokenizer, tokenizer_store, companions)
+        description = {
+            "architecture": "gpt", "format_version": FORMAT_VERSION, "config": config.to_dict(),
+            "tokenizer_uri": tokenizer_uri, "tokenizer_hash": tokenizer_hash, "eos_id": special.eos_ids[0],
+            "special_tokens": special.to_dict(), "base": {"uri": uri, "identity": identity},
+            "step": 0, "tokens_seen": 0, "initialized_from": None,
+        }
+        with storage.staged_output(folder, write_once=True) as out:  # another run's import may win: the same
+            save_model_files(weights, description, out)
+        del weights
+    saved = storage.read_json(storage.join(folder, DESCRIPTION_FILE))
+    return BaseModel(uri, identity, folder, str(saved["tokenizer_uri"]), str(saved["tokenizer_hash"]))
