@@ -70,7 +70,6 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from tasks.serving.capture import TrafficCapture, served_record
 from tasks.serving.contract import (
-    CHAT_STOP,
     CLIENT_HEADER,
     COPY_HEADER,
     MAX_BODY_BYTES,
@@ -285,7 +284,7 @@ class Api:
         try:
             parsed = self.parse(raw if raw is not None else await read_body(request), reply.chat)
             if isinstance(parsed, ChatRequest):
-                inputs = parsed.engine_inputs(parsed.prompt(), [CHAT_STOP])
+                inputs = parsed.chat_inputs()
                 reply.prompt = parsed.asked()
             else:
                 inputs = parsed.engine_inputs(parsed.text, [])

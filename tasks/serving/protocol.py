@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, Validatio
 from pydantic.json_schema import models_json_schema
 
 from tasks.serving.contract import (
+    CHAT_STOP,
     MAX_BODY_BYTES,
     MAX_STOP_CHARS,
     MAX_STOPS,
@@ -205,6 +206,13 @@ class ChatRequest(Sampling):
         """The plain documented template: one ``Role: content`` line per message, then ``Assistant:``
         (the demo model is not chat-tuned and has no template of its own); it stops at :data:`CHAT_STOP`."""
         return "".join(f"{m.role.capitalize()}: {m.text}\n" for m in self.messages) + "Assistant:"
+
+    def chat_inputs(self) -> dict[str, Any]:
+        """The engine's body for a chat: the plain template's prompt and stop, which a model
+        without a template of its own answers, and the messages as a request parameter, which
+        one with a template renders instead (dropping that stop; engines before templates ignore it)."""
+        messages = [{"role": m.role, "content": m.text} for m in self.messages]
+        return {**self.engine_inputs(self.prompt(), [CHAT_STOP]), "parameters": {"messages": json.dumps(messages)}}
 
     def asked(self) -> str:
         """What the user asked, without the template's framing (the drift check reads it)."""

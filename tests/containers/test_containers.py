@@ -74,11 +74,14 @@ def test_serving_image_installs_what_the_python_backend_models_import() -> None:
     the python backend too: their imports beyond Triton's come from the runtime lock (on GPUs
     ONNX Runtime's CUDA build and torch, tests/tasks/test_engine.py's GPU test)."""
     imported: set[str] = set()
-    siblings = set()  # a model's own modules beside its model.py (the engine)
+    siblings = {"serving_contract"}  # a model's own modules beside its model.py (the engine, chat, the contract)
     for source in sorted((REPO_ROOT / "tasks" / "serving" / "triton_models").glob("*/*.py")):
         siblings.add(source.stem)
-        imported |= set(re.findall(r"^(?:import|from) (\w+)", source.read_text(), flags=re.M))
-    provided = set(sys.stdlib_module_names) | siblings | {"__future__", "triton_python_backend_utils"}
+        imported |= set(re.findall(r"^\s*(?:import|from) (\w+)", source.read_text(), flags=re.M))
+    # in the repo, not the image: the contract's own module (the image has serving_contract); torch
+    # on GPUs only, from the CUDA build's line checked below
+    provided = set(sys.stdlib_module_names) | siblings | {"__future__", "triton_python_backend_utils", "tasks",
+                                                          "torch"}
     serving = (REPO_ROOT / "containers" / "Dockerfile.serving").read_text()
     installed = set(re.search(r'-c /tmp/runtime.txt ([\w ]+)"\$engine"', serving).group(1).split())  # type: ignore[union-attr]
     # the engine's ONNX Runtime by device: the CUDA build (the same module) with the lock's torch
@@ -86,7 +89,7 @@ def test_serving_image_installs_what_the_python_backend_models_import() -> None:
     # CPU build; docker-compose.yaml's Triton (on the CPU) builds the latter
     assert re.search(r"echo onnxruntime-gpu \|\| echo onnxruntime\)", serving)
     assert "torch==\\1+cu130" in serving and "download.pytorch.org/whl/cu130" in serving
-    assert imported - provided == installed | {"onnxruntime"} == {"numpy", "onnxruntime", "tokenizers"}
+    assert imported - provided == installed | {"onnxruntime"} == {"jinja2", "numpy", "onnxruntime", "tokenizers"}
     assert "ARG DEVICE=gpu" in serving and "USER 1000" in serving
     assert load_compose()["services"]["triton"]["build"]["args"] == {"DEVICE": "cpu"}
 

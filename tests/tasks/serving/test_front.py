@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import export, params_with_model_name, register_gpt, write_eval_text
+from helpers import export, params_with_model_name, register_gpt, served_alone, write_eval_text
 
 from tasks.serving.contract import MAX_BODY_BYTES
 
@@ -34,28 +34,13 @@ MODEL = {"seq_len": 256, "d_model": 128, "n_layers": 4, "n_heads": 4}
 @pytest.fixture(scope="module")
 def served(stack_env: dict[str, str], tokenizer_uri: str, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[dict[str, str]]:
-    """A registered, exported version loaded in the stack's Triton and routed to (all traffic);
-    unloaded and the route emptied afterwards, as the next module expects the stack."""
-    from tasks.lib import triton
-    from tasks.lib.params import load_settings
-    from tasks.serving.platforms import serve_versions, stage_version
-    from tasks.serving.router import NginxRouter
-
+    """A registered, exported version loaded in the stack's Triton and routed to (all traffic)."""
     folder = tmp_path_factory.mktemp("front")
     env = {**stack_env, **params_with_model_name("front-test", folder)}
     version = register_gpt(env["MODEL_NAME"], tokenizer_uri, seed=5, **MODEL)
     export(version, folder / "export", env, write_eval_text(folder, 600, 640))
-    serve = load_settings().serve
-    repository, client = Path(env["TRITON_REPOSITORY"]), triton.TritonClient(env["TRITON_URL"])
-    router = NginxRouter(Path(env["ROUTER_DIR"]), env["ROUTER_URL"], env["ROUTER_INTERNAL_URL"])
-    stage_version(str(folder / "export"), int(version), repository, serve, folder / "scratch")
-    serve_versions(client, repository, serve, [int(version)])
-    router.apply(int(version))
-    try:
+    with served_alone(env, version, folder / "export", folder / "scratch"):
         yield {**env, "VERSION": version}
-    finally:
-        router.apply(None)
-        serve_versions(client, repository, serve, [])
 
 
 def served_name(env: dict[str, str]) -> str:

@@ -14,8 +14,9 @@ request's error, one line.
 Models without a template keep the plain one (:data:`PLAIN_TEMPLATE`): one ``Role: content`` line
 per message, then ``Assistant:``, stopped at ``\\nUser:``.
 
-Standard library and jinja2 only (the export is to copy it beside the engine). Not yet wired:
-the engine and the OpenAI front still use the plain template for every model (issue 43 item 2).
+Standard library and jinja2 only: the export copies it beside the engine with a base's
+``tokenizer_config.json``; the engine (model.py) renders a chat's messages with it, and a model
+without a template answers the front's plain-template prompt.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ import triton_python_backend_utils as pb_utils
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine import Engine, Overloaded, RequestError, Sequence, check_sampling
 
+CHAT_CONFIG = "tokenizer_config.json"  # a base's, exported beside the engine: its chat template
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_PERIOD_S = 0.5  # how stale Triton's engine metrics may be
 LATENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
@@ -45,6 +47,37 @@ def scalar(request: Any, name: str) -> Any:
         raise RequestError(f"{name}: expected one value, got {value.size}")
     item = value[0]
     return item.decode("utf-8", errors="replace") if isinstance(item, bytes) else item.item()
+
+
+def chat_template(folder: str) -> Any:
+    """The model's own chat template (chat.py, exported beside the engine with the base's
+    tokenizer_config.json), or None: a model without one answers chat with the front's plain template."""
+    path = os.path.join(folder, CHAT_CONFIG)
+    if not os.path.exists(path):
+        return None
+    from chat import ChatTemplate
+
+    with open(path, encoding="utf-8") as fh:
+        template = ChatTemplate.from_tokenizer_config(json.load(fh))
+    return None if template.plain else template
+
+
+def chat_messages(request: Any) -> list[dict[str, Any]] | None:
+    """The request's chat messages (the front's ``messages`` request parameter, a JSON list), if any."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (json.JSONDecodeError, TypeError):
+        return None
+    value = parameters.get("messages") if isinstance(parameters, dict) else None
+    if not isinstance(value, str):
+        return None
+    try:
+        messages = json.loads(value)
+    except json.JSONDecodeError:
+        raise RequestError("messages: not a JSON list of messages") from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise RequestError("messages: not a JSON list of messages")
+    return messages
 
 
 def stop_strings(request: Any) -> list[str] | None:
@@ -124,6 +157,7 @@ class TritonPythonModel:
         # model.py may run under a configuration an older export wrote)
         outputs = {output["name"] for output in config.get("output", [])}
         self.timed = {"engine_ttft_ms", "engine_itl_ms"} <= outputs
+        self.chat = chat_template(folder)
         self.metrics = Metrics(args["model_name"], args["model_version"])
         self.engine.start()
         self.stopped = threading.Event()
@@ -167,13 +201,30 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"llm_generate metrics: {type(exc).__name__}: {exc}")
 
     def parse(self, request: Any) -> tuple[list[int], Any, bool]:
+        """A request's prompt ids, sampling and whether it streams. With chat ``messages`` and a
+        template of its own, the model renders them as transformers would (its special tokens
+        are in the text: nothing is added) and the plain template's stop, which the front sends
+        for models without one, is dropped; else ``text_input`` is the prompt."""
         text = pb_utils.get_input_tensor_by_name(request, "text_input")
         if text is None:
             raise RequestError("text_input is missing")
         values = text.as_numpy().reshape(-1)
         if values.size != 1:
             raise RequestError(f"text_input: expected one prompt, got {values.size}")
-        prompt_ids = self.engine.encode(values[0])
+        messages = chat_messages(request) if self.chat is not None else None
+        stops = stop_strings(request)
+        if messages is not None:
+            from chat import PLAIN_STOP, TemplateError
+
+            try:
+                prompt_ids = self.engine.encode(self.chat.render(messages), framed=False)
+            except TemplateError as exc:
+                raise RequestError(str(exc)) from None
+            if stops and PLAIN_STOP in stops:  # the front's, appended last (a client's own stays)
+                last = len(stops) - 1 - stops[::-1].index(PLAIN_STOP)
+                stops = stops[:last] + stops[last + 1:]
+        else:
+            prompt_ids = self.engine.encode(values[0])
         settings = {}
         for name, kind in SCALARS.items():
             value = scalar(request, name)
@@ -182,7 +233,7 @@ class TritonPythonModel:
             except (TypeError, ValueError):
                 raise RequestError(f"{name} {value!r}: expected a number") from None
         params = check_sampling(default_max_tokens=self.engine.default_max_tokens, prompt_tokens=len(prompt_ids),
-                                context=self.engine.context, stop=stop_strings(request),
+                                context=self.engine.context, stop=stops,
                                 ignore_eos=bool(scalar(request, "ignore_eos")), **settings)
         return prompt_ids, params, bool(scalar(request, "stream"))
 
