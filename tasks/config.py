@@ -483,6 +483,45 @@ class GateLimits:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskGate:
+    metric: str
+    """The lm-eval metric judged, as its results name it: ``acc``, or ``exact_match,first_word`` (metric,filter)."""
+    min: float = 0.0
+    """Lowest score accepted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteSettings:
+    tasks_dir: str
+    """A folder of lm-eval task YAML whose data files are named relative to it (relative: to the repository); empty: no suite."""
+    tasks: dict[str, TaskGate]
+    """The tasks run, by lm-eval task name, each with its metric and lowest score."""
+    max_drop: float
+    """The challenger fails a task when its paired bootstrap interval of (challenger - champion) lies wholly below -max_drop."""
+    confidence: float
+    """Of that interval."""
+    bootstrap_samples: int
+    """Resamples of the examples."""
+    limit: int
+    """Examples per task (0: all of them)."""
+    batch_size: int
+    """lm-eval's batch size."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "bootstrap_samples", "batch_size")
+        _at_least_zero(self, "max_drop", "limit")
+        _check(0.5 <= self.confidence < 1, "confidence", self.confidence, "expected a level in [0.5, 1)")
+        _check(not self.tasks_dir or bool(self.tasks), "tasks", self.tasks, "expected at least one task (or no tasks_dir)")
+
+    @property
+    def folder(self) -> Path | None:
+        if not self.tasks_dir:
+            return None
+        path = Path(self.tasks_dir)
+        return path if path.is_absolute() else REPO_ROOT / path
+
+
+@dataclasses.dataclass(frozen=True)
 class EvaluateSettings:
     eval_set_uri: str
     """The fixed evaluation text (held out by the seed, written once)."""
@@ -502,6 +541,8 @@ class EvaluateSettings:
     """Greedy tokens generated per prompt for the report."""
     prompts: tuple[str, ...]
     """The report's and export's reference prompts."""
+    suite: SuiteSettings
+    """Task suites run by lm-evaluation-harness on each model's Hugging Face form."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_eval_tokens", "batch", "max_eval_perplexity", "sample_tokens")

@@ -5,8 +5,13 @@ evaluation text (``evaluate.eval_set_uri``, never trained on, identical across r
 next-token loss, perplexity, next-token accuracy, and bits per byte on the evaluation text
 (independent of the tokenizer). A few greedy generations from fixed prompts are saved.
 
+Task suites (``evaluate.suite``): lm-eval task YAML over local files, run by EleutherAI's
+lm-evaluation-harness on each model's Hugging Face form (:mod:`tasks.lib.harness`).
+
 Gate (params.yaml ``evaluate``): absolute bounds, and at most ``max_regression`` relative
-perplexity increase over the champion; the first model ever is judged on absolute bounds only.
+perplexity increase over the champion; each task's lowest score, and no task worse than the
+champion's beyond the noise (a paired bootstrap over its examples); the first model ever is
+judged on absolute bounds only.
 A rejection writes the report, then exits 99: the DAG skips everything downstream.
 """
 
@@ -23,10 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tasks.config import EvaluateSettings
+from tasks.config import EvaluateSettings, SuiteSettings
 from tasks.lib import storage, tokens
 from tasks.lib.data import open_split
 from tasks.lib.errors import GateRejected, StepError
+from tasks.lib.harness import TaskScore, paired_difference, run_suite, task_manager
+from tasks.lib.hf_checkpoint import NotLlama, write_checkpoint
 from tasks.lib.model import GPT
 from tasks.lib.model_store import CHAMPION, LoadedModel, load_model_dir, load_registered
 from tasks.lib.params import load_settings
@@ -135,6 +142,57 @@ def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: E
     return reasons
 
 
+def suite_scores(loaded: LoadedModel, suite: SuiteSettings, manager: Any, folder: Path) -> dict[str, TaskScore] | None:
+    """The model's task scores, run in its Hugging Face form; None for a model that has none (format 1)."""
+    vocabulary = tokens.load_vocabulary(loaded.tokenizer_uri, folder / "tokenizer")
+    try:
+        write_checkpoint(loaded.model, vocabulary, folder / "hf")
+    except NotLlama as exc:
+        log.warning("task suite: %s", exc)
+        return None
+    return run_suite(folder / "hf", vocabulary.special.add_bos, suite, manager)
+
+
+def judge_tasks(challenger: dict[str, TaskScore], champion: dict[str, TaskScore] | None,
+                suite: SuiteSettings) -> tuple[list[str], dict[str, Any]]:
+    """Reasons to reject the challenger on its tasks (below a task's min; worse than the champion
+    beyond the noise), and each task's figures for the report."""
+    reasons: list[str] = []
+    figures: dict[str, Any] = {}
+    for name, gate in suite.tasks.items():
+        mine, theirs = challenger[name], champion[name] if champion else None
+        difference = paired_difference(mine.per_example, theirs.per_example, suite.bootstrap_samples,
+                                       suite.confidence) if theirs else None
+        if mine.score < gate.min:
+            reasons.append(f"task {name}: {gate.metric} {mine.score:.3f} < min {gate.min:g}")
+        if theirs is not None and difference is not None and difference.high < -suite.max_drop:
+            reasons.append(f"task {name}: {gate.metric} {mine.score:.3f} is below the champion's {theirs.score:.3f} "
+                           f"beyond the noise ({suite.confidence:.0%} paired bootstrap interval of the difference "
+                           f"[{difference.low:+.3f}, {difference.high:+.3f}] over {difference.examples} examples)")
+        figures[name] = {"metric": gate.metric, "min": gate.min, "challenger": mine.score,
+                         "examples": len(mine.per_example), "champion": theirs.score if theirs else None,
+                         "difference": difference.to_dict() if difference else None}
+    return reasons, figures
+
+
+def evaluate_tasks(challenger: LoadedModel, champion: LoadedModel | None, suite: SuiteSettings,
+                   scratch: Path) -> tuple[list[str], dict[str, Any] | None]:
+    """The task suite's reasons and figures (None: no suite configured)."""
+    if suite.folder is None:
+        return [], None
+    manager = task_manager(suite, scratch)
+    mine = suite_scores(challenger, suite, manager, scratch / "suite-challenger")
+    if mine is None:
+        raise StepError(f"{challenger.description.get('dataset_uri', 'the challenger')}: a model without a Hugging "
+                        "Face form cannot run the task suite")
+    theirs = suite_scores(champion, suite, manager, scratch / "suite-champion") if champion is not None else None
+    reasons, figures = judge_tasks(mine, theirs, suite)
+    log.info("task suite: %s", "; ".join(
+        f"{name} {f['metric']} {f['challenger']:.3f}" + (f" (champion {f['champion']:.3f})" if f["champion"] is not None
+                                                          else "") for name, f in figures.items()))
+    return reasons, figures
+
+
 def log_to_mlflow(dag_run_tag: str, report: dict[str, Any], output: str, experiment: str) -> None:
     """Metrics, report and samples into the DAG run's MLflow run (the one training opened)."""
     if not dag_run_tag or not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -149,6 +207,7 @@ def log_to_mlflow(dag_run_tag: str, report: dict[str, Any], output: str, experim
         for name in ("report.json", "samples.json"):
             mlflow.log_artifact(str(storage.download(storage.join(output, name), Path(tmp) / name)), "evaluation")
         mlflow.log_metrics({f"eval.{k}": v for k, v in report["challenger"].items() if isinstance(v, float)})
+        mlflow.log_metrics({f"eval.task.{name}": figures["challenger"] for name, figures in (report["tasks"] or {}).items()})
         mlflow.set_tag("evaluation.passed", str(report["passed"]).lower())
 
 
@@ -173,6 +232,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             champion = measure(champion_model, val.tokens if same_vocab else None, Path(eval_set), params, scratch)
             champion["registry_version"] = champion_model.description["registry_version"]
         reasons = judge(challenger, champion, params)
+        task_reasons, task_figures = evaluate_tasks(challenger_model, champion_model, params.suite, scratch)
+        reasons += task_reasons
         report = {
             "passed": not reasons,
             "reasons": reasons,
@@ -181,6 +242,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "eval_set_sha256": eval_sha,
             "challenger": {k: v for k, v in challenger.items() if k != "samples"},
             "champion": None if champion is None else {k: v for k, v in champion.items() if k != "samples"},
+            "tasks": task_figures,
             "gate": {k: getattr(params, k) for k in ("max_eval_perplexity", "min_eval_accuracy", "max_regression")},
         }
         (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))

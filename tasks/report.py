@@ -139,7 +139,7 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
                                                "initialized_from", "resumed_from", "model_uri", "mlflow_run_id")},
         "evaluation": {"passed": evaluation.get("passed"), "reasons": evaluation.get("reasons"),
                        "challenger": evaluation.get("challenger"), "champion": evaluation.get("champion"),
-                       "samples_uri": evaluation.get("samples_uri")},
+                       "tasks": evaluation.get("tasks"), "samples_uri": evaluation.get("samples_uri")},
         "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
         "canary": {k: deploy.get(k) for k in ("verdict", "stable", "canary", "aliases", "shadow", "steps",
                                               "report_uri", "held_at", "approval")},
@@ -221,6 +221,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"accuracy {_fmt(challenger.get('eval_accuracy'), '.3f')}, bits/byte "
                      f"{_fmt(challenger.get('eval_bits_per_byte'), '.3f')}: "
                      f"{'passed' if ev.get('passed') else 'rejected: ' + '; '.join(ev.get('reasons') or [])}")
+    for name, task in (ev.get("tasks") or {}).items():
+        versus = f" (champion {_fmt(task['champion'], '.3f')})" if task.get("champion") is not None else ""
+        lines.append(f"  task        {name} {task['metric']} {_fmt(task['challenger'], '.3f')}{versus}, min {task['min']:g}")
     if reg.get("version"):
         lines.append(f"  registered  {reg['model_uri']} (alias challenger: v{reg.get('challenger')}, the newest data window)")
     if canary.get("verdict") and canary["verdict"] != "not deployed":  # (the outcome line says why not)
@@ -255,6 +258,10 @@ def render_html(report: dict[str, Any], lines: list[str], loss_png: Path | None,
     challenger, champion = ev.get("challenger") or {}, ev.get("champion") or {}
     metrics = sorted({k for k in challenger if isinstance(challenger[k], float)})
     eval_rows = [(m, _fmt(challenger.get(m)), _fmt(champion.get(m)) if champion else "-") for m in metrics]
+    task_rows = [(name, t["metric"], _fmt(t["challenger"], ".3f"), "-" if t.get("champion") is None else
+                  _fmt(t["champion"], ".3f"), "-" if not t.get("difference") else
+                  f"{t['difference']['mean']:+.3f} [{t['difference']['low']:+.3f}, {t['difference']['high']:+.3f}]",
+                  f"{t['min']:g}", str(t["examples"])) for name, t in (ev.get("tasks") or {}).items()]
     sample_rows = [(s["prompt"], s["completion"], next((c["completion"] for c in (samples or {}).get("champion") or []
                                                          if c["prompt"] == s["prompt"]), "-"))
                    for s in (samples or {}).get("challenger") or []]
@@ -278,6 +285,8 @@ overflow-x:auto}}img{{max-width:100%}}.verdict{{font-size:1.3em;font-weight:bold
 <pre>{html.escape(chr(10).join(lines))}</pre>
 <h2>Training loss</h2>{_img(loss_png)}
 <h2>Evaluation (held-out text)</h2>{_table(eval_rows, ("metric", "challenger", "champion"))}
+<h3>Task suites (lm-evaluation-harness)</h3>{_table(task_rows, ("task", "metric", "challenger", "champion",
+    "difference [interval]", "min", "examples")) if task_rows else "<p>none configured</p>"}
 <h3>Samples (greedy)</h3>{_table(sample_rows, ("prompt", "challenger", "champion"))}
 <h2>Canary</h2>{_table(canary_rows, ("stage", "verdict"))}{_img(canary_png) if canary_rows else ""}
 <h2>Links</h2><ul>{''.join(links)}</ul>

@@ -273,6 +273,12 @@ def test_worse_challenger_is_rejected_and_champion_untouched(
     report = json.loads((tmp_path / "e2" / "report.json").read_text())
     assert report["passed"] is False and report["champion"]["registry_version"] == champion_version
     assert report["challenger"]["eval_perplexity"] > report["champion"]["eval_perplexity"]
+    # both ran the task suite, their examples paired (the interval holds the mean difference)
+    for task in report["tasks"].values():
+        difference = task["difference"]
+        assert task["champion"] is not None and difference["examples"] == task["examples"] == 100
+        assert difference["low"] <= difference["mean"] <= difference["high"]
+        assert abs(difference["mean"] - (task["challenger"] - task["champion"])) < 1e-9
     # the rejected model cannot be registered, and the champion alias did not move
     refused = register(poor_model, tmp_path / "e2" / "report.json", f"poor-{time.time_ns()}", registry_env)
     assert refused.returncode == 2 and "did not pass" in error_lines(refused)[0]
