@@ -106,6 +106,11 @@ with DAG(
             pipeline.raw_data_uri, type="string", pattern=r"^(s3://|/).+", title="Raw data",
             description="Raw JSON Lines partitioned as date=YYYY-MM-DD/ (s3:// URI or absolute path).",
         ),
+        "eval_set_uri": Param(
+            params.evaluate.eval_set_uri, type="string", pattern=r"^(s3://|/).+", title="Held-out text",
+            description="JSON Lines of held-out text (never trained on) the gate measures perplexity on and the "
+                        "export checks parity with (s3:// URI or absolute path).",
+        ),
         "num_shards": Param(
             params.tokenize.num_shards, type="integer", minimum=1, maximum=256, title="Tokenization shards",
             description="Parallel tokenization tasks (one pod each in a cluster).",
@@ -251,6 +256,7 @@ with DAG(
         [
             "--model", result(train, "model_uri"),
             "--dataset", result(merge, "dataset_uri"),
+            "--eval-set", "{{ params.eval_set_uri }}",
             "--output", run_output_uri("evaluate"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
             "--set", "max_regression={{ params.max_regression }}",
@@ -279,6 +285,7 @@ with DAG(
         "tasks.export",
         [
             "--model-version", result(register, "version"),
+            "--eval-set", "{{ params.eval_set_uri }}",
             "--output", run_output_uri("export"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
         ],

@@ -1,7 +1,7 @@
 """A tiny Hugging Face base checkpoint, built offline: a byte-level BPE trained on your text and
 a randomly initialized model of the Llama family, saved as transformers saves any checkpoint.
 
-    python examples/tiny_base.py --family llama --text 'docs/*.md' --out /tmp/tiny-llama
+    .venvs/runtime/bin/python -m examples.tiny_base --family llama --text "docs/*.md" --out /tmp/tiny-llama
 
 ``llama``: grouped-query attention, an untied head, Llama 3's special tokens (a BOS its
 tokenizer adds, two end-of-sequence tokens) and chat template. ``qwen2``: q/k/v biases, an

@@ -6,6 +6,7 @@
     python -m stack status   one line per server
     python -m stack env      ``export`` lines for a shell: endpoints and generated keys
     python -m stack predict "PROMPT"   a completion from the serving model, through the router
+    python -m stack retrain-conf   `make retrain`'s run configuration (JSON) from BASE, EVAL_SET, END_DATE, LOOKBACK
     python -m stack traffic normal|drifted [--count N]   demo traffic through the router, then the
                                        capture flushed (stack/traffic.py; what the drift check reads)
     python -m stack compose-init   docker-compose.yaml's set-up (buckets, router config, pools), in its container
@@ -79,6 +80,28 @@ def predict(prompt: str, max_tokens: int) -> int:
     return 0
 
 
+def retrain_conf() -> int:
+    """`make retrain`'s run configuration from its variables (BASE, EVAL_SET, END_DATE, LOOKBACK in
+    the environment), as JSON: local paths made absolute (the steps run elsewhere), the window
+    ending tomorrow unless END_DATE says otherwise (today's imports are in it)."""
+    import datetime as dt
+
+    env = os.environ
+
+    def located(value: str) -> str:
+        return value if "://" in value else str(Path(value).resolve())
+
+    conf: dict[str, object] = {"end_date": env.get("END_DATE") or str(dt.datetime.now(dt.UTC).date() + dt.timedelta(days=1))}
+    if env.get("BASE"):
+        conf["train_base"] = located(env["BASE"])
+    if env.get("EVAL_SET"):
+        conf["eval_set_uri"] = located(env["EVAL_SET"])
+    if env.get("LOOKBACK"):
+        conf["lookback_days"] = int(env["LOOKBACK"])
+    print(json.dumps(conf))
+    return 0
+
+
 def write_compose_metrics_auth(folder: str) -> int:
     """The logins of Prometheus and the Pushgateway, into ``folder``/prometheus and
     ``folder``/pushgateway (a volume each, mounted by that server only), readable by the user
@@ -120,7 +143,7 @@ def write_compose_s3_identities(folder: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "traffic", "compose-init",
+    parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "traffic", "retrain-conf", "compose-init",
                                             "reconcile-serving", "mlflow-users", "metrics-auth", "s3-identities"])
     parser.add_argument("prompt", nargs="?", default="",
                         help="with `predict`: the text to continue; with `traffic`: normal or drifted; with "
@@ -144,6 +167,8 @@ def main() -> int:
               f"(4xx: too long for the context, ...), {sent['failed']} failed; e.g. {sent['example']!r}; "
               f"capture: {sent['capture']}")
         return 0 if sent["ok"] and not sent["failed"] else 1
+    if args.command == "retrain-conf":
+        return retrain_conf()
     if args.command == "compose-init":
         init_compose_stack()
         return 0

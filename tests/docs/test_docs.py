@@ -14,7 +14,7 @@ from helpers import REPO_ROOT
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 TOP_DIRS = ("dags", "plugins", "tasks", "stack", "observability", "containers", "benchmarks", "tests", "docs",
-            "requirements")
+            "requirements", "examples", "evaluation")
 TOP_FILES = ("params.yaml", "docker-compose.yaml", "dvc.yaml", "airflow.cfg", "pyproject.toml", ".ci/run")
 
 
