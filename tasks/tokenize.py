@@ -99,7 +99,8 @@ def prepare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
             vocabulary = tokens.load_vocabulary(existing, scratch)
             tokenizer = vocabulary.tokenizer
             uri, digest = tokens.store_vocabulary(tokenizer, params.tokenizer_store, vocabulary.companions)
-            log.info("reusing the %s tokenizer %s (vocab %d)", source, existing, tokenizer.get_vocab_size())
+            log.info("%s tokenizer %s (vocab %d)", "the base checkpoint's" if source == "base" else f"reusing the {source}",
+                     existing, tokenizer.get_vocab_size())
         else:
             snapshot = storage.download(args.snapshot, scratch / "snapshot.jsonl")
             count = sum(1 for _ in tokens.read_jsonl(snapshot))
