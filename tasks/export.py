@@ -53,7 +53,7 @@ import torch
 
 from tasks.config import REPO_ROOT, ServeSettings, Settings, TensorRT
 from tasks.lib import hf_checkpoint, storage, tokens, triton
-from tasks.lib.errors import StepError
+from tasks.lib.errors import StepError, first_line
 from tasks.lib.model import GPT, empty_cache, generate_greedy
 from tasks.lib.model_store import load_version
 from tasks.lib.params import load_settings
@@ -290,6 +290,20 @@ def build_tensorrt(onnx_path: Path, plan_path: Path, seq_len: int, trt_params: T
     return "built: fp16" if trt_params.fp16 else "built: fp32"
 
 
+def check_chat_template(vocabulary: tokens.Vocabulary) -> None:
+    """A base's chat template compiles and renders a conversation, as the engine will: a broken
+    one fails the export in one line, not the version's load in Triton during its canary."""
+    from tasks.serving.triton_models.llm_generate.chat import ChatTemplate, TemplateError
+
+    if vocabulary.chat_config is None:
+        return
+    try:
+        template = ChatTemplate.from_tokenizer_config(json.loads(vocabulary.chat_config))
+        template.render([{"role": "user", "content": "a"}])  # some templates refuse a system message: not this
+    except (TemplateError, json.JSONDecodeError, AttributeError) as exc:
+        raise StepError(f"the model's tokenizer_config.json: its chat template cannot serve ({first_line(exc)})") from None
+
+
 def write_repository(out: Path, version: str, onnx_path: Path, decoder_path: Path, vocabulary: tokens.Vocabulary,
                      shape: dict[str, Any], serve: ServeSettings) -> dict[str, Any]:
     """The Triton repository fragment of this version and every backend's configuration (a
@@ -409,6 +423,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     with storage.scratch() as scratch, storage.staged_output(args.output, write_once=True) as out:
         loaded = load_version(name, version)
         vocabulary = tokens.load_vocabulary(loaded.tokenizer_uri, scratch)
+        check_chat_template(vocabulary)
         eval_text = storage.download(args.eval_set or settings.evaluate.eval_set_uri, scratch / "eval.jsonl")
         onnx_path = scratch / "model.onnx"
         export_onnx(loaded.model, onnx_path, params.opset, serve.max_batch_size)

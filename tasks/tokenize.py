@@ -72,6 +72,9 @@ def champion(model_name: str) -> Production | None:
 def start_point(args: argparse.Namespace, settings: Settings, production: Production | None,
                 scratch: Path) -> tuple[str, str, BaseModel | None]:
     """(tokenizer URI or "" to train one, its source, the base imported for this run or None)."""
+    if args.tokenizer and args.base:
+        raise StepError(f"--tokenizer {args.tokenizer} with train.base {args.base}: a base is trained with its own "
+                        "tokenizer (leave tokenizer_uri empty, or train.base)")
     if args.tokenizer:
         return args.tokenizer, "explicit", None
     if args.base:
@@ -95,10 +98,11 @@ def prepare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         production = champion(settings.pipeline.model_name)
         existing, source, base = start_point(args, settings, production, scratch)
+        companions: dict[str, str]  # a base's files beside its tokenizer.json (ours: none)
         if existing:
             vocabulary = tokens.load_vocabulary(existing, scratch)
-            tokenizer = vocabulary.tokenizer
-            uri, digest = tokens.store_vocabulary(tokenizer, params.tokenizer_store, vocabulary.companions)
+            tokenizer, companions = vocabulary.tokenizer, vocabulary.companions
+            uri, digest = tokens.store_vocabulary(tokenizer, params.tokenizer_store, companions)
             log.info("%s tokenizer %s (vocab %d)", "the base checkpoint's" if source == "base" else f"reusing the {source}",
                      existing, tokenizer.get_vocab_size())
         else:
@@ -112,6 +116,7 @@ def prepare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
                 "trained a byte-level BPE (vocab %d) on %d documents in %.1fs",
                 tokenizer.get_vocab_size(), count, time.perf_counter() - started,
             )
+            companions = {}
             uri, digest = tokens.store_vocabulary(tokenizer, params.tokenizer_store)
         production_uri = production.model_uri if production else ""
         info = {
@@ -126,8 +131,11 @@ def prepare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
             "vocab_size": tokenizer.get_vocab_size(),
             "dtype": tokens.token_dtype(tokenizer.get_vocab_size()).name,
         }
-        # the tokenizer itself beside its description, so dvc.yaml stages can point at a path
-        (out / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
+        # the tokenizer itself (with a base's special tokens and tokenizer_config.json) beside its
+        # description, so dvc.yaml stages can point at a path
+        (out / tokens.TOKENIZER_FILE).write_text(tokenizer.to_str(), encoding="utf-8")
+        for name, text in companions.items():
+            (out / name).write_text(text, encoding="utf-8")
         (out / "info.json").write_text(json.dumps(info, indent=1))
     return info
 

@@ -27,9 +27,11 @@ from tasks.lib.errors import StepError
 from tasks.lib.model import FORMAT_VERSION
 from tasks.lib.model_store import DESCRIPTION_FILE, save_model_files
 
-# what says which checkpoint a folder holds, besides its weight files' names and sizes
+# what says which checkpoint a folder holds, besides its weight files (transformers 5 saves the chat
+# template as chat_template.jinja beside tokenizer_config.json)
+TEMPLATE_FILE = "chat_template.jinja"
 IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", hf_checkpoint.INDEX_FILE)
+                  TEMPLATE_FILE, "special_tokens_map.json", hf_checkpoint.INDEX_FILE)
 
 
 @dataclass(frozen=True)
@@ -49,27 +51,43 @@ class BaseModel:
 
 
 def base_identity(uri: str, seq_len: int) -> str:
-    """The identity of the checkpoint at ``uri`` trained at ``seq_len`` tokens (reads its small files only)."""
-    sizes = storage.file_sizes(uri)
-    if "config.json" not in sizes:
+    """The identity of the checkpoint at ``uri`` trained at ``seq_len`` tokens: its small files'
+    contents and each weight file's version (S3: size and ETag; a local file: size and
+    modification time), read without reading the weights."""
+    versions = storage.file_versions(uri)
+    if "config.json" not in versions:
         raise StepError(f"train.base {uri}: not a Hugging Face checkpoint folder (no config.json)")
     digest = hashlib.sha256(f"seq_len={seq_len}\n".encode())
     for name in IDENTITY_FILES:
-        if name in sizes:
+        if name in versions:
             digest.update(b"\0" + name.encode() + b"\0" + storage.read_bytes(storage.join(uri, name)))
-    for name, size in sizes.items():
+    for name, version in versions.items():
         if name.endswith(".safetensors"):
-            digest.update(f"\0{name}\0{size}".encode())
+            digest.update(f"\0{name}\0{version}".encode())
     return digest.hexdigest()
 
 
 def fetch_checkpoint(uri: str, scratch: Path) -> Path:
-    """The checkpoint as a local folder (a local one is read in place)."""
+    """The checkpoint as a local folder (a local one is read in place): its small files and the
+    safetensors the index names (or the one model.safetensors), not the other formats a
+    published folder may hold beside them (original/*.pth, *.bin, consolidated.safetensors)."""
     if not storage.is_s3(uri):
         return Path(uri)
     local = scratch / "base-checkpoint"
-    for name in storage.file_sizes(uri):
-        storage.download(storage.join(uri, name), local / name)
+    present = storage.file_versions(uri)
+    for name in IDENTITY_FILES:
+        if name in present:
+            storage.download(storage.join(uri, name), local / name)
+    index = local / hf_checkpoint.INDEX_FILE
+    weights = {hf_checkpoint.SINGLE_FILE}
+    if index.exists():
+        try:
+            weights = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            weights = set()  # read_weights names the unreadable index in one line
+    for name in sorted(weights):
+        if name in present:
+            storage.download(storage.join(uri, name), local / name)
     return local
 
 
@@ -80,10 +98,28 @@ def read_checkpoint_line(folder: Path, seq_len: int) -> tuple[Any, tokens.Specia
     tokenizer = hf_checkpoint.checkpoint_tokenizer(folder, config.vocab_size)
     special = hf_checkpoint.checkpoint_special_tokens(folder, tokenizer)
     companions = {tokens.SPECIAL_TOKENS_FILE: json.dumps(special.to_dict(), sort_keys=True)}
-    tokenizer_config = folder / tokens.TOKENIZER_CONFIG_FILE
-    if tokenizer_config.exists():
-        companions[tokens.TOKENIZER_CONFIG_FILE] = tokenizer_config.read_text(encoding="utf-8")
+    tokenizer_config = with_chat_template(folder)
+    if tokenizer_config is not None:
+        companions[tokens.TOKENIZER_CONFIG_FILE] = tokenizer_config
     return config, special, companions, tokenizer
+
+
+def with_chat_template(folder: Path) -> str | None:
+    """The checkpoint's tokenizer_config.json, holding its chat template: a ``chat_template.jinja``
+    beside it (where transformers 5 saves the template) is folded in, as transformers reads it."""
+    path, template = folder / tokens.TOKENIZER_CONFIG_FILE, folder / TEMPLATE_FILE
+    if not path.exists():
+        return None if not template.exists() else json.dumps({"chat_template": template.read_text(encoding="utf-8")})
+    text = path.read_text(encoding="utf-8")
+    if not template.exists():
+        return text
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise hf_checkpoint.CheckpointError(f"{path}: not JSON ({exc.msg})") from None
+    if not isinstance(config, dict):
+        raise hf_checkpoint.CheckpointError(f"{path}: not a JSON object")
+    return json.dumps({**config, "chat_template": template.read_text(encoding="utf-8")}, indent=1)
 
 
 def import_base(uri: str, seq_len: int, base_store: str, tokenizer_store: str, scratch: Path) -> BaseModel:

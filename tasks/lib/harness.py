@@ -92,12 +92,16 @@ def run_suite(model_folder: Path, add_bos: bool, suite: SuiteSettings, manager: 
 
     names = list(suite.tasks)
     with contextlib.chdir(suite_folder(suite)):  # the tasks' data files are named relative to it
-        results = lm_eval.simple_evaluate(
-            model="hf", model_args={"pretrained": str(model_folder), "dtype": "float32",
-                                    "device": "cuda" if torch.cuda.is_available() else "cpu",
-                                    "add_bos_token": add_bos},
-            tasks=names, task_manager=manager, batch_size=suite.batch_size, limit=suite.limit or None,
-            log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        try:
+            results = lm_eval.simple_evaluate(
+                model="hf", model_args={"pretrained": str(model_folder), "dtype": "float32",
+                                        "device": "cuda" if torch.cuda.is_available() else "cpu",
+                                        "add_bos_token": add_bos},
+                tasks=names, task_manager=manager, batch_size=suite.batch_size, limit=suite.limit or None,
+                log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        except Exception as exc:  # lm-eval's and transformers' errors share no base class
+            raise StepError(f"the task suite failed on {model_folder.parent.name} ({type(exc).__name__}: "
+                            f"{first_line(exc)})") from None
     return {name: task_score(name, gate.metric, results) for name, gate in suite.tasks.items()}
 
 
@@ -108,9 +112,11 @@ def task_score(task: str, spec: str, results: dict[str, Any]) -> TaskScore:
     if not isinstance(score, int | float):
         names = sorted(k for k in reported if "," in k and "_stderr" not in k)
         raise StepError(f"evaluate.suite.tasks.{task}.metric {spec!r}: the task reports {', '.join(names) or 'none'}")
-    per_example = {int(s["doc_id"]): float(s[metric]) for s in results["samples"][task]
-                   if s.get("filter", "none") == filter_name and metric in s}
-    return TaskScore(task, spec, float(score), per_example)
+    samples = [s for s in results["samples"][task] if s.get("filter", "none") == filter_name and metric in s]
+    if not all(isinstance(s[metric], int | float) for s in samples):  # bleu, perplexities: scored over the corpus
+        raise StepError(f"evaluate.suite.tasks.{task}.metric {spec!r}: not scored per example (a corpus-level "
+                        "metric): the gate compares tasks example by example")
+    return TaskScore(task, spec, float(score), {int(s["doc_id"]): float(s[metric]) for s in samples})
 
 
 def paired_difference(challenger: dict[int, float], champion: dict[int, float], samples: int, confidence: float,

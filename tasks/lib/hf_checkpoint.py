@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tasks.lib.errors import first_line
 from tasks.lib.model import GPT, ROPE_SCALINGS, GPTConfig
 from tasks.lib.tokens import SpecialTokens, Vocabulary
 
@@ -271,7 +272,7 @@ def checkpoint_tokenizer(folder: Path, embedding_rows: int) -> Any:
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad files
-        raise CheckpointError(f"{path}: not a valid tokenizer file ({str(exc).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: not a valid tokenizer file ({first_line(exc)})") from None
     largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
     if largest >= embedding_rows:
         raise CheckpointError(f"{path}: token id {largest} has no row in the embedding of {embedding_rows} "

@@ -180,18 +180,20 @@ def list_files(uri: str) -> list[str]:
     return sorted(found)
 
 
-def file_sizes(uri: str) -> dict[str, int]:
-    """Every file below ``uri`` (recursively) by its path relative to ``uri``, with its size in bytes."""
+def file_versions(uri: str) -> dict[str, str]:
+    """Every file below ``uri`` (recursively) by its path relative to ``uri``, with what changes
+    when its content does, without reading it: S3's size and ETag, a local file's size and
+    modification time."""
     if not is_s3(uri):
         root = Path(uri)
-        return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()} \
-            if root.is_dir() else {}
+        return {str(p.relative_to(root)): f"{p.stat().st_size}:{p.stat().st_mtime_ns}"
+                for p in sorted(root.rglob("*")) if p.is_file()} if root.is_dir() else {}
     bucket, key = split_s3(uri)
     prefix = key.rstrip("/") + "/" if key else ""
-    found: dict[str, int] = {}
+    found: dict[str, str] = {}
     with s3_call(uri, "list"):
         for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            found |= {obj["Key"][len(prefix):]: int(obj["Size"]) for obj in page.get("Contents", [])}
+            found |= {obj["Key"][len(prefix):]: f"{obj['Size']}:{obj.get('ETag', '')}" for obj in page.get("Contents", [])}
     return dict(sorted(found.items()))
 
 

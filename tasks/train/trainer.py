@@ -357,7 +357,9 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     dataset_dir = local_dataset(dataset)
     train_split, val_split = open_split(dataset_dir, "train"), open_split(dataset_dir, "val")
-    line = line_of(init_from) if init_from else None
+    # a base line's architecture comes with the model it starts from; init_from scratch trains the
+    # preset from a random initialization, as its replay (initialized_from "scratch") rebuilds it
+    line = line_of(init_from) if init_from and settings.init_from == "champion" else None
     config = line.config if line else model_config(settings, train_split.vocab_size)
     check_data(train_split, config, "train")
     check_data(val_split, config, "val")

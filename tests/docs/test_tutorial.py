@@ -1,9 +1,9 @@
 """docs/tutorial.md's commands, as written: its code blocks in order are the tutorial. Here its
 stand-ins are made for real (the corpus and the checkpoint, into a temporary folder instead of
-/tmp/tutorial), the checkpoint is one the tokenize step imports, and every `make` command expands
-(`make -n`) to a run whose configuration is what the page says; the import, the DAG run and the
-chat against a live stack are the manual run recorded in the closing notes (a second stack in
-`make test` would not fit its time)."""
+/tmp/tutorial), the checkpoint is one the tokenize step imports, `make import` expands (`make -n`)
+to the import the page says and `make retrain`'s variables to the run configuration it says; the
+import, the DAG run and the chat against a live stack are the manual run recorded in the closing
+notes (a second stack in `make test` would not fit its time)."""
 
 from __future__ import annotations
 

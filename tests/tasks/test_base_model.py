@@ -8,6 +8,7 @@ biases and an embedding padded past its tokenizer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -158,6 +159,14 @@ def test_the_export_keeps_the_bases_special_tokens_and_chat_template(
         vocabulary.special.bos_id
     assert (tmp_path / "hf" / "tokenizer_config.json").read_text() == (bases["llama"] / "tokenizer_config.json").read_text()
 
+    from tasks.export import check_chat_template
+    from tasks.lib.errors import StepError
+
+    check_chat_template(vocabulary)
+    broken = json.dumps({**json.loads(vocabulary.chat_config or "{}"), "chat_template": "{% for m in messages %}"})
+    with pytest.raises(StepError, match="its chat template cannot serve"):
+        check_chat_template(dataclasses.replace(vocabulary, companions={tokens.TOKENIZER_CONFIG_FILE: broken}))
+
 
 def broken_copy(base: Path, folder: Path) -> Path:
     shutil.copytree(base, folder)
@@ -189,6 +198,29 @@ def test_bad_bases_fail_in_one_line_and_import_nothing(bases: dict[str, Path], s
         assert len(lines) == 1 and reason in lines[0] and str(folder) in lines[0], lines
         assert not (tmp_path / f"out-{folder.name}").exists()
     assert not list((tmp_path / "stores").rglob(storage.SUCCESS_MARKER))  # no base, no tokenizer stored
+    both = run_module("tasks.tokenize", "prepare", "--snapshot", str(snapshot), "--base", str(bases["llama"]),
+                      "--tokenizer", str(bases["qwen2"] / "tokenizer.json"), "--output", str(tmp_path / "out-both"),
+                      "--set", f"tokenizer_store={tmp_path / 'stores'}", env=NO_MLFLOW)
+    assert both.returncode == 2 and "a base is trained with its own tokenizer" in error_lines(both)[0]
+
+
+def test_a_template_saved_apart_is_the_bases_and_a_changed_weight_file_a_new_base(
+    bases: dict[str, Path], snapshot: Path, tmp_path: Path
+) -> None:
+    """transformers 5 saves the chat template as chat_template.jinja: it is the base's template
+    as much as one inside tokenizer_config.json. Weights saved anew under the same names and
+    sizes are another base (imported again), a copy of the same files too (their times differ)."""
+    base = broken_copy(bases["llama"], tmp_path / "apart")
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "chat_template.jinja").write_text(config.pop("chat_template"))
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    first = step_result(prepare(snapshot, base, tmp_path, tmp_path / "p1"))
+    vocabulary = tokens.load_vocabulary(str(first["tokenizer_uri"]), tmp_path / "tok")
+    assert json.loads(vocabulary.chat_config or "{}")["chat_template"] == (base / "chat_template.jinja").read_text()
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # the same bytes, written again: a new version of the file
+    again = step_result(prepare(snapshot, base, tmp_path, tmp_path / "p2"))
+    assert again["init_model_uri"] != first["init_model_uri"] and again["tokenizer_uri"] == first["tokenizer_uri"]
 
 
 def test_a_base_lines_model_refuses_a_dataset_of_another_tokenizer(
@@ -205,3 +237,11 @@ def test_a_base_lines_model_refuses_a_dataset_of_another_tokenizer(
     lines = error_lines(proc)
     assert len(lines) == 1 and "is not the dataset's" in lines[0] and str(bases["qwen2"]) in lines[0], lines
     assert not (tmp_path / "model").exists()
+    # init_from scratch: the preset from a random initialization (what its replay rebuilds), no base
+    scratch = step_result(run_module(
+        "tasks.train", "--dataset", str(tmp_path / "data" / "dataset"), "--checkpoints", str(tmp_path / "ckpt-s"),
+        "--output", str(tmp_path / "model-s"), "--init-from", str(llama["init_model_uri"]), "--set", "engine=single",
+        "--set", "max_steps=1", "--set", "init_from=scratch", env=NO_MLFLOW))
+    described = json.loads((Path(str(scratch["model_uri"])) / "config.json").read_text())
+    assert described["base"] is None and scratch["initialized_from"] is None
+    assert described["config"]["n_kv_heads"] == described["config"]["n_heads"]  # the preset's, not the base's GQA
