@@ -187,8 +187,8 @@ with DAG(
             description="Use this tokenizer.json; empty: the base's, the production model's, or train one on "
                         "first run.",
         ),
-        "train_base": Param(
-            train_params.base, type="string", title="Base checkpoint",
+        "train_base": Param(  # null, not "": the trigger form refuses an empty required string
+            train_params.base or None, type=["null", "string"], title="Base checkpoint",
             description="A Hugging Face checkpoint folder or s3:// URI (Llama, Mistral, Qwen2) the line starts "
                         "from: its weights, tokenizer and architecture; retrains continue from their champion "
                         "while it descends from this base. Empty: the preset, from scratch (train.base).",
@@ -221,7 +221,7 @@ with DAG(
             "--snapshot", result(snapshot, "snapshot_uri"),
             "--output", run_output_uri("tokenize/tokenizer"),
             "--tokenizer", "{{ params.tokenizer_uri or '' }}",
-            "--base", "{{ params.train_base }}",
+            "--base", "{{ params.train_base or '' }}",
             "--preset", "{{ params.train_preset }}",
         ],
     )
