@@ -81,8 +81,8 @@ def start_point(args: argparse.Namespace, settings: Settings, production: Produc
         seq_len = settings.train.presets[args.preset].seq_len
         identity = base_identity(args.base, seq_len)
         if production is None or production.base_identity != identity:
-            base = import_base(args.base, seq_len, settings.tokenize.base_store, settings.tokenize.tokenizer_store,
-                               scratch)
+            base = import_base(args.base, identity, seq_len, settings.tokenize.base_store,
+                               settings.tokenize.tokenizer_store, scratch)
             return base.tokenizer_uri, "base", base
         log.info("train.base %s: the champion %s descends from it: continuing from the champion", args.base,
                  production.model_uri)

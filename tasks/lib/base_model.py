@@ -122,9 +122,10 @@ def with_chat_template(folder: Path) -> str | None:
     return json.dumps({**config, "chat_template": template.read_text(encoding="utf-8")}, indent=1)
 
 
-def import_base(uri: str, seq_len: int, base_store: str, tokenizer_store: str, scratch: Path) -> BaseModel:
-    """The base at ``uri`` in our stores, imported unless it already is (written once)."""
-    identity = base_identity(uri, seq_len)
+def import_base(uri: str, identity: str, seq_len: int, base_store: str, tokenizer_store: str,
+                scratch: Path) -> BaseModel:
+    """The base at ``uri`` (its :func:`base_identity` at ``seq_len``) in our stores, imported
+    unless it already is (written once)."""
     folder = storage.join(base_store, f"sha256-{identity}")
     if not storage.exists(storage.join(folder, storage.SUCCESS_MARKER)):
         local = fetch_checkpoint(uri, scratch)
