@@ -59,8 +59,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, specials: list[str], 
 
 
 def make_base(family: str, texts: Iterable[str], out: Path, vocab_size: int = 512, seed: int = 0,
-              shard_size: str | None = None) -> Path:
-    """The checkpoint folder ``out`` (created): tokenizer trained on ``texts``, random weights."""
+              shard_size: str | None = None, shape: dict[str, Any] | None = None, dtype: str = "float32") -> Path:
+    """The checkpoint folder ``out`` (created): tokenizer trained on ``texts``, random weights.
+    ``shape`` overrides the tiny default's config fields (a model's size: benchmarks/base_memory.py
+    builds a Llama 3.2 1B's); ``dtype``: the weights' type in the safetensors files."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -72,27 +74,27 @@ def make_base(family: str, texts: Iterable[str], out: Path, vocab_size: int = 51
     ids = {token: tokenizer.token_to_id(token) for token in specials}
     shape: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-             "tie_word_embeddings": False}
+             "tie_word_embeddings": False} | (shape or {})
     if llama:
         eos = [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
-        config: Any = LlamaConfig(vocab_size=tokenizer.get_vocab_size(),
-                                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                                  bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos, **shape)
+        shape = {"vocab_size": tokenizer.get_vocab_size(),
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}} | shape
+        config: Any = LlamaConfig(bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos, **shape)
         tokenizer_config: dict[str, Any] = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA_TEMPLATE}
         generation: dict[str, Any] = {"bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": eos}
     else:
         eos = [ids["<|endoftext|>"], ids["<|im_end|>"]]
-        config = Qwen2Config(vocab_size=tokenizer.get_vocab_size() + 32, eos_token_id=eos[0], use_sliding_window=False,
-                             **shape)  # the embedding padded past the tokenizer, as Qwen2's is
+        shape = {"vocab_size": tokenizer.get_vocab_size() + 32} | shape  # padded past the tokenizer, as Qwen2's is
+        config = Qwen2Config(eos_token_id=eos[0], use_sliding_window=False, **shape)
         tokenizer_config = {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                             "add_bos_token": False, "chat_template": QWEN_TEMPLATE}
         generation = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"]}
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), **({"max_shard_size": shard_size} if shard_size else {}))
     tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer_config |= {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 256,
+    tokenizer_config |= {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.max_position_embeddings,
                          "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({**generation, "do_sample": False}, indent=1))
