@@ -72,20 +72,20 @@ def make_base(family: str, texts: Iterable[str], out: Path, vocab_size: int = 51
     specials = LLAMA_SPECIALS if llama else QWEN_SPECIALS
     tokenizer = train_tokenizer(texts, vocab_size, specials, "<|begin_of_text|>" if llama else None)
     ids = {token: tokenizer.token_to_id(token) for token in specials}
-    shape: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+    fields: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
              "tie_word_embeddings": False} | (shape or {})
     if llama:
         eos = [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
-        shape = {"vocab_size": tokenizer.get_vocab_size(),
-                 "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}} | shape
-        config: Any = LlamaConfig(bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos, **shape)
+        fields = {"vocab_size": tokenizer.get_vocab_size(),
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}} | fields
+        config: Any = LlamaConfig(bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos, **fields)
         tokenizer_config: dict[str, Any] = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA_TEMPLATE}
         generation: dict[str, Any] = {"bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": eos}
     else:
         eos = [ids["<|endoftext|>"], ids["<|im_end|>"]]
-        shape = {"vocab_size": tokenizer.get_vocab_size() + 32} | shape  # padded past the tokenizer, as Qwen2's is
-        config = Qwen2Config(eos_token_id=eos[0], use_sliding_window=False, **shape)
+        fields = {"vocab_size": tokenizer.get_vocab_size() + 32} | fields  # padded past the tokenizer, as Qwen2's is
+        config = Qwen2Config(eos_token_id=eos[0], use_sliding_window=False, **fields)
         tokenizer_config = {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                             "add_bos_token": False, "chat_template": QWEN_TEMPLATE}
         generation = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"]}
