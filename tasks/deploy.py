@@ -64,9 +64,9 @@ from tasks.config import CanarySettings, ServeSettings
 from tasks.contract import DECISIONS, EXTEND, PROMOTE, ROLL_BACK
 from tasks.lib import storage, triton
 from tasks.lib.errors import GateRejected, StepError, Terminated, absent, first_line, registry_error
-from tasks.lib.model_store import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
 from tasks.lib.params import load_settings
 from tasks.lib.polling import wait_until
+from tasks.lib.registry import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
 from tasks.lib.step import log, raise_on_sigterm, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 from tasks.serving import canary

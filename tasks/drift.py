@@ -592,7 +592,8 @@ def check(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
                             "figures": {"prompts": len(texts), "requests": len(captured),
                                         "clients": len(set().union(*asked_by))},
                             "clients": {}, "champion": None, "request_retrain": False}
-    from tasks.lib.model_store import CHAMPION, alias_version, load_version
+    from tasks.lib.model_store import load_version
+    from tasks.lib.registry import CHAMPION, alias_version
 
     champion = alias_version(settings.pipeline.model_name, CHAMPION)
     if len(texts) < drift.min_prompts or champion is None:

@@ -35,8 +35,9 @@ from tasks.lib.errors import GateRejected, StepError
 from tasks.lib.harness import TaskScore, paired_difference, run_suite, task_manager
 from tasks.lib.hf_checkpoint import NotLlama, write_checkpoint
 from tasks.lib.model import GPT
-from tasks.lib.model_store import CHAMPION, LoadedModel, load_model_dir, load_registered
+from tasks.lib.model_store import LoadedModel, load_model_dir, load_registered
 from tasks.lib.params import load_settings
+from tasks.lib.registry import CHAMPION
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 

@@ -22,9 +22,10 @@ import numpy as np
 
 from tasks.lib import storage
 from tasks.lib.errors import StepError
-from tasks.lib.model_store import CHALLENGER, load_model_dir, log_model
+from tasks.lib.model_store import load_model_dir, log_model
 from tasks.lib.params import load_settings
 from tasks.lib.provenance import git_commit
+from tasks.lib.registry import CHALLENGER
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 

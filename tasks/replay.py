@@ -75,7 +75,7 @@ def check_start(initialized_from: str, uri: str) -> str:
     if initialized_from in ("", "scratch"):
         return ""
     if initialized_from.startswith("models:/"):
-        from tasks.lib.model_store import registered_version
+        from tasks.lib.registry import registered_version
 
         name, _, number = initialized_from.removeprefix("models:/").rpartition("/")
         try:
@@ -88,7 +88,7 @@ def check_start(initialized_from: str, uri: str) -> str:
 
 
 def plan(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
-    from tasks.lib.model_store import registered_version
+    from tasks.lib.registry import registered_version
 
     name, number = settings.pipeline.model_name, version_number(args.model_version)
     uri = f"models:/{name}/{number}"
@@ -148,7 +148,8 @@ def compare_weights(registered: dict[str, Any], replayed: dict[str, Any]) -> dic
 
 
 def compare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
-    from tasks.lib.model_store import load_model_dir, load_version, model_version
+    from tasks.lib.model_store import load_model_dir, load_version
+    from tasks.lib.registry import model_version
 
     name, number = settings.pipeline.model_name, version_number(args.model_version)
     uri = f"models:/{name}/{number}"

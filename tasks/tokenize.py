@@ -32,16 +32,18 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tasks.config import Settings, TokenizeSettings
 from tasks.lib import storage, tokens
-from tasks.lib.base_model import BaseModel, base_identity, import_base
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import Progress, log, run_step, step_parser
+
+if TYPE_CHECKING:  # base_model imports torch: only a prepare with a base pays for it, not every encode
+    from tasks.lib.base_model import BaseModel
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Production:
 def champion(model_name: str) -> Production | None:
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         return None
-    from tasks.lib.model_store import tag_description, version_by_alias
+    from tasks.lib.registry import tag_description, version_by_alias
 
     version = version_by_alias(model_name, "champion")
     if version is None:
@@ -78,6 +80,8 @@ def start_point(args: argparse.Namespace, settings: Settings, production: Produc
     if args.tokenizer:
         return args.tokenizer, "explicit", None
     if args.base:
+        from tasks.lib.base_model import base_identity, import_base
+
         seq_len = settings.train.presets[args.preset].seq_len
         identity = base_identity(args.base, seq_len)
         if production is None or production.base_identity != identity:

@@ -25,7 +25,8 @@ from typing import Any
 from tasks.lib import hf_checkpoint, storage, tokens
 from tasks.lib.errors import StepError
 from tasks.lib.model import FORMAT_VERSION
-from tasks.lib.model_store import DESCRIPTION_FILE, save_model_files
+from tasks.lib.model_store import save_model_files
+from tasks.lib.registry import DESCRIPTION_FILE
 
 # what says which checkpoint a folder holds, besides its weight files (transformers 5 saves the chat
 # template as chat_template.jinja beside tokenizer_config.json)

@@ -13,9 +13,9 @@ from the reader's installed code, never from the registry). Nothing is unpickled
 way: unpickling runs whatever code the pickle names, and anyone who can write to the registry
 could put it there. A version older code registered (a GPT pickled by MLflow's ``pytorch``
 flavor) is read by torch's weights-only unpickler, allowed to build this project's model classes
-and tensors only (:func:`load_pickled_gpt`); any other flavor is refused. Version tags carry the lineage; aliases say what a version is: ``champion`` (serving),
-``challenger`` (passed evaluation, awaiting its canary), ``previous`` (the champion before the
-current one, kept for rollback). Stages are never used.
+and tensors only (:func:`load_pickled_gpt`); any other flavor is refused. Version tags carry the
+lineage and aliases say what a version is: the registry's torch-free half (aliases, versions,
+tags) is :mod:`tasks.lib.registry`.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from tasks.lib import storage
-from tasks.lib.errors import StepError, absent, first_line, registry_error
+from tasks.lib.errors import StepError, first_line, registry_error
 from tasks.lib.model import GPT, GPTConfig
+from tasks.lib.registry import DESCRIPTION_FILE, model_version, tag_description, version_by_alias
 
-CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous"
-WEIGHTS_FILE, LEGACY_WEIGHTS_FILE, DESCRIPTION_FILE = "model.safetensors", "model.pt", "config.json"
+WEIGHTS_FILE, LEGACY_WEIGHTS_FILE = "model.safetensors", "model.pt"
 # the registered model's MLflow flavor (MLmodel), and the version of its folder's form
 REGISTRY_FLAVOR, REGISTRY_FORMAT = "llm_retrain_gpt", 1
 
@@ -105,46 +105,10 @@ def build_model(description: dict[str, Any], source: str) -> GPT:
     return GPT(config)
 
 
-def version_by_alias(name: str, alias: str) -> Any | None:
-    """``models:/NAME@ALIAS`` as MLflow's ModelVersion, or None when the model or the alias does
-    not exist. MLflow's basic-auth app answers a non-admin's alias read of a model that does not
-    exist with 403 (it cannot resolve that model's permission) where reading the model itself
-    answers 404: that second read tells an absent model from a real refusal."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    client = MlflowClient()
-    try:
-        return client.get_model_version_by_alias(name, alias)
-    except MlflowException as exc:
-        if absent(exc):
-            return None
-        if getattr(exc, "error_code", "") == "PERMISSION_DENIED":
-            try:
-                client.get_registered_model(name)
-            except MlflowException as again:
-                if absent(again):
-                    return None
-        raise registry_error(f"reading models:/{name}@{alias}", exc) from None
-
-
 def load_registered(name: str, alias: str) -> LoadedModel | None:
     """``models:/NAME@ALIAS`` with its description, or None when there is no such alias."""
     version = version_by_alias(name, alias)
     return None if version is None else load_version(name, str(version.version))
-
-
-def model_version(name: str, version: str) -> Any:
-    """``models:/NAME/VERSION`` as MLflow's ModelVersion; absent is bad input, an outage is not."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return MlflowClient().get_model_version(name, version)
-    except MlflowException as exc:
-        if absent(exc):
-            raise StepError(f"models:/{name}/{version}: not in the registry ({exc.error_code})") from None
-        raise registry_error(f"reading models:/{name}/{version}", exc) from None
 
 
 def load_version(name: str, version: str) -> LoadedModel:
@@ -172,36 +136,6 @@ def load_version(name: str, version: str) -> LoadedModel:
         raise StepError(f"{uri}: its description names no tokenizer_uri")
     loaded.description["registry_version"] = str(found.version)
     return loaded
-
-
-def registered_version(name: str, version: str) -> tuple[Any, dict[str, Any]]:
-    """``models:/NAME/VERSION``'s ModelVersion (its tags) and its description (config.json alone,
-    not the weights); absent is bad input."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    uri = f"models:/{name}/{version}"
-    found = model_version(name, version)
-    with storage.scratch() as scratch:
-        try:
-            path = mlflow.artifacts.download_artifacts(artifact_uri=f"{uri}/{DESCRIPTION_FILE}", dst_path=str(scratch))
-        except MlflowException as exc:
-            if absent(exc):  # a version older code registered (a pickle): its description is a tag
-                return found, tag_description(found.tags, uri)
-            raise registry_error(f"downloading {uri}/{DESCRIPTION_FILE}", exc) from None
-        description: dict[str, Any] = json.loads(Path(path).read_text())
-    return found, description
-
-
-def tag_description(tags: dict[str, str], uri: str) -> dict[str, Any]:
-    """The ``model_description`` tag older code registered a pickled version with."""
-    try:
-        description = json.loads(tags.get("model_description") or "{}")
-    except json.JSONDecodeError as exc:
-        raise StepError(f"{uri}: its model_description tag is not JSON ({exc})") from None
-    if not isinstance(description, dict):
-        raise StepError(f"{uri}: its model_description tag is not a JSON object")
-    return description
 
 
 def registered_flavors(folder: Path, uri: str) -> dict[str, dict[str, Any]]:
@@ -305,47 +239,3 @@ def _load_pyfunc(path: str) -> _PyfuncModel:
     return _PyfuncModel(load_model_files(Path(path) / DESCRIPTION_FILE, Path(path) / WEIGHTS_FILE, path).model)
 
 
-def alias_version(name: str, alias: str) -> str | None:
-    """The version ``models:/NAME@ALIAS`` points at, or None when the alias is not set."""
-    version = version_by_alias(name, alias)
-    return None if version is None else str(version.version)
-
-
-def data_end(name: str, version: str) -> str | None:
-    """The last day of the data window ``version`` was trained on (its ``data_end`` lineage tag,
-    ISO date), or None when it carries none (registered outside the pipeline)."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return MlflowClient().get_model_version(name, version).tags.get("data_end") or None
-    except MlflowException as exc:
-        if absent(exc):
-            return None
-        raise registry_error(f"reading models:/{name}/{version}", exc) from None
-
-
-def promote_version(name: str, version: str) -> dict[str, str | None]:
-    """Make ``version`` the champion: the champion it replaces becomes ``previous``.
-
-    Safe to repeat: when ``version`` already is the champion nothing moves. The version is named
-    explicitly (not read from ``challenger``), so a later run that registered a newer
-    challenger meanwhile cannot have its model promoted by this run's canary.
-    """
-    from mlflow import MlflowClient
-
-    client = MlflowClient()
-    champion = alias_version(name, CHAMPION)
-    if champion != version:
-        if champion is not None:
-            client.set_registered_model_alias(name, PREVIOUS, champion)
-        client.set_registered_model_alias(name, CHAMPION, version)
-    return {CHAMPION: version, PREVIOUS: alias_version(name, PREVIOUS)}
-
-
-def promote_challenger(name: str) -> dict[str, str | None]:
-    """champion -> previous, challenger -> champion (see :func:`promote_version`)."""
-    challenger = alias_version(name, CHALLENGER)
-    if challenger is None:
-        raise StepError(f"models:/{name}@{CHALLENGER} does not exist: nothing to promote")
-    return promote_version(name, challenger)

@@ -11,12 +11,14 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.config import TrainSettings
-from tasks.lib.model import GPTConfig
-from tasks.lib.parallel import Dist
 from tasks.lib.step import log
+
+if TYPE_CHECKING:  # torch's: the steps that only read runs (report, deploy) start without it
+    from tasks.lib.model import GPTConfig
+    from tasks.lib.parallel import Dist
 
 
 def find_dag_run(experiment: str, dag_run_tag: str) -> str | None:

@@ -228,7 +228,7 @@ class Line:
 
 def start_description(uri: str) -> dict[str, Any]:
     """The description (config.json) of the model ``--init-from`` names, without its weights."""
-    from tasks.lib.model_store import DESCRIPTION_FILE, registered_version
+    from tasks.lib.registry import DESCRIPTION_FILE, registered_version
 
     if uri.startswith("models:/"):
         name, _, version = uri.removeprefix("models:/").rpartition("/")

@@ -124,7 +124,8 @@ def test_registry_outage_is_an_error_not_a_missing_champion(monkeypatch: pytest.
     """Read as "no champion", an outage would judge a challenger as the first model ever and
     train a new vocabulary: it must fail the task (exit 1, retried) instead."""
     from tasks.lib.errors import RegistryError
-    from tasks.lib.model_store import alias_version, load_registered
+    from tasks.lib.model_store import load_registered
+    from tasks.lib.registry import alias_version
     from tasks.tokenize import champion
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # discard port: nothing listens
@@ -139,7 +140,7 @@ def test_registry_outage_is_an_error_not_a_missing_champion(monkeypatch: pytest.
 def test_absent_model_and_alias_read_as_absent(registry_env: dict[str, str]) -> None:
     from mlflow import MlflowClient
 
-    from tasks.lib.model_store import alias_version
+    from tasks.lib.registry import alias_version
 
     name = f"absent-test-{time.time_ns()}"
     assert alias_version(name, "champion") is None  # no such registered model (RESOURCE_DOES_NOT_EXIST)
@@ -257,7 +258,7 @@ def test_worse_challenger_is_rejected_and_champion_untouched(
 ) -> None:
     from mlflow import MlflowClient
 
-    from tasks.lib.model_store import promote_challenger
+    from tasks.lib.registry import promote_challenger
 
     # make the good model the champion (what a successful canary does)
     evaluate(good_model, dataset, eval_set, tmp_path / "e1", registry_env)
@@ -299,7 +300,7 @@ def test_absolute_bound_rejects_even_without_champion(
 def test_promotion_keeps_the_previous_champion_for_rollback(registry_env: dict[str, str]) -> None:
     from mlflow import MlflowClient
 
-    from tasks.lib.model_store import promote_challenger
+    from tasks.lib.registry import promote_challenger
 
     client, name = MlflowClient(), registry_env["MODEL_NAME"]
     champion = client.get_model_version_by_alias(name, "champion").version

@@ -960,7 +960,7 @@ class Flood:
 
 
 def aliases(name: str) -> dict[str, str | None]:
-    from tasks.lib.model_store import alias_version
+    from tasks.lib.registry import alias_version
 
     return {a: alias_version(name, a) for a in ("champion", "previous", "challenger")}
 
