@@ -132,7 +132,7 @@ def overwrite(uri: str, data: bytes) -> None:
         Path(uri).write_bytes(data)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])  # s3: the stack's server
 def output_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "local":
         return str(tmp_path / "dataset")
