@@ -28,7 +28,7 @@ STACK_ENV = set -a && source .stack/stack.env && set +a
 .PHONY: help env up down status pipeline retrain replay drift report import predict repro test test-fast config-docs lint benchmark clean
 
 help:
-	@echo "make pipeline   set up and run the retrain DAG end to end (embedded default)"
+	@echo "make pipeline   set up and run the retrain DAG end to end (launcher.mode local by default: steps as processes)"
 	@echo "make test       set up and run the whole test suite (make test-fast first)"
 	@echo "make test-fast  the tests that start no server and no torchrun (a minute or two)"
 	@echo "make replay VERSION=N     rebuild a registered version from its lineage, compare the weights"
@@ -37,8 +37,13 @@ help:
 	@echo "make import SOURCE=...    a corpus (JSON Lines, Parquet, CSV, text files, datasets) into the raw partitions"
 	@echo "make retrain [BASE=...]   a retrain on the imported data (BASE: a Hugging Face checkpoint to start from)"
 	@echo "make predict PROMPT=...   a completion from the serving model, through the router"
-	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow) and the Airflow UI"
+	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow, Triton, the OpenAI front, the router,"
+	@echo "                Prometheus and its Pushgateway) and the Airflow UI"
+	@echo "make status     health of each server"
+	@echo "make env        install both environments and the system packages they need (apt-get where missing)"
+	@echo "make clean      make down, then delete the stack's state (.stack, .airflow: data, models, runs)"
 	@echo "make repro      the data half as DVC stages (dvc repro), outside Airflow"
+	@echo "make config-docs   regenerate docs/configuration.md's reference from tasks/config.py"
 	@echo "make lint       ruff + mypy"
 	@echo "make benchmark  benchmarks/*.py"
 

@@ -7,7 +7,7 @@
   kind: ``cpu`` / ``gpu``) with the namespace, service account, resources, GPU requests, node
   selector, tolerations, Secrets-as-env and non-root security context from params.yaml. The
   step writes its result to ``/airflow/xcom/return.json``; the xcom sidecar returns it.
-- ``local`` mode (embedded default): a :class:`LocalStepOperator` running the *same argv with
+- ``local`` mode (the default): a :class:`LocalStepOperator` running the *same argv with
   the same env* as a process of the runtime venv, its log streamed into the task log and its
   result JSON returned as the task's XCom.
 

@@ -1,4 +1,4 @@
-"""Connection arguments of Airflow's metadata database on the embedded default (SQLite).
+"""Connection arguments of Airflow's metadata database on the local stack (SQLite).
 
 SQLite takes one writer at a time and Python's driver gives up after 5 s waiting for the
 lock. With the scheduler, dag-processor, api-server and triggerer writing beside a CLI call

@@ -1,1 +1,1 @@
-"""The local stack of the embedded default (see ``python -m stack --help``)."""
+"""The local stack of the local launcher mode (see ``python -m stack --help``)."""

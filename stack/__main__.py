@@ -1,6 +1,7 @@
-"""The local stack: real servers on 127.0.0.1 that the embedded default runs against.
+"""The local stack: real servers on 127.0.0.1 that the local launcher mode's steps run against.
 
-    python -m stack up       start (or reuse) SeaweedFS (S3) and the MLflow server
+    python -m stack up       start (or reuse) SeaweedFS (S3), MLflow, Triton, the OpenAI front, the router
+                             (nginx), the Pushgateway and Prometheus
     python -m stack up --airflow   ... and the Airflow UI: api-server, scheduler, dag-processor, triggerer
     python -m stack down     stop them by PID
     python -m stack status   one line per server

@@ -596,7 +596,8 @@ class ExportSettings:
     parity_new_tokens: int
     """Greedy tokens per prompt the engine must generate as PyTorch does."""
     tensorrt: TensorRT
-    """GPU kind only: an engine built from the ONNX file."""
+    """An engine built from the ONNX file where the step runs on a GPU with the tensorrt package
+    (the DAG's export runs on the cpu kind, and no lock holds tensorrt: skipped)."""
 
     def __post_init__(self) -> None:
         _positive(self, "opset", "parity_atol", "parity_windows", "parity_new_tokens")

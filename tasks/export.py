@@ -16,7 +16,7 @@ holding a Triton model-repository fragment for that version
                                             config, tokenizer): what vLLM, transformers, aiperf read
     configs/                                every backend's config.pbtxt and load-API JSON
     parity.json                             the figures below + the reference the canary checks
-    model.plan                              TensorRT FP16 engine (gpu kind only)
+    model.plan                              TensorRT FP16 engine (on a GPU with the tensorrt package only)
 
 Parity, on real inputs (the fixed prompts and windows of the held-out evaluation text, of
 several lengths and batch sizes), else the step fails with one line naming the worst input:
@@ -261,7 +261,7 @@ def tensorrt_profile(seq_len: int, trt: TensorRT) -> dict[str, tuple[int, int]]:
 def build_tensorrt(onnx_path: Path, plan_path: Path, seq_len: int, trt_params: TensorRT) -> str:
     """An FP16 TensorRT engine from the ONNX file, or why none was built (never faked)."""
     if not torch.cuda.is_available():
-        log.info("TensorRT: skipped, no GPU on this machine (the gpu image builds model.plan)")
+        log.info("TensorRT: skipped, no GPU on this machine (model.plan needs a GPU and the tensorrt package)")
         return "skipped: no GPU"
     try:
         import tensorrt as trt

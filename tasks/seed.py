@@ -1,6 +1,6 @@
 """Write demo raw data: date partitions of real text from the installed software.
 
-The embedded default has no network, so its corpus is the docstrings of the Python standard
+The local demo needs no network, so its corpus is the docstrings of the Python standard
 library and of the packages installed in the runtime environment, read with ``ast`` (nothing is
 imported). One document in ``heldout_every`` (by id hash) never enters a partition: it goes to
 the held-out evaluation text, written once, which every evaluation reuses. Files are visited in sorted order and each document lands on a date chosen by the

@@ -11,7 +11,8 @@ deploy picks which versions are loaded). Backends:
   these machines (PyTriton's wheel).
 - ``onnxruntime_onnx``: the same ``model.onnx`` on Triton's ONNX Runtime backend (NVIDIA's
   tritonserver image, CPU or GPU).
-- ``tensorrt_plan``: the FP16 engine the export step builds on a GPU.
+- ``tensorrt_plan``: the FP16 engine the export step builds where it runs on a GPU with the
+  tensorrt package (not in the DAG: its export runs on the cpu kind).
 
 Served models: ``llm`` (token ids -> next-token logits and the greedy next token) and
 ``llm_generate`` (text in, text out or streamed: the generation engine, continuous batching over

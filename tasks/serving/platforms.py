@@ -2,7 +2,7 @@
 
 The deploy step (``tasks/deploy.py``) walks a canary through :class:`Serving` only:
 
-- :class:`LocalServing` (embedded default): one Triton process with explicit model control
+- :class:`LocalServing` (the default): one Triton process with explicit model control
   serves both versions from its model repository; the nginx router of ``tasks/serving/router.py``
   splits the traffic by rewriting the path to ``/versions/<v>/``.
 - :class:`KubernetesServing` (cluster mode): a Triton Deployment per *track* (``stable``,
