@@ -217,9 +217,11 @@ test: test-fast
 	$(RT_PY) -m pytest -m "not ($(FAST))" $(RT_TESTS)
 	$(ORCH_PY) -m pytest -m "not ($(FAST))" $(ORCH_TESTS)
 
+# the fast tier starts no server: its modules run in a process per core (a module's tests together,
+# its fixtures built once); the slow tier shares one stack on fixed ports, in one process
 test-fast: env
-	$(RT_PY) -m pytest -m "$(FAST)" $(RT_TESTS)
-	$(ORCH_PY) -m pytest -m "$(FAST)" $(ORCH_TESTS)
+	$(RT_PY) -m pytest -n auto --dist loadfile -m "$(FAST)" $(RT_TESTS)
+	$(ORCH_PY) -m pytest -n auto --dist loadfile -m "$(FAST)" $(ORCH_TESTS)
 
 # docs/configuration.md's reference, generated from tasks/config.py's dataclasses
 config-docs: env
