@@ -182,7 +182,8 @@ def encode(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]
         tokenizer, frame = vocabulary.tokenizer, vocabulary.special.frame
         dtype = tokens.token_dtype(tokenizer.get_vocab_size())
         lines, start, end = shard_lines(args.snapshot, args.shard_index, args.num_shards, scratch)
-        batches = tokens.record_batches(lines, params.batch_bytes, args.snapshot, first_line=start + 1)
+        batches = tokens.record_batches(lines, params.batch_bytes, args.snapshot, first_line=start + 1,
+                                        required=("text", "content_hash"))
         files = {split: (out / f"{split}.bin").open("wb") for split in tokens.SPLITS}
         lengths = {split: array("q") for split in tokens.SPLITS}  # 8 bytes a document, not a Python int's 36
         progress = Progress(f"encode shard {args.shard_index}/{args.num_shards}", None, "tokens")

@@ -198,21 +198,27 @@ def lines_in(chunks: Iterable[bytes]) -> Iterator[bytes]:
 
 
 def record_batches(
-    lines: Iterable[bytes], batch_bytes: int, where: str, first_line: int = 1
+    lines: Iterable[bytes], batch_bytes: int, where: str, first_line: int = 1, required: tuple[str, ...] = ()
 ) -> Iterator[list[dict[str, Any]]]:
     """JSON records of ``lines`` in batches of about ``batch_bytes`` of input each: memory stays
     bounded by the batch however long the documents, and an ``encode_batch`` call is long enough
-    that its threads rarely wait for its longest document. Errors name ``where`` and the line
-    (``lines`` start at line ``first_line`` of it)."""
+    that its threads rarely wait for its longest document. Each record must be an object with a
+    string at each ``required`` field. Errors name ``where`` and the line (``lines`` start at
+    line ``first_line`` of it)."""
     batch: list[dict[str, Any]] = []
     size = 0
     for number, line in enumerate(lines, first_line):
         if not line.strip():
             continue
         try:
-            batch.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise StepError(f"{where}: line {number} is not a JSON record ({exc.msg})") from None
+        missing = [f for f in required if not isinstance(record, dict) or not isinstance(record.get(f), str)]
+        if missing:
+            raise StepError(f"{where}: line {number} has no string {', '.join(missing)} (a snapshot record, as "
+                            "tasks.snapshot writes one, has text and content_hash)")
+        batch.append(record)
         size += len(line)
         if size >= batch_bytes:
             yield batch

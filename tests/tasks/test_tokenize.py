@@ -10,6 +10,7 @@ import pytest
 from helpers import error_lines, run_measuring_peak_rss, run_module, step_result, tokenize
 
 from tasks.lib import records, tokens
+from tasks.lib.errors import StepError
 
 
 @pytest.mark.parametrize(("vocab", "dtype"), [(1000, np.uint16), (65536, np.uint16), (65537, np.uint32)])
@@ -37,6 +38,14 @@ def test_lines_arriving_in_any_chunks_are_the_same_lines(chunk: int) -> None:
     assert list(tokens.lines_in(chunks)) == data.split(b"\n")
     batches = list(tokens.record_batches(tokens.lines_in(chunks), batch_bytes=8, where="s"))
     assert batches == [[{"a": 1}], [{"b": "two"}], [{"c": 3}]]  # a batch closes at 8 bytes of lines
+
+
+@pytest.mark.parametrize("line", [b'{"text": "no hash"}', b'["text", "content_hash"]', b'{"text": 3, "content_hash": "ab"}'])
+def test_a_record_without_its_fields_is_named_by_line(line: bytes) -> None:
+    lines = [b'{"text": "a", "content_hash": "ab"}', line]
+    with pytest.raises(StepError) as refused:
+        list(tokens.record_batches(lines, batch_bytes=1, where="snap.jsonl", required=("text", "content_hash")))
+    assert str(refused.value).startswith("snap.jsonl: line 2 has no string "), refused.value
 
 
 def test_split_depends_only_on_document_hash() -> None:
