@@ -289,6 +289,7 @@ with DAG(
             "--output", run_output_uri("export"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
         ],
+        kind=params.serve.export_kind,  # a TensorRT plan is built on the GPU kind that serves it
     )
     # a failed canary is rolled back inside the step and exits 2: the task fails without retries
     deploy = step(

@@ -596,8 +596,8 @@ class ExportSettings:
     parity_new_tokens: int
     """Greedy tokens per prompt the engine must generate as PyTorch does."""
     tensorrt: TensorRT
-    """An engine built from the ONNX file where the step runs on a GPU with the tensorrt package
-    (the DAG's export runs on the cpu kind, and no lock holds tensorrt: skipped)."""
+    """An engine built from the ONNX file where the step runs on a GPU with the tensorrt package (the
+    DAG runs the export on the gpu kind for serve.backend tensorrt_plan; no lock holds tensorrt)."""
 
     def __post_init__(self) -> None:
         _positive(self, "opset", "parity_atol", "parity_windows", "parity_new_tokens")
@@ -771,6 +771,12 @@ class ServeSettings:
         for size in self.preferred_batch_sizes:
             _check(0 < size <= self.max_batch_size, "preferred_batch_sizes", self.preferred_batch_sizes,
                    "expected sizes in 1..max_batch_size")
+
+    @property
+    def export_kind(self) -> str:
+        """The node kind the export step runs on: a TensorRT plan is built on a GPU, for the GPU
+        model that serves it (tensorrt_plan); the other backends' files are built anywhere."""
+        return "gpu" if self.backend == "tensorrt_plan" else "cpu"
 
 
 @dataclasses.dataclass(frozen=True)

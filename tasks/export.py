@@ -7,6 +7,9 @@ holding a Triton model-repository fragment for that version
     triton/llm/<version>/model.onnx         next-token logits, dynamic batch and sequence axes
     triton/llm/<version>/model.py           python backend (ONNX Runtime), used by that backend
     triton/llm/<version>/model.json         its vocabulary size and context (requests are checked)
+    triton/llm/<version>/model.plan         a TensorRT FP16 engine, where the export runs on a GPU with the
+                                            tensorrt package (required for serve.backend tensorrt_plan,
+                                            whose export the DAG schedules on the gpu kind)
     triton/llm_generate/config.pbtxt        text in, text out or streamed (python backend, decoupled)
     triton/llm_generate/<version>/          decoder.onnx (KV cache), engine.py + model.py + chat.py
                                             (the generation engine), tokenizer.json, generation.json
@@ -16,7 +19,6 @@ holding a Triton model-repository fragment for that version
                                             config, tokenizer): what vLLM, transformers, aiperf read
     configs/                                every backend's config.pbtxt and load-API JSON
     parity.json                             the figures below + the reference the canary checks
-    model.plan                              TensorRT FP16 engine (on a GPU with the tensorrt package only)
 
 Parity, on real inputs (the fixed prompts and windows of the held-out evaluation text, of
 several lengths and batch sizes), else the step fails with one line naming the worst input:
@@ -258,6 +260,20 @@ def tensorrt_profile(seq_len: int, trt: TensorRT) -> dict[str, tuple[int, int]]:
             "input_ids_max": (batch.max, seq_len)}
 
 
+def check_tensorrt_can_be_built(serve: ServeSettings) -> None:
+    """Served by a TensorRT plan, this export must build one: refused at once where it cannot (no
+    GPU, or no tensorrt package), before minutes of parity checks."""
+    if serve.backend != "tensorrt_plan":
+        return
+    import importlib.util
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("tensorrt") is None:
+        missing = "no GPU" if not torch.cuda.is_available() else "no tensorrt package"
+        raise StepError(f"serve.backend tensorrt_plan: {missing} where this export runs, so it cannot build the "
+                        "plan Triton would serve (the DAG runs the export on the gpu kind for this backend; "
+                        "choose python or onnxruntime_onnx elsewhere)")
+
+
 def build_tensorrt(onnx_path: Path, plan_path: Path, seq_len: int, trt_params: TensorRT) -> str:
     """An FP16 TensorRT engine from the ONNX file, or why none was built (never faked)."""
     if not torch.cuda.is_available():
@@ -304,18 +320,20 @@ def check_chat_template(vocabulary: tokens.Vocabulary) -> None:
         raise StepError(f"the model's tokenizer_config.json: its chat template cannot serve ({first_line(exc)})") from None
 
 
-def write_repository(out: Path, version: str, onnx_path: Path, decoder_path: Path, vocabulary: tokens.Vocabulary,
-                     shape: dict[str, Any], serve: ServeSettings) -> dict[str, Any]:
+def write_repository(out: Path, version: str, onnx_path: Path, plan_path: Path, decoder_path: Path,
+                     vocabulary: tokens.Vocabulary, shape: dict[str, Any], serve: ServeSettings) -> dict[str, Any]:
     """The Triton repository fragment of this version and every backend's configuration (a
     base's tokenizer_config.json beside the engine: its chat template)."""
     logits_name, generate_name = serve.triton_model, serve.generate_model
-    served = triton.logits_model_config(logits_name, serve.backend, serve)
+    served = triton.logits_model_config(logits_name, serve.backend, serve, gpu=serve.backend == "tensorrt_plan")
     generate = triton.generate_model_config(generate_name, serve)
     logits_dir = out / "triton" / logits_name / version
     generate_dir = out / "triton" / generate_name / version
     logits_dir.mkdir(parents=True)
     generate_dir.mkdir(parents=True)
     shutil.copy(onnx_path, logits_dir / "model.onnx")
+    if plan_path.exists():  # where the tensorrt_plan configs look for it
+        shutil.copy(plan_path, logits_dir / triton.MODEL_FILES["tensorrt_plan"])
     shutil.copy(TRITON_MODELS / "llm" / "model.py", logits_dir / "model.py")
     # the bounds it checks each request against before batching it with others
     (logits_dir / "model.json").write_text(json.dumps({k: shape[k] for k in ("vocab_size", "seq_len")}))
@@ -419,6 +437,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if args.mlflow:
             log_to_registry(name, version, args.mlflow_run_tag, args.output, None, kept, settings)
         return kept
+    check_tensorrt_can_be_built(serve)
     # write_once: should another attempt commit first (a zombie and its retry), its output stays
     with storage.scratch() as scratch, storage.staged_output(args.output, write_once=True) as out:
         loaded = load_version(name, version)
@@ -441,8 +460,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                  "prompts identical to PyTorch's (%d tokens)", decoder["max_abs_logit_diff"], decoder["windows"],
                  len(prompts), decoder["greedy_tokens_compared"])
         hf = write_hf_checkpoint(loaded.model, vocabulary, out / "hf", inputs, atol)
-        tensorrt = build_tensorrt(onnx_path, out / "model.plan", loaded.model.config.seq_len, params.tensorrt)
-        write_repository(out, version, onnx_path, decoder_path, vocabulary, decoder.pop("shape"), serve)
+        plan_path = scratch / triton.MODEL_FILES["tensorrt_plan"]
+        tensorrt = build_tensorrt(onnx_path, plan_path, loaded.model.config.seq_len, params.tensorrt)
+        if serve.backend == "tensorrt_plan" and not plan_path.exists():
+            raise StepError(f"serve.backend tensorrt_plan: no TensorRT plan was built ({tensorrt})")
+        write_repository(out, version, onnx_path, plan_path, decoder_path, vocabulary, decoder.pop("shape"), serve)
         generations = decoder.pop("generations")
         parity |= {"decoder": decoder, "hf_checkpoint": hf}
         reference = {"inputs": [ids.tolist() for ids in inputs], "next_tokens": parity.pop("expected_next_tokens"),

@@ -170,6 +170,31 @@ def test_gpu_step_pod_requests_gpus_and_tolerates_gpu_nodes(monkeypatch: pytest.
     assert spec["containers"][0]["image"].split("@")[0].endswith("runtime-gpu:0.1.0")
 
 
+@pytest.mark.parametrize("backend", ["python", "tensorrt_plan"])
+def test_the_export_runs_on_the_gpu_kind_where_a_tensorrt_plan_is_served(
+    backend: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A TensorRT plan is built on the GPU kind that serves it: serve.backend tensorrt_plan
+    schedules the DAG's export pod there; the other backends' export stays on the cpu kind."""
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["serve"]["backend"] = backend
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.setenv("PIPELINE_PARAMS", str(tmp_path / "params.yaml"))
+    monkeypatch.setenv("PIPELINE_LAUNCHER_MODE", "kubernetes")
+    import llm_retrain
+
+    try:
+        pod = pod_of(importlib.reload(llm_retrain).dag.get_task("export"))
+    finally:
+        monkeypatch.undo()
+        importlib.reload(llm_retrain)
+    validate_strict([pod], tmp_path)
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    assert ("nvidia.com/gpu" in limits) == (backend == "tensorrt_plan"), limits
+    assert pod["spec"]["containers"][0]["image"].split("@")[0].endswith(
+        "runtime-gpu:0.1.0" if backend == "tensorrt_plan" else "runtime-cpu:0.1.0")
+
+
 def test_validator_rejects_an_unknown_field(tmp_path: Path) -> None:
     """The schema check is real: a misspelt field fails it."""
     bad = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import http.client
+import importlib.util
 import json
 import math
 import os
@@ -648,6 +649,30 @@ def test_a_fresh_baseline_of_stable_starts_with_the_canary_and_goes_with_it(
         # a stable track that does not name stable's version (hand-edited): no baseline from it, one line
         with pytest.raises(StepError, match=r"names version 6 .*not stable version 5: no baseline can be started"):
             kube.prepare(5, 4)
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None and torch_cuda(), reason="a plan can be built here")
+def test_a_tensorrt_plan_backend_is_refused_at_once_where_no_plan_can_be_built(tmp_path: Path) -> None:
+    """serve.backend tensorrt_plan serves a plan the export builds: an export that cannot build one
+    (no GPU, or no tensorrt package) fails first, in one line, with nothing written; it used to
+    fail after its parity checks, or export a config whose plan was not in the version's folder."""
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["serve"]["backend"] = "tensorrt_plan"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    proc = run_module("tasks.export", "--model-version", "1", "--output", str(tmp_path / "export"),
+                      "--eval-set", str(tmp_path / "eval.jsonl"),
+                      env={"PIPELINE_PARAMS": str(tmp_path / "params.yaml"), "MLFLOW_TRACKING_URI": ""})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(error_lines(proc)) == 1 and re.match(
+        r"ERROR python -m tasks.export: serve.backend tensorrt_plan: no (GPU|tensorrt package) where this export "
+        r"runs, so it cannot build the plan Triton would serve", error_lines(proc)[0]), error_lines(proc)
+    assert not (tmp_path / "export").exists()
 
 
 def test_a_promotion_the_stable_track_cannot_take_is_undone(
