@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tasks.serving.triton_models.llm_generate.chat import PLAIN_STOP, ChatTemplate, TemplateError
+from tasks.serving.triton_models.llm_generate.chat import PLAIN_STOP, ChatTemplate, TemplateError, without_plain_stop
 
 CHATML = (  # Qwen2's shape: a default system message, roles, add_generation_prompt
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -82,3 +82,11 @@ def test_a_model_without_a_template_gets_the_plain_one() -> None:
     plain = ChatTemplate.from_tokenizer_config({"eos_token": "<|endoftext|>"})
     assert plain.plain and plain.stops() == [PLAIN_STOP]
     assert plain.render(CONVERSATION[1:3]) == "User: What is a canary?\nAssistant: A small rollout.\nAssistant:"
+
+
+def test_a_templated_model_drops_the_fronts_plain_stop_and_keeps_the_clients() -> None:
+    """The front appends the plain template's stop to every chat request, last; a model with a
+    template of its own drops that one (it stops at its EOS ids) and keeps what the client asked."""
+    assert without_plain_stop(["###", PLAIN_STOP]) == ["###"]
+    assert without_plain_stop([PLAIN_STOP, "###", PLAIN_STOP]) == [PLAIN_STOP, "###"]  # the client's own
+    assert without_plain_stop(["###"]) == ["###"] and without_plain_stop([]) == []

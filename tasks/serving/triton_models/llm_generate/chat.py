@@ -28,6 +28,16 @@ from typing import Any
 PLAIN_STOP = "\nUser:"
 
 
+def without_plain_stop(stops: list[str]) -> list[str]:
+    """A request's stop strings without the plain template's, which the front appends last for
+    every chat request (it cannot know the model's template): a model rendering its own template
+    ends on its EOS ids instead. A client's own identical stop, earlier in the list, stays."""
+    if PLAIN_STOP not in stops:
+        return stops
+    last = len(stops) - 1 - stops[::-1].index(PLAIN_STOP)
+    return stops[:last] + stops[last + 1:]
+
+
 class TemplateError(ValueError):
     """A template that does not load or render, or refuses the messages: one line."""
 

@@ -214,15 +214,13 @@ class TritonPythonModel:
         messages = chat_messages(request) if self.chat is not None else None
         stops = stop_strings(request)
         if messages is not None:
-            from chat import PLAIN_STOP, TemplateError
+            from chat import TemplateError, without_plain_stop
 
             try:
                 prompt_ids = self.engine.encode(self.chat.render(messages), framed=False)
             except TemplateError as exc:
                 raise RequestError(str(exc)) from None
-            if stops and PLAIN_STOP in stops:  # the front's, appended last (a client's own stays)
-                last = len(stops) - 1 - stops[::-1].index(PLAIN_STOP)
-                stops = stops[:last] + stops[last + 1:]
+            stops = without_plain_stop(stops) if stops else stops
         else:
             prompt_ids = self.engine.encode(values[0])
         settings = {}
