@@ -148,9 +148,13 @@ class IngestSettings:
     max_bad_share: float
     """``python -m tasks.ingest import``: a corpus with a larger share of bad rows (no text, wrong
     type, undecodable) fails with exit 2, nothing written; below it the bad rows are quarantined."""
+    heldout_every: int
+    """``import --heldout-output``: one text in this many, by its normalized text's hash, is held
+    out of the partitions (with every duplicate of it) and written to the held-out file instead."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.max_bad_share <= 1, "max_bad_share", self.max_bad_share, "expected a share in [0, 1]")
+        _positive(self, "heldout_every")
 
 
 # -- launcher -----------------------------------------------------------------------------------

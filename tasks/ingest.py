@@ -23,6 +23,13 @@ the source's bytes and the field mapping): a new partition is committed whole, a
 gets the file and a new ``_SUCCESS`` manifest, and no existing file is ever changed. Importing
 the same source again adds nothing; an import that died midway adds, when run again, what it had
 not yet added.
+
+``--heldout-output URI`` splits off the corpus's held-out text: one text in
+``ingest.heldout_every``, picked by the hash of its normalized text (the hash the snapshot step
+de-duplicates on), so every copy of a held-out text, in this import or a later one, is held out
+too and none is ever trained on. They are written to ``{URI}/eval-import-<key>.jsonl`` (before
+the partitions), the evaluation set to pass as ``evaluate.eval_set_uri`` (``make retrain
+EVAL_SET=...``).
 """
 
 from __future__ import annotations
@@ -389,6 +396,7 @@ def import_key(files: list[Path], source: Path, mapping: FieldMap, source_name: 
 class Tally:
     rows: int = 0
     bad: int = 0
+    heldout: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
     first_fields: list[str] | None = None
 
@@ -396,9 +404,17 @@ class Tally:
         return self.bad / self.rows if self.rows else 0.0
 
 
+def is_heldout(text: str, every: int) -> bool:
+    """Whether a text belongs to the held-out split: by the hash the snapshot step de-duplicates
+    on (its normalized text), so each copy of a text is on the same side in every import. (Its
+    second 8 hex digits: the first ones pick the tokenize step's validation split.)"""
+    return int(records.content_hash(records.normalize_text(text))[8:16], 16) % every == 0
+
+
 def sort_rows(rows: Iterator[Row], mapping: FieldMap, source_name: str, today: dt.date, max_bytes: int,
-              days: DayFiles, quarantine: IO[str]) -> Tally:
-    """Every row into its day's file, or into the quarantine with its reason."""
+              days: DayFiles, quarantine: IO[str], heldout: tuple[IO[str], int] | None = None) -> Tally:
+    """Every row into its day's file, into the held-out file (``heldout``: the file and one in how
+    many texts), or into the quarantine with its reason."""
     tally = Tally()
     for row in rows:
         tally.rows += 1
@@ -408,6 +424,10 @@ def sort_rows(rows: Iterator[Row], mapping: FieldMap, source_name: str, today: d
         if row.fields is not None:
             try:
                 record = record_of(row.fields, mapping, source_name, today, max_bytes)
+                if heldout is not None and is_heldout(record["text"], heldout[1]):
+                    heldout[0].write(json.dumps(record, ensure_ascii=False) + "\n")
+                    tally.heldout += 1
+                    continue
                 days.add(dt.date.fromisoformat(record["created_at"][:10]), record)
                 continue
             except BadRow as exc:
@@ -482,13 +502,17 @@ def import_main(args: argparse.Namespace) -> dict[str, Any]:
     files = source_files(source, kind, args.split)
     key = import_key(files, source, mapping, source_name, args.split)
     today = import_day(args.to, key, args.date)
+    heldout_name = f"eval-import-{key}.jsonl"
     with storage.scratch() as scratch:
         days = DayFiles(scratch / "days")
         (scratch / "quarantine").mkdir()
-        with (scratch / "quarantine" / "rows.jsonl").open("w", encoding="utf-8") as quarantine:
+        (scratch / "heldout").mkdir()
+        with (scratch / "quarantine" / "rows.jsonl").open("w", encoding="utf-8") as quarantine, \
+                (scratch / "heldout" / heldout_name).open("w", encoding="utf-8") as held:
             try:
                 tally = sort_rows(rows_of(source, kind, args.split, settings.snapshot.max_record_bytes), mapping,
-                                  source_name, today, settings.snapshot.max_record_bytes, days, quarantine)
+                                  source_name, today, settings.snapshot.max_record_bytes, days, quarantine,
+                                  (held, settings.ingest.heldout_every) if args.heldout_output else None)
             finally:
                 days.close()
         why_not = refusal(source, tally, mapping, settings.ingest.max_bad_share)
@@ -499,16 +523,23 @@ def import_main(args: argparse.Namespace) -> dict[str, Any]:
         quarantine_uri = storage.join(args.to, "_quarantine", f"import-{key}")
         if tally.bad:
             storage.add_files(scratch / "quarantine", quarantine_uri)
+        if args.heldout_output:  # before the partitions: a run can never train on what it holds out
+            storage.add_files(scratch / "heldout", args.heldout_output)
         landed = land(days, args.to, key)
     seconds = time.monotonic() - started
     peak_mb = peak_rss_mb()
+    heldout_uri = storage.join(args.heldout_output, heldout_name) if args.heldout_output else None
+    if heldout_uri:
+        log.info("held out %d texts (one in %d) at %s: pass it as the evaluation set (make retrain EVAL_SET=...)",
+                 tally.heldout, settings.ingest.heldout_every, heldout_uri)
     log.info("imported %d of %d rows of %s (%s) into %d day partitions under %s (%d added, %d already there); "
-             "%d bad%s; %.1f s, %.0f rows/s, peak RSS %.0f MB", tally.rows - tally.bad, tally.rows, source, kind,
-             len(days.counts), args.to, len(landed["added"]), len(landed["present"]), tally.bad,
+             "%d bad%s; %.1f s, %.0f rows/s, peak RSS %.0f MB", tally.rows - tally.bad - tally.heldout, tally.rows,
+             source, kind, len(days.counts), args.to, len(landed["added"]), len(landed["present"]), tally.bad,
              f" (quarantined at {quarantine_uri}: " + "; ".join(f"{r} ({n})" for r, n in tally.reasons.most_common(3))
              + ")" if tally.bad else "", seconds, tally.rows / max(seconds, 1e-9), peak_mb)
     return {"source": str(source), "format": kind, "to": args.to, "key": key, "rows": tally.rows,
-            "imported": tally.rows - tally.bad, "bad": tally.bad, "bad_reasons": dict(tally.reasons),
+            "imported": tally.rows - tally.bad - tally.heldout, "bad": tally.bad, "bad_reasons": dict(tally.reasons),
+            "heldout": tally.heldout, "heldout_uri": heldout_uri,
             "quarantine_uri": quarantine_uri if tally.bad else None,
             "days": {d.isoformat(): n for d, n in sorted(days.counts.items())},
             "days_added": landed["added"], "days_already_there": landed["present"],
@@ -538,6 +569,9 @@ def parser() -> argparse.ArgumentParser:
     imp.add_argument("--timestamp-field", help="ISO 8601 or epoch seconds; picks the day (default: --date)")
     imp.add_argument("--date", help="the day of rows without a timestamp field, YYYY-MM-DD (default: today, UTC)")
     imp.add_argument("--split", help="of a datasets DatasetDict folder (default: every split)")
+    imp.add_argument("--heldout-output", help="a folder URI for a held-out split of the corpus (one text in "
+                     "ingest.heldout_every, with every copy of it: never in a partition), written as "
+                     "eval-import-<key>.jsonl: the evaluation set of your domain (default: none)")
     return p
 
 

@@ -173,6 +173,35 @@ def test_importing_the_same_corpus_again_adds_nothing_and_a_new_one_adds_beside(
     assert sum(len(rows) for rows in partitions(tmp_path / "raw").values()) == 60
 
 
+def test_a_heldout_split_keeps_every_copy_of_its_texts_out_of_the_partitions(tmp_path: Path) -> None:
+    """--heldout-output: one text in heldout_every by its normalized text's hash, each copy of it
+    (another id, day, spacing) on the held-out side, nothing of it in a partition; again: nothing
+    added, nothing changed."""
+    from tasks.ingest import is_heldout
+
+    texts = [f"Document {i} about canaries, rollbacks and the {i % 7}th shard." for i in range(300)]
+    rows = [{"doc": t, "key": f"a{i}", "when": f"2026-10-0{1 + i % 3}T08:00:00"} for i, t in enumerate(texts)]
+    rows += [{"doc": t + "  \r\n", "key": f"b{i}", "when": "2026-10-05T08:00:00"} for i, t in enumerate(texts[:100])]
+    source = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    code, stderr = run_import_process(source, tmp_path / "raw", "--set", "heldout_every=10", *MAPPING,
+                                      "--heldout-output", str(tmp_path / "heldout"))
+    assert code == 0, stderr[-2000:]
+    [held_file] = (tmp_path / "heldout").glob("eval-import-*.jsonl")
+    held = [json.loads(line)["text"] for line in held_file.read_text().splitlines()]
+    kept = [r["text"] for day in partitions(tmp_path / "raw").values() for r in day]
+    wanted = {t for t in texts if is_heldout(t, 10)}
+    assert 10 <= len(wanted) <= 60  # ~30 of 300: the hash's share, not a lucky pick
+    assert {records.normalize_text(t) for t in held} == wanted
+    assert len(held) == len(wanted) + sum(t in wanted for t in texts[:100])  # the second copies too
+    assert not {records.normalize_text(t) for t in kept} & wanted and len(held) + len(kept) == len(rows)
+    storage.require_complete(str(tmp_path / "heldout"))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "corpus" not in p.name}
+    code, _ = run_import_process(source, tmp_path / "raw", "--set", "heldout_every=10", *MAPPING,
+                                 "--heldout-output", str(tmp_path / "heldout"))
+    assert code == 0 and {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "corpus" not in p.name} \
+        == before
+
+
 def test_a_day_partition_is_read_by_the_snapshot_layout(tmp_path: Path) -> None:
     """What the import wrote is what the snapshot step reads: records.partition_files finds each
     day's files, and each line parses as a raw record."""
