@@ -455,8 +455,10 @@ class TrainSettings:
     presets: dict[str, Preset]
     """Model sizes by name."""
     base: str = ""
-    """A Hugging Face checkpoint folder (local or s3://) the line starts from; empty: a preset from
-    scratch. (A default: the settings models recorded before it replay as they were.)"""
+    """A Hugging Face checkpoint folder the line starts from: local, s3://, or a registered MLflow
+    version (models:/NAME/VERSION or models:/NAME@ALIAS: a checkpoint folder logged as a run's
+    artifacts); empty: a preset from scratch. (A default: the settings models recorded before it
+    replay as they were.)"""
 
     def __post_init__(self) -> None:
         _check(self.preset in self.presets, "preset", self.preset, f"expected one of {', '.join(self.presets)}")

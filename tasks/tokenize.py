@@ -80,12 +80,13 @@ def start_point(args: argparse.Namespace, settings: Settings, production: Produc
     if args.tokenizer:
         return args.tokenizer, "explicit", None
     if args.base:
-        from tasks.lib.base_model import base_identity, import_base
+        from tasks.lib.base_model import CheckpointFiles, base_identity, import_base
 
         seq_len = settings.train.presets[args.preset].seq_len
-        identity = base_identity(args.base, seq_len)
+        files = CheckpointFiles(args.base)
+        identity = base_identity(files, seq_len, scratch)
         if production is None or production.base_identity != identity:
-            base = import_base(args.base, identity, seq_len, settings.tokenize.base_store,
+            base = import_base(files, identity, seq_len, settings.tokenize.base_store,
                                settings.tokenize.tokenizer_store, scratch)
             return base.tokenizer_uri, "base", base
         log.info("train.base %s: the champion %s descends from it: continuing from the champion", args.base,

@@ -8,8 +8,10 @@ this pipeline's form in ``tokenize.base_store``, named by the base's identity. T
 any other DAG run, finds it there and reads nothing from the checkpoint again; training loads it
 as it loads a champion.
 
-A base is known by its identity: the hash of its small files (configs, tokenizer), its weight
-files' names and sizes, and the context trained. A model trained from it records it (``base``:
+``train.base`` names a folder (local or ``s3://``) or a registered MLflow version
+(``models:/NAME/VERSION``, ``models:/NAME@ALIAS``) holding the checkpoint's files at its root
+(:class:`CheckpointFiles`). A base is known by its identity: the hash of its small files
+(configs, tokenizer), its weight files' names and versions, and the context trained. A model trained from it records it (``base``:
 uri, identity), and so does each successor: a retrain continues from the champion while the
 champion descends from this base, and starts from the base again when the base changed.
 """
@@ -51,34 +53,94 @@ class BaseModel:
         return {"uri": self.uri, "identity": self.identity}
 
 
-def base_identity(uri: str, seq_len: int) -> str:
-    """The identity of the checkpoint at ``uri`` trained at ``seq_len`` tokens: its small files'
-    contents and each weight file's version (S3: size and ETag; a local file: size and
-    modification time), read without reading the weights."""
-    versions = storage.file_versions(uri)
+class CheckpointFiles:
+    """A checkpoint's files where ``train.base`` names them: a folder (local, or ``s3://`` through
+    :mod:`tasks.lib.storage`), or a registered MLflow version (``models:/NAME/VERSION`` or
+    ``models:/NAME@ALIAS``, the alias resolved once: a checkpoint folder logged as a run's
+    artifacts and registered), read through MLflow's artifact API."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.registered = registered_version_uri(uri) if uri.startswith("models:/") else None
+
+    def versions(self) -> dict[str, str]:
+        """Each file by name, with what changes when its content does, without reading it (a
+        registered version's files by size: its artifacts are never rewritten)."""
+        if self.registered is None:
+            return storage.file_versions(self.uri)
+        import mlflow
+
+        return {f.path.rsplit("/", 1)[-1]: f"{self.registered}:{f.file_size}"
+                for f in mlflow.artifacts.list_artifacts(artifact_uri=self.registered) if not f.is_dir}
+
+    def read(self, name: str, scratch: Path) -> bytes:
+        if self.registered is None:
+            return storage.read_bytes(storage.join(self.uri, name))
+        return self.download(name, scratch / "identity").read_bytes()
+
+    def download(self, name: str, folder: Path) -> Path:
+        if self.registered is None:
+            return storage.download(storage.join(self.uri, name), folder / name)
+        import mlflow
+
+        folder.mkdir(parents=True, exist_ok=True)
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{self.registered}/{name}", dst_path=str(folder)))
+
+    @property
+    def local(self) -> Path | None:
+        """The folder itself, where it is read in place."""
+        return Path(self.uri) if self.registered is None and not storage.is_s3(self.uri) else None
+
+
+def registered_version_uri(uri: str) -> str:
+    """``models:/NAME/VERSION`` of a registered base (an alias resolved to its version); absent:
+    one line."""
+    from tasks.lib.registry import model_version, version_by_alias
+
+    name, at, alias = uri.removeprefix("models:/").partition("@")
+    if at:
+        found = version_by_alias(name, alias)
+        if found is None:
+            raise StepError(f"train.base {uri}: no such model or alias in the registry")
+        return f"models:/{name}/{found.version}"
+    name, _, version = name.rpartition("/")
+    if not name or not version.isdigit():
+        raise StepError(f"train.base {uri}: expected models:/NAME/VERSION or models:/NAME@ALIAS")
+    try:
+        model_version(name, version)
+    except StepError as exc:
+        raise StepError(f"train.base {exc}") from None
+    return f"models:/{name}/{version}"
+
+
+def base_identity(files: CheckpointFiles, seq_len: int, scratch: Path) -> str:
+    """The identity of the checkpoint trained at ``seq_len`` tokens: its small files' contents
+    and each weight file's version (S3: size and ETag; a local file: size and modification time;
+    a registered version: its name, number and sizes), read without reading the weights."""
+    versions = files.versions()
     if "config.json" not in versions:
-        raise StepError(f"train.base {uri}: not a Hugging Face checkpoint folder (no config.json)")
+        raise StepError(f"train.base {files.uri}: not a Hugging Face checkpoint folder (no config.json at its root)")
     digest = hashlib.sha256(f"seq_len={seq_len}\n".encode())
     for name in IDENTITY_FILES:
         if name in versions:
-            digest.update(b"\0" + name.encode() + b"\0" + storage.read_bytes(storage.join(uri, name)))
+            digest.update(b"\0" + name.encode() + b"\0" + files.read(name, scratch))
     for name, version in versions.items():
         if name.endswith(".safetensors"):
             digest.update(f"\0{name}\0{version}".encode())
     return digest.hexdigest()
 
 
-def fetch_checkpoint(uri: str, scratch: Path) -> Path:
+def fetch_checkpoint(files: CheckpointFiles, scratch: Path) -> Path:
     """The checkpoint as a local folder (a local one is read in place): its small files and the
     safetensors the index names (or the one model.safetensors), not the other formats a
     published folder may hold beside them (original/*.pth, *.bin, consolidated.safetensors)."""
-    if not storage.is_s3(uri):
-        return Path(uri)
+    if files.local is not None:
+        return files.local
     local = scratch / "base-checkpoint"
-    present = storage.file_versions(uri)
+    present = files.versions()
     for name in IDENTITY_FILES:
         if name in present:
-            storage.download(storage.join(uri, name), local / name)
+            files.download(name, local)
     index = local / hf_checkpoint.INDEX_FILE
     weights = {hf_checkpoint.SINGLE_FILE}
     if index.exists():
@@ -88,7 +150,7 @@ def fetch_checkpoint(uri: str, scratch: Path) -> Path:
             weights = set()  # read_weights names the unreadable index in one line
     for name in sorted(weights):
         if name in present:
-            storage.download(storage.join(uri, name), local / name)
+            files.download(name, local)
     return local
 
 
@@ -123,13 +185,14 @@ def with_chat_template(folder: Path) -> str | None:
     return json.dumps({**config, "chat_template": template.read_text(encoding="utf-8")}, indent=1)
 
 
-def import_base(uri: str, identity: str, seq_len: int, base_store: str, tokenizer_store: str,
+def import_base(files: CheckpointFiles, identity: str, seq_len: int, base_store: str, tokenizer_store: str,
                 scratch: Path) -> BaseModel:
-    """The base at ``uri`` (its :func:`base_identity` at ``seq_len``) in our stores, imported
-    unless it already is (written once)."""
+    """The base (its :func:`base_identity` at ``seq_len``) in our stores, imported unless it
+    already is (written once)."""
+    uri = files.uri
     folder = storage.join(base_store, f"sha256-{identity}")
     if not storage.exists(storage.join(folder, storage.SUCCESS_MARKER)):
-        local = fetch_checkpoint(uri, scratch)
+        local = fetch_checkpoint(files, scratch)
         try:
             config, special, companions, tokenizer = read_checkpoint_line(local, seq_len)
             weights = hf_checkpoint.read_weights(local, config)  # one tensor at a time, into our layout

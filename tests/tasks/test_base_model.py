@@ -190,7 +190,7 @@ def test_bad_bases_fail_in_one_line_and_import_nothing(bases: dict[str, Path], s
              missing_shard: "shard model-00003-of-00006.safetensors is missing",
              small_embedding: "has no row in the embedding of 300",
              no_tokenizer: "no tokenizer.json",
-             tmp_path / "nowhere": "not a Hugging Face checkpoint folder (no config.json)"}
+             tmp_path / "nowhere": "not a Hugging Face checkpoint folder (no config.json at its root)"}
     for folder, reason in cases.items():
         proc = prepare(snapshot, folder, tmp_path / "stores", tmp_path / f"out-{folder.name}")
         assert proc.returncode == 2, proc.stderr[-2000:]
@@ -221,6 +221,48 @@ def test_a_template_saved_apart_is_the_bases_and_a_changed_weight_file_a_new_bas
     weights.write_bytes(weights.read_bytes())  # the same bytes, written again: a new version of the file
     again = step_result(prepare(snapshot, base, tmp_path, tmp_path / "p2"))
     assert again["init_model_uri"] != first["init_model_uri"] and again["tokenizer_uri"] == first["tokenizer_uri"]
+
+
+def test_a_base_registered_in_mlflow_is_imported_by_version_or_alias(
+    bases: dict[str, Path], snapshot: Path, stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A checkpoint folder logged as a run's artifacts and registered (docs/training.md) is a base
+    by models:/NAME/VERSION and by models:/NAME@ALIAS: the same files, the same import (found the
+    second time); an alias moved to another version is another base; an absent one is one line."""
+    import mlflow
+
+    name = f"base-{tmp_path.name}"[:60]
+    client = mlflow.MlflowClient()
+    client.create_registered_model(name)
+    versions = []
+    for family in ("llama", "qwen2"):
+        with mlflow.start_run() as run:
+            mlflow.log_artifacts(str(bases[family]), artifact_path="checkpoint")
+        versions.append(client.create_model_version(name, f"runs:/{run.info.run_id}/checkpoint", run.info.run_id).version)
+    client.set_registered_model_alias(name, "base", versions[0])
+
+    def prepared(uri: str, out: str) -> dict[str, Any]:
+        proc = run_module("tasks.tokenize", "prepare", "--snapshot", str(snapshot), "--base", uri, "--preset", "cpu-tiny",
+                          "--output", str(tmp_path / out), "--set", f"tokenizer_store={tmp_path / 'tokenizers'}",
+                          "--set", f"base_store={tmp_path / 'bases'}", env=stack_env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return step_result(proc)
+
+    by_version = prepared(f"models:/{name}/{versions[0]}", "v")
+    by_alias = prepared(f"models:/{name}@base", "a")
+    assert by_version["tokenizer_source"] == "base" and by_version["base"]["uri"] == f"models:/{name}/{versions[0]}"
+    assert by_alias["init_model_uri"] == by_version["init_model_uri"]  # the same files: imported once
+    imported = load_model_dir(str(by_version["init_model_uri"]), tmp_path / "load").model
+    assert imported.config == hf_checkpoint.checkpoint_config(bases["llama"], 128)
+    client.set_registered_model_alias(name, "base", versions[1])
+    moved = prepared(f"models:/{name}@base", "moved")
+    assert moved["init_model_uri"] != by_version["init_model_uri"] and moved["tokenizer_uri"] != by_version["tokenizer_uri"]
+    for uri, reason in ((f"models:/{name}/99", "not in the registry"),
+                        (f"models:/{name}@nobody", "no such model or alias")):
+        proc = run_module("tasks.tokenize", "prepare", "--snapshot", str(snapshot), "--base", uri,
+                          "--output", str(tmp_path / "absent"), env=stack_env)
+        assert proc.returncode == 2 and len(error_lines(proc)) == 1 and reason in error_lines(proc)[0], proc.stderr[-2000:]
+        assert uri in error_lines(proc)[0] and not (tmp_path / "absent").exists()
 
 
 def test_a_base_lines_model_refuses_a_dataset_of_another_tokenizer(
