@@ -189,7 +189,8 @@ with DAG(
         ),
         "train_base": Param(  # null, not "": the trigger form refuses an empty required string
             train_params.base or None, type=["null", "string"], title="Base checkpoint",
-            description="A Hugging Face checkpoint folder or s3:// URI (Llama, Mistral, Qwen2) the line starts "
+            description="A Hugging Face checkpoint (Llama, Mistral, Qwen2): a folder, an s3:// URI or a registered "
+                        "version (models:/NAME/VERSION, models:/NAME@ALIAS). The line starts "
                         "from: its weights, tokenizer and architecture; retrains continue from their champion "
                         "while it descends from this base. Empty: the preset, from scratch (train.base).",
         ),
