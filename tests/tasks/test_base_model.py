@@ -1,6 +1,6 @@
 """A team's Hugging Face checkpoint as the start of a line (train.base), through the real steps:
 tokenize prepare imports it once (architecture, tokenizer, special tokens, weights), encode frames
-documents with its BOS and EOS, training under torchrun (FSDP2, two processes) starts from its
+documents with its BOS and EOS, training under torchrun (two processes; FSDP2, DDP and DeepSpeed ZeRO) starts from its
 weights, and export's decoder, engine and Hugging Face folder keep its special tokens and chat
 template. The checkpoints are built offline by transformers (examples/tiny_base.py): a Llama
 with grouped-query attention and an untied head (Llama 3's tokens), a sharded Qwen2 with q/k/v
@@ -104,9 +104,12 @@ def test_a_base_starts_the_line_with_its_tokenizer_architecture_and_weights(
     document = train_bin[offsets[0]:offsets[1]].tolist()
     assert document == special.frame(document[len(special.prefix):-1])
 
-    # lr 0 under FSDP2: the model comes out as the checkpoint went in, in the checkpoint's architecture
-    result = train_two_processes(tmp_path / "data" / "dataset", init, tmp_path / "train", "--set", "lr=0")
-    assert result["initialized_from"] == init and result["world_size"] == 2
+    # lr 0 (FSDP2 for the Llama, DeepSpeed ZeRO for the Qwen2): the model comes out as the
+    # checkpoint went in, in the checkpoint's architecture
+    engine = {"llama": "fsdp2", "qwen2": "deepspeed"}[family]
+    result = train_two_processes(tmp_path / "data" / "dataset", init, tmp_path / "train", "--set", "lr=0",
+                                 "--set", f"engine={engine}")
+    assert result["initialized_from"] == init and result["world_size"] == 2 and result["engine"] == engine
     trained = load_model_dir(str(result["model_uri"]), tmp_path / "load")
     description = trained.description
     assert description["base"] == first["base"] and description["special_tokens"] == special.to_dict()
@@ -122,8 +125,8 @@ def test_a_base_starts_the_line_with_its_tokenizer_architecture_and_weights(
 
     if family == "qwen2":
         return
-    # and a run that trains changes them, still in that architecture
-    moved = train_two_processes(tmp_path / "data" / "dataset", init, tmp_path / "train-lr")
+    # and a run that trains changes them, still in that architecture (DDP: the third engine)
+    moved = train_two_processes(tmp_path / "data" / "dataset", init, tmp_path / "train-lr", "--set", "engine=ddp")
     changed = load_model_dir(str(moved["model_uri"]), tmp_path / "load-lr")
     assert changed.model.config == theirs
     assert not torch.equal(changed.model.state_dict()["head.weight"], trained.model.state_dict()["head.weight"])
