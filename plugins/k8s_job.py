@@ -34,6 +34,7 @@ from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperato
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from cluster import JOB_LABEL
 from kubernetes.client import models as k8s
+from step_exit import step_outcome
 
 from tasks.contract import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, ended_without_error_line, record_error, torchrun_args
 
@@ -91,12 +92,10 @@ class StepPodOperator(KubernetesPodOperator):
             # the step's own line first: the alert and the run report quote it
             error_line = termination_error_line(remote_pod, self.base_container_name)
             record_error(context, error_line)
-            if container_exit_code(remote_pod, self.base_container_name) == BAD_INPUT_EXIT_CODE:
-                raise AirflowFailException(f"{error_line or 'bad input'} (exit {BAD_INPUT_EXIT_CODE}, not retried): "
-                                           f"{exc}") from None
-            if error_line:
-                raise AirflowException(f"{error_line}: {exc}") from exc
-            raise
+            exit_code = container_exit_code(remote_pod, self.base_container_name) or None  # (0: a sidecar failed)
+            if exit_code != BAD_INPUT_EXIT_CODE and not error_line:
+                raise
+            raise step_outcome(exit_code, error_line or "", str(exc)) or exc from exc
 
 
 def bad_input_fails_the_job(container: str) -> k8s.V1PodFailurePolicy:
@@ -261,7 +260,7 @@ class TorchrunJobOperator(KubernetesJobOperator):
         except AirflowException as exc:
             bad_input = failed_on_bad_input(getattr(self, "job", None))
             if bad_input:
-                raise AirflowFailException(f"bad input (exit {BAD_INPUT_EXIT_CODE}), not retried: {bad_input}") from exc
+                raise step_outcome(BAD_INPUT_EXIT_CODE, "", bad_input) or exc from exc
             raise
         finally:
             self._delete_service()

@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from cluster import DEPLOY_MODULE, DEPLOYER_LABEL, STEP_LABEL, pinned_image
+from step_exit import step_outcome
 
 from pipeline_params import REPO_ROOT, pipeline_params
 from tasks.contract import (
-    BAD_INPUT_EXIT_CODE,
     GATE_REJECTED_EXIT_CODE,
     RESULT_PATH_ENV,
     TORCHRUN_MODULE,
@@ -179,16 +178,13 @@ class LocalStepOperator(BaseOperator):
             if returncode not in (0, GATE_REJECTED_EXIT_CODE):
                 record_error(context, error_line if error_line.startswith("ERROR ")
                              else ended_without_error_line(returncode, None, error_line))
-            if returncode == GATE_REJECTED_EXIT_CODE:
+            if returncode == GATE_REJECTED_EXIT_CODE and result is not None and context and "ti" in context:
                 # a gate said no: keep its verdict for people and later tasks, skip what follows
-                if result is not None and context and "ti" in context:
-                    context["ti"].xcom_push(key="return_value", value=result)
-                raise AirflowSkipException(error_line or f"{self.module}: rejected by its gate")
-            if returncode == BAD_INPUT_EXIT_CODE:
-                # bad input does not get better by retrying (tasks.lib.torchrun keeps the exit code)
-                raise AirflowFailException(error_line or f"{self.module}: bad input (exit {returncode})")
-            if returncode != 0:
-                raise AirflowException(f"{self.module} exited with {returncode}: {error_line}")
+                context["ti"].xcom_push(key="return_value", value=result)
+            # bad input fails for good (tasks.lib.torchrun keeps the exit code of a training rank)
+            outcome = step_outcome(returncode, error_line, self.module)
+            if outcome is not None:
+                raise outcome
             return result
 
     def _run(self, commands: list[list[str]], env: dict[str, str]) -> tuple[int, str]:
