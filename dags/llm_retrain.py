@@ -30,7 +30,7 @@ from launcher import (
 )
 from pipeline_params import pipeline_params, raw_data_asset
 from tasks.config import TrainSettings, choices
-from tasks.contract import DECISIONS, ERROR_XCOM_KEY, ROLL_BACK
+from tasks.contract import DECISIONS, ERROR_XCOM_KEY, REPORTED_STEPS, ROLL_BACK
 
 params = pipeline_params()
 pipeline, train_params, gate = params.pipeline, params.train, params.evaluate
@@ -48,9 +48,6 @@ APPROVAL_SCHEMA: dict[str, Any] = {"const": True} if approval.required else {}
 # the time it was triggered.
 END_DATE = "{{ params.end_date or ((dag_run.data_interval_end or dag_run.run_after) | ds) }}"
 LOGICAL_DATE = "{{ (dag_run.logical_date or dag_run.run_after) | ds }}"
-# the steps whose results the run report gathers (tasks/report.py STEPS)
-REPORTED = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy",
-            "deploy_finish")
 # what the person deciding a held rollout reads: deploy's account of the rollout so far (its
 # figures and report), and the evaluation
 APPROVAL_BODY = """{% set ev = ti.xcom_pull(task_ids='evaluate') %}{% set ch = ev['champion'] %}
@@ -354,7 +351,7 @@ with DAG(
 
     # the run report: a teardown runs whatever happened upstream and leaves the run's state to
     # the steps (a failed deploy still fails the run)
-    reported = [dag.get_task(task_id) for task_id in REPORTED]
+    reported = [dag.get_task(task_id) for task_id in REPORTED_STEPS]
     report = step(
         "report",
         "tasks.report",

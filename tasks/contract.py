@@ -38,6 +38,9 @@ TORCHRUN_MODULE = "tasks.lib.torchrun"
 
 # XCom key of a failed step's one-line error (a failed task returns no result): the run report quotes it
 ERROR_XCOM_KEY = "error"
+# the retrain DAG's tasks whose results the run report gathers (tasks.report's --result options)
+REPORTED_STEPS = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export",
+                  "deploy", "deploy_finish")
 
 # What a person can answer to a rollout held for approval (the DAG's human-in-the-loop task offers
 # them; ``tasks.deploy finish`` carries the answer out). The first is what a timeout chooses.

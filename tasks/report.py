@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import ServeSettings, Settings
+from tasks.contract import REPORTED_STEPS
 from tasks.lib import metrics, storage
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
 
-STEPS = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export", "deploy",
-         "deploy_finish")
+STEPS = REPORTED_STEPS  # the retrain DAG's, in its order
 
 
 def rollout_step(results: dict[str, Any]) -> str:
