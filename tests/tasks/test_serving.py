@@ -1347,8 +1347,10 @@ def check_flood_was_refused(flood: Flood) -> None:
     limits = ClientLimits.from_params()
     allowed = limits.rate_per_client * flood.seconds * 1.1 + limits.burst
     assert set(flood.statuses) <= {200, 429}, flood.statuses  # the flood itself failed nothing else
-    assert flood.statuses[429] > 0.1 * sum(flood.statuses.values()), flood.statuses
-    assert 0 < flood.statuses[200] <= allowed, (flood.statuses, flood.seconds)
+    # what the limit guarantees is the bound on what gets through, the rest refused with 429: how
+    # many are refused depends on how fast this client sends on a busy machine (7% of 3,437 in a
+    # run beside other work), so only that some were
+    assert flood.statuses[429] > 0 and 0 < flood.statuses[200] <= allowed, (flood.statuses, flood.seconds)
     assert json.loads(flood.limited_reason)["error"].startswith("too many requests from this client: at most "
                                                                 f"{limits.rate_per_client} a second")
     assert flood.slow_client_closed_after_s is not None
