@@ -18,6 +18,7 @@ champion descends from this base, and starts from the base again when the base c
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -63,9 +64,11 @@ class CheckpointFiles:
         self.uri = uri
         self.registered = registered_version_uri(uri) if uri.startswith("models:/") else None
 
+    @functools.cached_property
     def versions(self) -> dict[str, str]:
         """Each file by name, with what changes when its content does, without reading it (a
-        registered version's files by size: its artifacts are never rewritten)."""
+        registered version's files by size: its artifacts are never rewritten). Listed once:
+        the identity and the fetch read the same listing."""
         if self.registered is None:
             return storage.file_versions(self.uri)
         import mlflow
@@ -117,7 +120,7 @@ def base_identity(files: CheckpointFiles, seq_len: int, scratch: Path) -> str:
     """The identity of the checkpoint trained at ``seq_len`` tokens: its small files' contents
     and each weight file's version (S3: size and ETag; a local file: size and modification time;
     a registered version: its name, number and sizes), read without reading the weights."""
-    versions = files.versions()
+    versions = files.versions
     if "config.json" not in versions:
         raise StepError(f"train.base {files.uri}: not a Hugging Face checkpoint folder (no config.json at its root)")
     digest = hashlib.sha256(f"seq_len={seq_len}\n".encode())
@@ -137,7 +140,7 @@ def fetch_checkpoint(files: CheckpointFiles, scratch: Path) -> Path:
     if files.local is not None:
         return files.local
     local = scratch / "base-checkpoint"
-    present = files.versions()
+    present = files.versions
     for name in IDENTITY_FILES:
         if name in present:
             files.download(name, local)
