@@ -4,7 +4,6 @@ checkpoints), and model FLOPs utilization against the peak this process can reac
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,24 +35,42 @@ def best_peak(*measured: tuple[float, str]) -> tuple[float, str]:
     return max(measured, key=lambda m: m[0])
 
 
-def matmul_probe(device: torch.device, probe_size: int, repeats: int, bf16: bool = False) -> tuple[float, str]:
+def matmul_probe(device: torch.device, probe_size: int, repeats: int, bf16: bool = False,
+                 budget_s: float = 2.0) -> tuple[float, str]:
     """FLOP/s of the best of ``repeats`` square matmuls (bf16 on GPUs, on CPUs fp32 unless
-    ``bf16``) and what ran."""
+    ``bf16``) and what ran. The size is ``probe_size`` unless the repeats would take longer than
+    ``budget_s``: a CPU without bf16 instructions emulates them ~40-100x slower than fp32 (a
+    1024-square bf16 matmul took 10 s on an AVX2 core, and a bf16 run probed for minutes), so
+    the size is the largest whose repeats fit the budget."""
     dtype = torch.bfloat16 if device.type == "cuda" or bf16 else torch.float32
-    a = torch.randn(probe_size, probe_size, device=device, dtype=dtype)
-    b = torch.randn(probe_size, probe_size, device=device, dtype=dtype)
-    torch.matmul(a, b)  # warm-up: thread pool, kernels
-    best = math.inf
-    for _ in range(repeats):
+
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         torch.matmul(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
+        return time.perf_counter() - started
+
+    def pair(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        torch.matmul(a, b)  # warm-up: thread pool, kernels
+        return a, b
+
+    # from a small size up: the cost goes with the cube of the size, so a size is tried only when
+    # its repeats, estimated from the size below, fit the budget
+    size = min(128, probe_size)
+    a, b = pair(size)
+    first = timed(a, b)
+    while size < probe_size and first * 8 * repeats <= budget_s:
+        size = min(size * 2, probe_size)
+        a, b = pair(size)
+        first = timed(a, b)
+    best = min([first, *(timed(a, b) for _ in range(repeats - 1))])
     kind = "bf16" if dtype == torch.bfloat16 else "fp32"
-    return 2 * probe_size**3 / best, f"measured {kind} matmul, {torch.get_num_threads()} thread(s)"
+    return 2 * size**3 / best, f"measured {kind} matmul ({size}x{size}), {torch.get_num_threads()} thread(s)"
 
 
 class Meters:

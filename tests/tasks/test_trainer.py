@@ -22,7 +22,7 @@ from tasks.lib.data import BatchSampler, open_split
 from tasks.lib.errors import StepError
 from tasks.lib.model import GPT
 from tasks.lib.tracking import Tracker
-from tasks.train import engines
+from tasks.train import engines, meters
 from tasks.train.checkpoint import Checkpointer, CheckpointStore, DCPFormat, DeepSpeedFormat, list_complete
 from tasks.train.trainer import Trainer, TrainState, build_optimizer, check_fits, lr_at, model_config
 
@@ -180,3 +180,15 @@ def test_fsdp2_units_per_block_on_gpus_or_where_blocks_free_their_weights() -> N
     assert not engines.per_block_units([False] * 4, cpu)
     assert engines.per_block_units([True, True, True, False], cpu)
     assert engines.per_block_units([False] * 4, cuda)
+
+
+def test_the_peak_probe_shrinks_its_matmul_to_fit_its_time_budget() -> None:
+    """MFU's CPU peak is a matmul probe; bf16 on a CPU without bf16 instructions is emulated
+    ~100x slower than fp32 (a 1024-square matmul took 10 s on an AVX2 core), so the probe takes
+    the largest size whose repeats fit its budget: all of it with room, its smallest with none."""
+    cpu = torch.device("cpu")
+    for bf16 in (False, True):
+        kind = "bf16" if bf16 else "fp32"
+        assert meters.matmul_probe(cpu, 256, 2, bf16, budget_s=1e9)[1].startswith(f"measured {kind} matmul (256x256)")
+        flops, source = meters.matmul_probe(cpu, 256, 2, bf16, budget_s=0.0)
+        assert source.startswith(f"measured {kind} matmul (128x128)") and flops > 0
