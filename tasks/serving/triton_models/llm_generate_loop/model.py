@@ -35,15 +35,21 @@ class TritonPythonModel:
         self.version = int(args["model_version"])
         self.tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         with open(os.path.join(folder, "generation.json")) as fh:
-            self.seq_len = int(json.load(fh)["seq_len"])
+            shape = json.load(fh)
+        self.seq_len = int(shape["seq_len"])
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
         self.logits_model = params["logits_model"]
         self.max_tokens = int(params["max_tokens"])
         self.top_k = int(params["top_k"])
-        eos_id = self.tokenizer.token_to_id(EOS)
-        if eos_id is None:
-            raise pb_utils.TritonModelException(f"tokenizer.json has no {EOS} token")
-        self.eos_id: int = eos_id
+        # a base checkpoint's own end and start ids (the engine's: generation.json); exports
+        # before them, and the demo's tokenizer: <|endoftext|>, no BOS
+        stops = list(shape.get("eos_ids") or ()) or [self.tokenizer.token_to_id(EOS)]
+        if stops[0] is None:
+            raise pb_utils.TritonModelException(f"tokenizer.json has no {EOS} token, and generation.json no eos_ids")
+        self.eos_ids = frozenset(int(i) for i in stops)
+        bos = shape.get("bos_id")
+        self.prefix: list[int] = [] if bos is None else [int(bos)]
+        self.eos_id: int = int(stops[0])
         self.rng = np.random.default_rng(0)
 
     def next_token(self, ids: list[int]) -> int:
@@ -74,13 +80,13 @@ class TritonPythonModel:
             limit = scalar(request, "max_tokens")
             limit = self.max_tokens if limit is None else int(limit)
             ignore_eos = bool(scalar(request, "ignore_eos") or False)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids or [self.eos_id]
+            ids = self.prefix + self.tokenizer.encode(prompt, add_special_tokens=False).ids or [self.eos_id]
             new: list[int] = []
             reason = "length"
             try:
                 for _ in range(max(0, min(limit, self.seq_len))):  # the window slides: at most a context's worth
                     token = self.next_token(ids + new)
-                    if token == self.eos_id and not ignore_eos:
+                    if token in self.eos_ids and not ignore_eos:
                         reason = "stop"
                         break
                     new.append(token)
