@@ -25,7 +25,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env up down status pipeline retrain replay drift report import predict repro test test-fast config-docs lint benchmark clean
+.PHONY: help env test-env up down status pipeline retrain replay drift report import predict repro test test-fast config-docs lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (launcher.mode local by default: steps as processes)"
@@ -40,7 +40,8 @@ help:
 	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow, Triton, the OpenAI front, the router,"
 	@echo "                Prometheus and its Pushgateway) and the Airflow UI"
 	@echo "make status     health of each server"
-	@echo "make env        install both environments and the system packages they need (apt-get where missing)"
+	@echo "make env        install both environments and the system packages the pipeline needs (apt-get where missing)"
+	@echo "make test-env   make env, plus the test and lint tools (locks of their own, chromium, Node.js and npm)"
 	@echo "make clean      make down, then delete the stack's state (.stack, .airflow: data, models, runs)"
 	@echo "make repro      the data half as DVC stages (dvc repro), outside Airflow"
 	@echo "make config-docs   regenerate docs/configuration.md's reference from tasks/config.py"
@@ -51,8 +52,6 @@ help:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != ($(subst .,$(comma),$(SUPPORTED_PYTHON))))' 2>/dev/null || { \
 	  echo "error: PYTHON=$(PYTHON) is $$($(PYTHON) -c 'import platform; print("Python", platform.python_version())' 2>/dev/null || echo 'not runnable'); this project needs Python $(SUPPORTED_PYTHON) (install it, e.g. apt-get install python$(SUPPORTED_PYTHON) python$(SUPPORTED_PYTHON)-venv, then: make test PYTHON=python$(SUPPORTED_PYTHON))" >&2; exit 1; }
 	@command -v git >/dev/null || (apt-get update -qq && apt-get install -y -qq git)
-	@# chromium: the browser the UI test drives (playwright's own browser downloads are not used)
-	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
 	@# g++: torch.compile's CPU backend (inductor) compiles its kernels with it (train.compile)
 	@command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 	@# tcmalloc: the allocator of CPU training workers (tasks/lib/torchrun.py: glibc re-faults large tensors every step)
@@ -62,6 +61,13 @@ help:
 	@# Prometheus and its Pushgateway: the local stack's metrics (observability/), promtool checks the alert rules
 	@command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus prometheus-pushgateway)
 	@mkdir -p .venvs && touch $@
+
+# What only the tests use: chromium, the browser the UI test drives (playwright's own browser
+# downloads are not used), and Node.js with npm for the Gateway API schema check below
+.venvs/.test-system-deps: .venvs/.system-deps
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
+	@command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+	@touch $@
 
 # Runtime environment: what the step images hold. deepspeed builds against the installed torch,
 # so it comes after the lock file, with its ops left to JIT (no CUDA here).
@@ -76,11 +82,23 @@ $(RUNTIME)/.installed: requirements/runtime.txt .venvs/.system-deps
 	$(RT_PY) -m pip check
 	touch $@
 
-# Orchestrator environment: Airflow + the Kubernetes provider (+ test and lint tools).
+# Orchestrator environment: Airflow + the Kubernetes provider.
 $(ORCH)/.installed: requirements/orchestrator.txt .venvs/.system-deps
 	@echo "installing the orchestrator environment (first time: ~1 min)"
 	test -x $(ORCH_PY) || $(PYTHON) -m venv $(ORCH)
 	$(ORCH_PY) -m pip install -q -r requirements/orchestrator.txt
+	$(ORCH_PY) -m pip check
+	touch $@
+
+# The test and lint tools of each environment: locks of their own, on top of the environment's
+# (constrained by it), so neither `make pipeline` nor the images install them.
+$(RUNTIME)/.test-installed: requirements/runtime-test.txt $(RUNTIME)/.installed
+	$(RT_PY) -m pip install -q -r requirements/runtime-test.txt -c requirements/runtime.txt
+	$(RT_PY) -m pip check
+	touch $@
+
+$(ORCH)/.test-installed: requirements/orchestrator-test.txt $(ORCH)/.installed
+	$(ORCH_PY) -m pip install -q -r requirements/orchestrator-test.txt -c requirements/orchestrator.txt
 	$(ORCH_PY) -m pip check
 	touch $@
 
@@ -107,12 +125,14 @@ $(VLLM)/.installed: requirements/runtime.txt .venvs/.system-deps
 # The Gateway API schemas the tests validate HTTPRoutes with (npm: generated from the CRDs,
 # which no Python package ships); Node.js and npm come from Debian where missing.
 GATEWAY_CHECK := tests/plugins/gateway_api
-$(GATEWAY_CHECK)/node_modules/.installed: $(GATEWAY_CHECK)/package-lock.json
-	@command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+$(GATEWAY_CHECK)/node_modules/.installed: $(GATEWAY_CHECK)/package-lock.json .venvs/.test-system-deps
 	npm ci --prefix $(GATEWAY_CHECK) --no-audit --no-fund --loglevel=error
 	touch $@
 
-env: $(RUNTIME)/.installed $(ORCH)/.installed $(GATEWAY_CHECK)/node_modules/.installed
+# what the pipeline runs; test-env adds what only the tests and linters use
+env: $(RUNTIME)/.installed $(ORCH)/.installed
+
+test-env: env $(RUNTIME)/.test-installed $(ORCH)/.test-installed $(GATEWAY_CHECK)/node_modules/.installed
 
 .airflow/airflow.db: $(ORCH)/.installed
 	mkdir -p .airflow
@@ -219,7 +239,7 @@ test: test-fast
 
 # the fast tier starts no server: its modules run in a process per core (a module's tests together,
 # its fixtures built once); the slow tier shares one stack on fixed ports, in one process
-test-fast: env
+test-fast: test-env
 	$(RT_PY) -m pytest -n auto --dist loadfile -m "$(FAST)" $(RT_TESTS)
 	$(ORCH_PY) -m pytest -n auto --dist loadfile -m "$(FAST)" $(ORCH_TESTS)
 
@@ -227,7 +247,7 @@ test-fast: env
 config-docs: env
 	$(RT_PY) -m tasks.config --update-docs docs/configuration.md
 
-lint: env
+lint: test-env
 	$(ORCH)/bin/ruff check .
 	$(ORCH)/bin/mypy --python-executable $(ORCH_PY) dags plugins
 	$(ORCH)/bin/mypy --python-executable $(RT_PY) tasks stack benchmarks examples

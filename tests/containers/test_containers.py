@@ -428,6 +428,39 @@ def test_first_make_step_names_the_interpreter_to_install(tmp_path: Path) -> Non
     assert proc.returncode == 0 and (tmp_path / stamp).exists(), proc.stderr
 
 
+def test_the_pipeline_installs_no_test_tool(tmp_path: Path) -> None:
+    """`make pipeline` and `make env` install what the pipeline runs; the test tools (the test
+    locks, chromium, Node.js and npm, the Gateway API check's packages) come with `make
+    test-env` only, which make test, test-fast and lint run first. Read from make's own plan
+    (`make -n --always-make`: every command it would run), and the locks the images install hold
+    no test tool."""
+    shutil.copy(REPO_ROOT / "Makefile", tmp_path / "Makefile")
+    for lock in ("runtime", "orchestrator", "runtime-test", "orchestrator-test"):
+        (tmp_path / "requirements").mkdir(exist_ok=True)
+        (tmp_path / "requirements" / f"{lock}.txt").touch()
+    (tmp_path / "tests/plugins/gateway_api").mkdir(parents=True)
+    (tmp_path / "tests/plugins/gateway_api/package-lock.json").touch()
+
+    def planned(target: str) -> str:
+        proc = subprocess.run(["make", "-n", "--always-make", target], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    test_tools = re.compile(r"chromium|\bnpm\b|nodejs|-test\.txt|playwright")
+    # pipeline's own recipe calls make (make -n runs that line): its prerequisites are planned
+    pipeline = re.search(r"^pipeline: (.*)$", (REPO_ROOT / "Makefile").read_text(), flags=re.M).group(1).split()  # type: ignore[union-attr]
+    for target in ("env", *pipeline):
+        assert not test_tools.findall(planned(target)), target
+    for target in ("test-env", "test-fast", "lint"):
+        assert set(test_tools.findall(planned(target))) >= {"chromium", "npm", "nodejs", "-test.txt"}, target
+    tools = {"pytest", "hypothesis", "schemathesis", "playwright", "mypy", "ruff", "kubernetes-validate"}
+    for lock in ("runtime", "orchestrator"):
+        pinned = {line.split("==")[0].lower() for line in (REPO_ROOT / "requirements" / f"{lock}.txt").read_text().splitlines()
+                  if "==" in line}
+        assert not pinned & tools, (lock, pinned & tools)
+
+
 def test_compose_openai_api_writes_its_capture_with_its_own_key_only(tmp_path: Path) -> None:
     """The OpenAI front (the process clients reach) gets the S3 endpoint and the capture's key,
     never the pipeline's (which can replace the exports Triton runs); SeaweedFS reads both
