@@ -44,7 +44,7 @@ help:
 	@echo "make test-env   make env, plus the test and lint tools (locks of their own, chromium, Node.js and npm)"
 	@echo "make clean      make down, then delete the stack's state (.stack, .airflow: data, models, runs)"
 	@echo "make repro      the data half as DVC stages (dvc repro), outside Airflow"
-	@echo "make config-docs   regenerate docs/configuration.md's reference from tasks/config.py"
+	@echo "make config-docs   regenerate docs/configuration.md's reference from tasks/config/"
 	@echo "make lint       ruff + mypy"
 	@echo "make benchmark  benchmarks/*.py"
 
@@ -243,7 +243,7 @@ test-fast: test-env
 	$(RT_PY) -m pytest -n auto --dist loadfile -m "$(FAST)" $(RT_TESTS)
 	$(ORCH_PY) -m pytest -n auto --dist loadfile -m "$(FAST)" $(ORCH_TESTS)
 
-# docs/configuration.md's reference, generated from tasks/config.py's dataclasses
+# docs/configuration.md's reference, generated from tasks/config/'s dataclasses
 config-docs: env
 	$(RT_PY) -m tasks.config --update-docs docs/configuration.md
 

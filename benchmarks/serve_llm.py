@@ -75,7 +75,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import PORT_OFFSET, benchmark_stack, make_tokenizer_and_eval_text, register, run_step
 
-from stack.servers import _terminate_groups as terminate_groups
+from stack.supervise import terminate_groups
 from tasks.config import REPO_ROOT, ServeSettings, load
 from tasks.lib import triton
 

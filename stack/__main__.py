@@ -32,22 +32,14 @@ import os
 import sys
 from pathlib import Path
 
-from stack.servers import (
-    StackError,
-    client_env,
-    down,
-    ensure_mlflow_pipeline_user,
-    init_compose_stack,
-    ports,
-    publish_saved_route,
-    reconcile_serving,
-    s3_identities,
-    status,
-    up,
-    write_env_file,
-    write_metrics_auth,
-    write_private,
-)
+from stack.credentials import client_env, write_env_file
+from stack.mlflow_server import ensure_mlflow_pipeline_user
+from stack.prometheus import write_metrics_auth
+from stack.seaweedfs import s3_identities
+from stack.servers import down, init_compose_stack, status, up
+from stack.serving import publish_saved_route, reconcile_serving
+from stack.state import ports, write_private
+from stack.supervise import StackError
 
 # docker-compose.yaml's s3-identities: the variables of each identity's keys (access, secret)
 S3_IDENTITY_VARIABLES = {"pipeline": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),

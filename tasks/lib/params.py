@@ -1,4 +1,4 @@
-"""``params.yaml`` for the steps: its typed settings (``tasks/config.py``), refusals as bad input."""
+"""``params.yaml`` for the steps: its typed settings (``tasks/config/``), refusals as bad input."""
 
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ class DeepSpeedEngine(Engine):
         return n_params * (4 + (BYTES_PER_PARAM_TRAINING - 4) / env.world)  # ZeRO-2: weights whole
 
 
-# train.engine -> its class (tasks/config.py's Engine Literal names the same four: a test checks)
+# train.engine -> its class (tasks/config/training.py's Engine Literal names the same four: a test checks)
 ENGINES: dict[str, type[Engine]] = {cls.name: cls for cls in (FSDP2Engine, DDPEngine, DeepSpeedEngine, Engine)}
 
 

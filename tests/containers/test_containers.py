@@ -190,7 +190,7 @@ def test_compose_ports_and_endpoints_follow_params(monkeypatch: pytest.MonkeyPat
     """Every server publishes its params.yaml port on loopback only; the steps get every endpoint
     the local stack gives them (client_env), each naming the service and port that serves it."""
     monkeypatch.setenv("STACK_DIR", str(tmp_path))
-    from stack.servers import PEOPLE_ONLY, client_env
+    from stack.credentials import PEOPLE_ONLY, client_env
 
     ports = load().stack.ports
     services = load_compose()["services"]
@@ -233,7 +233,7 @@ def test_compose_mlflow_asks_for_logins_and_only_it_holds_the_admin_password() -
     creates the pipeline's user, never the steps (the scheduler runs them)."""
     import configparser
 
-    from stack.servers import mlflow_auth_config
+    from stack.mlflow_server import mlflow_auth_config
 
     services = load_compose()["services"]
     mlflow = services["mlflow"]
@@ -252,7 +252,7 @@ def test_compose_mlflow_asks_for_logins_and_only_it_holds_the_admin_password() -
 
 
 def test_compose_prometheus_is_the_local_config_by_service_name(tmp_path: Path) -> None:
-    from stack.servers import prometheus_config, write_metrics_auth
+    from stack.prometheus import prometheus_config, write_metrics_auth
 
     ports = load().stack.ports
     committed = yaml.safe_load((REPO_ROOT / "observability" / "prometheus-compose.yml").read_text())
@@ -280,7 +280,7 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard() -> None:
     assert source["type"] == "prometheus" and source["url"] == f"http://prometheus:{ports['prometheus']}"
     # Prometheus asks for a login: Grafana's data source has it, and Grafana itself asks for one
     # (an anonymous viewer would read Prometheus through it)
-    from stack.servers import PROMETHEUS_USER
+    from stack.credentials import PROMETHEUS_USER
 
     assert source["basicAuth"] is True and source["basicAuthUser"] == PROMETHEUS_USER
     assert source["secureJsonData"]["basicAuthPassword"] == "$PROMETHEUS_PASSWORD"
@@ -298,13 +298,8 @@ def test_compose_metrics_logins_are_written_by_a_one_shot_the_servers_read(tmp_p
     configs, the passwords Prometheus scrapes with), readable by the user their images run as; a
     real Pushgateway on that config refuses anonymous and wrong logins and takes the right one.
     Only the services that need a password get it."""
-    from stack.servers import (
-        PROMETHEUS_PASSWORD_FILE,
-        PROMETHEUS_WEB,
-        PUSHGATEWAY_PASSWORD_FILE,
-        PUSHGATEWAY_USER,
-        PUSHGATEWAY_WEB,
-    )
+    from stack.credentials import PUSHGATEWAY_USER
+    from stack.prometheus import PROMETHEUS_PASSWORD_FILE, PROMETHEUS_WEB, PUSHGATEWAY_PASSWORD_FILE, PUSHGATEWAY_WEB
 
     services = load_compose()["services"]
     one_shot = services["metrics-auth"]
@@ -466,7 +461,7 @@ def test_compose_openai_api_writes_its_capture_with_its_own_key_only(tmp_path: P
     never the pipeline's (which can replace the exports Triton runs); SeaweedFS reads both
     identities from s3-identities' file, the local stack's (s3_identities: the capture's key may
     only write under serve.capture.uri, tests/stack), and no key from its environment."""
-    from stack.servers import s3_identities
+    from stack.seaweedfs import s3_identities
 
     env = {name: f"value-of-{name}" for name in compose_variables()}  # each variable told apart by its value
     services = rendered_compose(env)["services"]

@@ -118,7 +118,9 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], st
     reviewer). Steps get a params file whose gate passes a 12-step model (register must run for
     this test to mean anything), whose canary does not judge latency, and that deploys as a
     deployment requiring a person's approval: from the approvers, never the run's triggering user."""
-    from stack import servers
+    from stack.airflow_servers import AIRFLOW_SERVERS, create_airflow_pools
+    from stack.state import ports
+    from stack.supervise import stop_servers
 
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     # the gate, and the limits a run's Params may not loosen it past (a Param default outside
@@ -148,13 +150,13 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], st
     # a second person, who may answer the approval (the simple auth manager's role "user" edits DAG runs)
     os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"] = f"admin:admin,{REVIEWER}:user"
     try:
-        servers.create_airflow_pools()  # as `make up` does: the scheduler runs no task of a missing pool
-        for server in servers.AIRFLOW_SERVERS:
+        create_airflow_pools()  # as `make up` does: the scheduler runs no task of a missing pool
+        for server in AIRFLOW_SERVERS:
             server.start()
         server_env = dict(os.environ)
         os.environ.clear()
         os.environ.update(saved)
-        api = AirflowApi(f"http://127.0.0.1:{servers.ports()['airflow']}",
+        api = AirflowApi(f"http://127.0.0.1:{ports()['airflow']}",
                          Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]))
         api.server_env = server_env  # to start a component again, as it was
         wait_for("the dag-processor to serialize the DAG", lambda: api.call("GET", f"/api/v2/dags/{DAG_ID}"), 120)
@@ -162,7 +164,7 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], st
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        servers.stop_servers(servers.AIRFLOW_SERVERS)
+        stop_servers(AIRFLOW_SERVERS)
 
 
 def airflow_cli(*args: str, attempts: int = 1) -> str:
@@ -408,7 +410,7 @@ def check_the_approval(api: AirflowApi, run_id: str) -> None:
     again holds anew; the scheduler restarted meanwhile; admin is refused again; the reviewer
     approves in the UI: the rollout goes on, the version is promoted, and the report and the
     version's tags say who decided what and when."""
-    from stack import servers
+    from stack.airflow_servers import AIRFLOW_SERVERS
 
     version, _ = registered_version(run_id)
     report = api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run_id)}/taskInstances/report/xcomEntries/"
@@ -420,7 +422,7 @@ def check_the_approval(api: AirflowApi, run_id: str) -> None:
     question = wait_for("the rollout to hold again", lambda: waiting_for_a_person(api, run_id), timeout_s=300)
     assert question["options"] == ["Roll back", "Promote", "Extend"] and question["defaults"] == ["Roll back"]
     assert f"Version **{version}** holds at **0%**" in question["body"] and "Evaluation on held-out text" in question["body"]
-    scheduler = next(s for s in servers.AIRFLOW_SERVERS if s.name == "airflow-scheduler")
+    scheduler = next(s for s in AIRFLOW_SERVERS if s.name == "airflow-scheduler")
     scheduler.stop()
     saved = dict(os.environ)
     os.environ.clear()
@@ -482,10 +484,10 @@ def test_airflow_listens_on_loopback_only(airflow_api: AirflowApi) -> None:
     outside the machine."""
     import psutil
 
-    from stack import servers
+    from stack.airflow_servers import AIRFLOW_SERVERS
 
     listening = []
-    for server in servers.AIRFLOW_SERVERS:
+    for server in AIRFLOW_SERVERS:
         pid = server.pid()
         assert pid is not None, f"{server.name} is not running"
         root = psutil.Process(pid)

@@ -209,7 +209,7 @@ def test_the_environment_table_names_every_variable_the_pipeline_reads(monkeypat
                                                                       tmp_path: Path) -> None:
     """What stack.env gives the steps, what the cluster's Secrets hold, and what tasks/, plugins/
     and dags/ read from the environment by name."""
-    from stack.servers import steps_env
+    from stack.credentials import steps_env
 
     monkeypatch.setenv("STACK_DIR", str(tmp_path))  # its generated keys, here
     secrets = ast.literal_eval(top_level_assignments(REPO_ROOT / "plugins" / "cluster.py")["SECRET_VARIABLES"])

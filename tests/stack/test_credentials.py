@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from stack import servers
+from stack.airflow_servers import AIRFLOW_SERVERS
+from stack.credentials import capture_credentials, client_env, credentials, steps_env
+from stack.seaweedfs import capture_actions, s3_identities
+from stack.servers import SERVERS
+from stack.supervise import Server
 
 
 @pytest.fixture
@@ -18,23 +22,23 @@ def stack_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def server(name: str) -> servers.Server:
-    return next(s for s in (*servers.SERVERS, *servers.AIRFLOW_SERVERS) if s.name == name)
+def server(name: str) -> Server:
+    return next(s for s in (*SERVERS, *AIRFLOW_SERVERS) if s.name == name)
 
 
 def test_the_front_holds_the_capture_keys_alone_whatever_the_starter_holds(
         stack_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A shell that sourced stack.env (or the tests' environment) holds the pipeline's keys and
     logins: the front's process gets none of them, only the capture's keys and the endpoint."""
-    pipeline, capture = servers.credentials(), servers.capture_credentials()
-    starter = {**servers.steps_env(), "AWS_SESSION_TOKEN": "a-developers-token", "AWS_PROFILE": "prod",
+    pipeline, capture = credentials(), capture_credentials()
+    starter = {**steps_env(), "AWS_SESSION_TOKEN": "a-developers-token", "AWS_PROFILE": "prod",
                "AIRFLOW__API_AUTH__JWT_SECRET": "jwt", "LANG": "C.UTF-8", "TOKENIZERS_PARALLELISM": "true"}
     for key, value in starter.items():
         monkeypatch.setenv(key, value)
     front = server("openai-api").process_env()
     assert {k: front[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")} == {
         "AWS_ACCESS_KEY_ID": capture["access_key"], "AWS_SECRET_ACCESS_KEY": capture["secret_key"],
-        "AWS_ENDPOINT_URL": servers.client_env()["AWS_ENDPOINT_URL"]}
+        "AWS_ENDPOINT_URL": client_env()["AWS_ENDPOINT_URL"]}
     held = set(front.values())
     assert not held & {pipeline["access_key"], pipeline["secret_key"], starter["MLFLOW_TRACKING_PASSWORD"],
                        starter["PUSHGATEWAY_PASSWORD"], "a-developers-token", "jwt"}
@@ -52,17 +56,17 @@ def test_the_front_holds_the_capture_keys_alone_whatever_the_starter_holds(
 
 
 def test_the_capture_identity_may_write_under_the_capture_prefix_only(stack_dir: Path) -> None:
-    pipeline, capture = servers.credentials(), servers.capture_credentials()
+    pipeline, capture = credentials(), capture_credentials()
     assert capture["access_key"] != pipeline["access_key"] and capture["access_key"].startswith("capture")
-    assert servers.capture_credentials() == capture  # generated once per stack folder
-    config = servers.s3_identities(pipeline, capture, "s3://raw/served")
+    assert capture_credentials() == capture  # generated once per stack folder
+    config = s3_identities(pipeline, capture, "s3://raw/served")
     identities = {i["name"]: i for i in config["identities"]}
     assert identities["capture"]["actions"] == ["Write:raw/served/*"]
     assert identities["capture"]["credentials"] == [{"accessKey": capture["access_key"],
                                                      "secretKey": capture["secret_key"]}]
     assert "Admin" in identities["pipeline"]["actions"]
-    assert servers.capture_actions("s3://raw/") == ["Write:raw/*"]
-    assert servers.capture_actions("s3://raw/served/x/") == ["Write:raw/served/x/*"]  # the boundary is the '/'
-    assert servers.capture_actions("/var/capture") == []  # not on S3: the key can do nothing
+    assert capture_actions("s3://raw/") == ["Write:raw/*"]
+    assert capture_actions("s3://raw/served/x/") == ["Write:raw/served/x/*"]  # the boundary is the '/'
+    assert capture_actions("/var/capture") == []  # not on S3: the key can do nothing
     with pytest.raises(ValueError, match="the pipeline's: give the OpenAI front its own"):
-        servers.s3_identities(pipeline, {**capture, "access_key": pipeline["access_key"]}, "s3://raw/served")
+        s3_identities(pipeline, {**capture, "access_key": pipeline["access_key"]}, "s3://raw/served")

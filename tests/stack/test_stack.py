@@ -102,7 +102,7 @@ def test_mlflow_asks_for_a_login_and_the_pipeline_writes_only_what_it_manages(
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from stack.servers import MLFLOW_ADMIN, _secret
+    from stack.credentials import MLFLOW_ADMIN, secret
 
     uri = stack_env["MLFLOW_TRACKING_URI"]
 
@@ -125,7 +125,7 @@ def test_mlflow_asks_for_a_login_and_the_pipeline_writes_only_what_it_manages(
     assert status("/health", None) == 200  # health checks need no login
 
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", MLFLOW_ADMIN)
-    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", _secret("mlflow_admin"))
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", secret("mlflow_admin"))
     MlflowClient(uri).create_registered_model("admins-model")
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", pipeline[0])
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", pipeline[1])
@@ -140,11 +140,11 @@ def test_mlflow_asks_for_a_login_and_the_pipeline_writes_only_what_it_manages(
 
 
 def test_secret_files_are_private_from_creation(stack_env: dict[str, str], tmp_path: Path) -> None:
-    from stack import servers
+    from stack.state import write_private
 
     old = os.umask(0)  # the most permissive umask: the mode must come from the create call itself
     try:
-        servers.write_private(tmp_path / "secret.json", "{}")
+        write_private(tmp_path / "secret.json", "{}")
     finally:
         os.umask(old)
     assert (tmp_path / "secret.json").stat().st_mode & 0o777 == 0o600
@@ -162,7 +162,7 @@ def test_stop_servers_ends_every_group_and_reaps_its_own_children(tmp_path: Path
     import sys
     import time
 
-    from stack import servers
+    from stack.supervise import Server, stop_servers
 
     monkeypatch.setenv("STACK_DIR", str(tmp_path))
     ready = tmp_path / "ignoring"
@@ -171,14 +171,13 @@ def test_stop_servers_ends_every_group_and_reaps_its_own_children(tmp_path: Path
                "pathlib.Path(sys.argv[1]).touch(); time.sleep(120)")
     started = []
     for name, code in (("obeys", obeys), ("ignores", ignores)):
-        server = servers.Server(name, lambda code=code: [sys.executable, "-c", code, str(ready)], dict,
-                                lambda: True, 5)
+        server = Server(name, lambda code=code: [sys.executable, "-c", code, str(ready)], dict, lambda: True, 5)
         proc = subprocess.Popen(server.command(), start_new_session=True)
         server.pid_file.write_text(str(proc.pid))
         started.append((server, proc))
     while not ready.exists():  # SIGTERM must find the handler installed
         time.sleep(0.05)
-    servers.stop_servers([server for server, _ in started])
+    stop_servers([server for server, _ in started])
     for server, proc in started:
         assert not server.pid_file.exists()
         with pytest.raises(ProcessLookupError):
@@ -215,10 +214,10 @@ def test_a_pushgateway_started_without_a_login_is_replaced_by_up(stack_env: dict
     """A Pushgateway started by older code (no login asked) answers the login's health check too:
     `up` must not reuse it, or anonymous pushes would go on being taken."""
 
-    from stack.servers import _debian_bin
+    from stack.supervise import debian_bin
 
     url = stack_env["PUSHGATEWAY_URL"]
-    old = replaced_by_up("pushgateway", [_debian_bin("prometheus-pushgateway"),
+    old = replaced_by_up("pushgateway", [debian_bin("prometheus-pushgateway"),
                                          f"--web.listen-address={url.split('//')[1]}",
                                          "--persistence.file="],  # memory only: not the machine's shared file
                          f"{url}/-/ready")  # listening, anonymous reads answered
@@ -258,11 +257,12 @@ def test_the_pushgateway_keeps_runs_across_a_restart_in_the_stacks_own_folder(st
 def test_the_steps_get_no_prometheus_login(stack_env: dict[str, str]) -> None:
     """stack.env (what `make pipeline` gives Airflow and its steps) and Airflow's own environment
     hold the Pushgateway's login but not Prometheus' (people's: `python -m stack env`)."""
-    from stack.servers import PEOPLE_ONLY, _airflow_env
+    from stack.airflow_servers import airflow_env
+    from stack.credentials import PEOPLE_ONLY
 
     steps = dict(line.split("=", 1) for line in (Path(stack_env["STACK_DIR"]) / "stack.env").read_text().splitlines())
     assert "PUSHGATEWAY_PASSWORD" in steps and not PEOPLE_ONLY & set(steps)
-    assert "PUSHGATEWAY_PASSWORD" in _airflow_env() and not PEOPLE_ONLY & set(_airflow_env())
+    assert "PUSHGATEWAY_PASSWORD" in airflow_env() and not PEOPLE_ONLY & set(airflow_env())
     printed = run_module("stack", "env").stdout
     assert all(f"export {key}=" in printed for key in PEOPLE_ONLY)
 
@@ -307,7 +307,7 @@ def test_the_openai_front_holds_a_key_that_writes_the_capture_only(stack_env: di
     import boto3
     from botocore.exceptions import ClientError
 
-    from stack.servers import capture_credentials, credentials
+    from stack.credentials import capture_credentials, credentials
     from tasks.config import load
 
     front, pipeline = process_environ(stack_env["STACK_DIR"], "openai-api"), credentials()
@@ -348,14 +348,15 @@ def test_a_seaweedfs_started_without_the_capture_identity_is_replaced_by_up(stac
 
     import boto3
 
-    from stack.servers import _seaweedfs_command, capture_env, credentials
+    from stack.credentials import capture_env, credentials
+    from stack.seaweedfs import seaweedfs_command
 
     keys = credentials()
     older = tmp_path / "s3.json"
     older.write_text(json.dumps({"identities": [{
         "name": "pipeline", "credentials": [{"accessKey": keys["access_key"], "secretKey": keys["secret_key"]}],
         "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-    command = [f"-s3.config={older}" if arg.startswith("-s3.config=") else arg for arg in _seaweedfs_command()]
+    command = [f"-s3.config={older}" if arg.startswith("-s3.config=") else arg for arg in seaweedfs_command()]
     old = replaced_by_up("seaweedfs", command, f"{stack_env['AWS_ENDPOINT_URL']}/healthz")
     try:
         assert pids(stack_env["STACK_DIR"])["seaweedfs"] != str(old.pid)

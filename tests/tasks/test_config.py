@@ -1,4 +1,4 @@
-"""The typed settings (tasks/config.py): params.yaml is read and checked once; a setting that
+"""The typed settings (tasks/config/): params.yaml is read and checked once; a setting that
 cannot be used is refused naming it; the configuration reference is what the dataclasses say."""
 
 from __future__ import annotations

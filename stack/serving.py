@@ -1,0 +1,170 @@
+"""The serving servers (Triton, the OpenAI front, the router: commands, environments, whether a
+running router is current) and serving's reconciliation: what the router's saved route serves,
+loaded into a Triton that started empty, and the route published again."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stack.credentials import capture_env, client_env, secret
+from stack.state import REPO_ROOT, ports, router_dir, state_dir, triton_repository
+from stack.supervise import StackError
+from tasks.config import ServeSettings, load
+
+
+def _pytriton_dir() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def _triton_backends() -> Path:
+    """Triton's backend folder: the wheel's python backend plus the stub built for this
+    interpreter's Python version (the wheel ships one per version beside the backend)."""
+    wheel = _pytriton_dir()
+    python = state_dir() / "triton" / "backends" / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for source in (wheel / "backends" / "python" / "libtriton_python.so",
+                   wheel / "backends" / "python" / "triton_python_backend_utils.py",
+                   wheel / "python_backend_stubs" / version / "triton_python_backend_stub"):
+        link = python / source.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(source)
+    return python.parent
+
+
+def triton_command() -> list[str]:
+    port = ports()
+    triton_repository().mkdir(parents=True, exist_ok=True)
+    return [
+        str(_pytriton_dir() / "bin" / "tritonserver"),
+        f"--model-repository={triton_repository()}",
+        f"--backend-directory={_triton_backends()}",
+        "--model-control-mode=explicit",  # deploy loads and unloads versions
+        "--strict-readiness=false",
+        "--exit-on-error=false",
+        "--http-address=127.0.0.1", f"--http-port={port['triton_http']}",
+        "--grpc-address=127.0.0.1", f"--grpc-port={port['triton_grpc']}",
+        "--metrics-address=127.0.0.1", f"--metrics-port={port['triton_metrics']}",
+        "--allow-gpu-metrics=false",
+        "--metrics-config=summary_latencies=true",  # latency quantiles per version (the p99 of the dashboard)
+        "--log-verbose=0",
+    ]
+
+
+def triton_env() -> dict[str, str]:
+    """The python stub links libpython: it must find this interpreter's (a distribution's
+    older libpython of the same minor version breaks it), and import from this venv."""
+    import sysconfig
+
+    libs = [str(sysconfig.get_config_var("LIBDIR")), str(_pytriton_dir().parent.parent / "nvidia_pytriton.libs")]
+    venv_bin = str(Path(sys.executable).parent)
+    return {
+        "LD_LIBRARY_PATH": ":".join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(":"),
+        "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(Path(sysconfig.get_paths()["purelib"])),
+    }
+
+
+def openai_api_env() -> dict[str, str]:
+    """The front writes its served-traffic capture (serve.capture) with the capture's keys alone:
+    it is the process clients reach, and the pipeline's keys could replace what Triton runs."""
+    # CAPTURE_CLIENT_KEY keys the hash of each client's address the capture keeps (the drift
+    # check counts clients by it): one per stack folder, so a restarted front hashes alike
+    return {"PYTHONPATH": str(REPO_ROOT), **capture_env(), "CAPTURE_CLIENT_KEY": secret("capture_client_key")}
+
+
+def openai_api_command() -> list[str]:
+    """The OpenAI-compatible front (tasks/serving/front.py): the router sends /v1/* to it."""
+    return [sys.executable, "-m", "tasks.serving.front", "--port", str(ports()["openai_api"]),
+            "--triton-url", client_env()["TRITON_URL"]]
+
+
+def router_command() -> list[str]:
+    from tasks.serving.router import nginx_binary, write_router_config
+
+    port = ports()
+    conf = write_router_config(router_dir(), port["router"], port["triton_http"], port["openai_api"],
+                               port["router_internal"])
+    return [nginx_binary(), "-p", str(router_dir()), "-c", str(conf)]
+
+
+def router_current(url: str) -> bool:
+    """The router answers its route state in this code's form: one started by older code (whose
+    nginx.conf lacks the shadow's mirror: a shadow would get no copies) is not reused, it is
+    restarted on this code's config, its saved route kept."""
+    try:
+        with urllib.request.urlopen(f"{url}/router/state", timeout=2) as resp:
+            return "shadow" in json.loads(resp.read())
+    except (OSError, ValueError):
+        return False
+
+
+ROUTE_READ_ERRORS = (OSError, ValueError, IndexError, KeyError)  # Triton not answering, a split.conf unreadable
+
+
+def route_versions_ready(client: Any, serve: ServeSettings, routes: Path | None = None) -> tuple[list[int], bool]:
+    """The versions the router's saved route (in ``routes``, the local router's folder by default)
+    sends traffic to (stable, any canary), and whether Triton (``client``) has each of them READY
+    in both models."""
+    from tasks.serving.router import saved_route
+
+    versions = saved_route(routes or router_dir()).versions()
+    return versions, all(client.model_ready(model, version) for model in (serve.triton_model, serve.generate_model)
+                         for version in versions)
+
+
+def serving_client(triton_url: str | None = None) -> tuple[Any, ServeSettings]:
+    """A client of the stack's Triton (or the one at ``triton_url``) and the ``serve`` settings."""
+    from tasks.lib import triton
+
+    return triton.TritonClient(triton_url or client_env()["TRITON_URL"]), load().serve
+
+
+def reconcile_serving(env: Mapping[str, str] | None = None) -> list[int]:
+    """Triton (explicit model control) starts with no model loaded: load what the router's saved
+    route serves (stable and any canary) from the model repository, before the router starts
+    taking traffic, so a restarted Triton serves the champion with no deploy. ``env``: where
+    Triton (``TRITON_URL``), its repository (``TRITON_REPOSITORY``) and the router's folder
+    (``ROUTER_DIR``) are: the local stack's by default, the container's in docker-compose.yaml
+    (its ``serving-reconcile`` service). Returns the versions it had to load."""
+    from tasks.lib.errors import StepError
+    from tasks.serving.platforms import serve_versions
+
+    env = env or client_env()
+    routes = Path(env["ROUTER_DIR"])
+    routes.mkdir(parents=True, exist_ok=True)
+    with (routes / "deploy.lock").open("w") as lock:
+        try:  # a deploy running now owns what Triton serves (it may be loading a canary)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return []
+        try:
+            client, serve = serving_client(env["TRITON_URL"])
+            versions, ready = route_versions_ready(client, serve, routes)
+            if ready:
+                return []
+            serve_versions(client, Path(env["TRITON_REPOSITORY"]), serve, versions)
+        except (StepError, *ROUTE_READ_ERRORS) as exc:
+            raise StackError(f"serving: the route's versions could not be loaded ({exc})") from None
+    return versions
+
+
+def publish_saved_route(env: Mapping[str, str]) -> None:
+    """The router's saved route, pushed again (a Pushgateway restarted without its persistence
+    file, or with one older than the route, holds another route:
+    without it the alert on versions Triton does not serve would see no route until a deploy)."""
+    from tasks.serving.platforms import publish_route
+    from tasks.serving.router import saved_route
+
+    if env.get("PUSHGATEWAY_URL"):
+        publish_route(saved_route(Path(env["ROUTER_DIR"])), env)
