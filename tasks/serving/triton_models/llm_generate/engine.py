@@ -17,8 +17,10 @@ both).
   else), and leaves when done, freeing its slot: continuous (in-flight) batching.
 - Per-request sampling (:class:`SamplingParams`): greedy (temperature 0, deterministic and equal
   to the PyTorch reference), or temperature / top-k / top-p with a seeded generator (same seed,
-  same text); stop strings; EOS. Text is detokenized incrementally: a delta never ends inside a
-  UTF-8 character and never shows text that a stop string may still cut.
+  same text; one uniform number per token, drawn from the few tokens that can come out, found
+  without sorting the vocabulary: :func:`nucleus`); stop strings; EOS. Text is detokenized
+  incrementally: a delta never ends inside a UTF-8 character and never shows text that a stop
+  string may still cut.
 - The context is never slid: a prompt whose length plus ``max_tokens`` exceeds it is refused up
   front (:class:`RequestError`); an absent ``max_tokens`` takes the default within the room left.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
 import tempfile
 import threading
@@ -101,22 +104,104 @@ def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_token
                           1.0 if top_p is None else float(top_p), seed, stops, bool(ignore_eos))
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+TOP_K_SAMPLE = 2048  # logits read to guess the k-th highest: a strided sample's quantile
+FIRST_BUDGET = 256  # the nucleus is first searched among at most 256 / (1 - top_p) tokens
+BUDGET_GROWTH = 4
+
+
+@dataclass(frozen=True, eq=False)
+class Nucleus:
+    """What a non-greedy draw picks from: token ids in the draw's order (None: the whole
+    vocabulary, in id order) and their cumulative weights (float64, not normalized: the last is
+    the nucleus' mass)."""
+
+    ids: np.ndarray[Any, Any] | None
+    cumulative: np.ndarray[Any, Any]
+
+    @property
+    def tokens(self) -> np.ndarray[Any, Any]:
+        return np.arange(len(self.cumulative)) if self.ids is None else self.ids
+
+    def draw(self, uniform: float) -> int:
+        """The token at ``uniform`` (in [0, 1)) of the inverse CDF. A token of weight 0 is never
+        drawn: the first cumulative weight strictly above the point."""
+        at = int(np.searchsorted(self.cumulative, uniform * self.cumulative[-1], side="right"))
+        if at == len(self.cumulative):  # the product rounded up to the mass: the last token that has weight
+            at = int(np.searchsorted(self.cumulative, self.cumulative[-1]))
+        return at if self.ids is None else int(self.ids[at])
+
+
 def sample(logits: np.ndarray[Any, Any], params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token from next-token logits (vocab,)."""
+    """One token from next-token logits (vocab,): one uniform number of ``rng`` per token."""
     if params.greedy:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
-    candidates = np.arange(scaled.shape[0])
-    if 0 < params.top_k < scaled.shape[0]:
-        candidates = np.argpartition(scaled, -params.top_k)[-params.top_k:]
-    weights = np.exp(scaled[candidates] - scaled[candidates].max())
-    weights /= weights.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-weights, kind="stable")
-        keep = int(np.searchsorted(np.cumsum(weights[order]), params.top_p) + 1)
-        candidates, weights = candidates[order[:keep]], weights[order[:keep]]
-        weights /= weights.sum()
-    return int(candidates[rng.choice(len(candidates), p=weights)])
+    return nucleus(logits, params).draw(rng.random())
+
+
+def nucleus(logits: np.ndarray[Any, Any], params: SamplingParams) -> Nucleus:
+    """The tokens a non-greedy draw picks from: the ``top_k`` highest logits (all when 0), then of
+    those the fewest highest whose probability reaches ``top_p``. Ties go to the lower id: the
+    order is logit descending, then id ascending; the draw follows it when ``top_p`` < 1, id
+    order otherwise. The top-k is a partition of the few logits above a sampled guess, the
+    nucleus a sort of the few above a cutoff whose mass reaches ``top_p``
+    (:func:`heaviest_reaching`): the whole vocabulary is sorted only when most of it is the
+    nucleus (a flat distribution). Weights are float32 (the highest is 1, so no temperature
+    overflows them), their sums float64."""
+    x = np.asarray(logits, dtype=np.float32).reshape(-1)
+    top = float(x.max())  # NaN when any is
+    if not np.isfinite(top):
+        raise ValueError(f"the logits' maximum is {top}: expected a finite number")
+    scale = min(1.0 / params.temperature, FLOAT32_MAX)  # a subnormal temperature: argmax and its ties
+    ids = highest(x, params.top_k) if 0 < params.top_k < x.shape[0] else None  # None: all
+    pool = x if ids is None else x[ids]
+    with np.errstate(over="ignore"):  # a gap that overflows float32 at a tiny temperature: weight 0
+        weights = pool - np.float32(top)  # one float32 array, scaled and exponentiated in place
+        weights *= np.float32(scale)
+        np.exp(weights, out=weights)
+    if params.top_p >= 1.0:
+        return Nucleus(ids, np.cumsum(weights, dtype=np.float64))
+    total = float(weights.sum(dtype=np.float64))
+    target = params.top_p * total
+    chosen = heaviest_reaching(pool, weights, target, (1.0 - params.top_p) * total, top, scale)
+    cumulative = np.cumsum(weights[chosen], dtype=np.float64)
+    keep = min(int(np.searchsorted(cumulative, target)) + 1, len(chosen))  # the first to reach it
+    return Nucleus(chosen[:keep] if ids is None else ids[chosen[:keep]], cumulative[:keep])
+
+
+def highest(x: np.ndarray[Any, Any], k: int) -> np.ndarray[Any, Any]:
+    """Ids, ascending, of the ``k`` (< len) highest logits; ties at the k-th value go to the lower
+    ids. The k-th is found by a partition of the few logits at or above a guess (a strided
+    sample's quantile: about 4k of them), not of the whole vocabulary."""
+    stride = max(1, x.shape[0] // TOP_K_SAMPLE)
+    sampled = x[::stride]
+    rank = min(len(sampled), 4 * k // stride + 8)  # ~rank * stride logits reach the rank-th highest sampled
+    candidates = np.flatnonzero(x >= np.partition(sampled, len(sampled) - rank)[len(sampled) - rank])
+    if len(candidates) < k:  # a sample that over-represents the top: search them all
+        candidates = np.arange(x.shape[0])
+    values = x[candidates]
+    kth = np.partition(values, len(values) - k)[len(values) - k]
+    chosen = candidates[values >= kth]
+    if len(chosen) > k:  # ties at the k-th value: keep the lower ids
+        tied = np.flatnonzero(x[chosen] == kth)
+        chosen = np.delete(chosen, tied[k - len(chosen):])
+    return chosen
+
+
+def heaviest_reaching(pool: np.ndarray[Any, Any], weights: np.ndarray[Any, Any], target: float, rest: float,
+                      top: float, scale: float) -> np.ndarray[Any, Any]:
+    """Positions in ``pool`` of all logits at or above a cutoff, whose weights reach ``target``,
+    in the draw's order (logit descending, position ascending): the nucleus is their head. The
+    cutoff's weight is ``rest`` (the mass outside the nucleus) / budget: at most budget / (1 -
+    top_p) weights reach it, and when those fall short of ``target`` the budget grows."""
+    budget = FIRST_BUDGET
+    while budget < len(pool):
+        if rest < budget:  # the cutoff's weight is below the highest's (1): some logits reach it
+            chosen = np.flatnonzero(pool >= top + math.log(rest / budget) / scale)
+            if weights[chosen].sum(dtype=np.float64) >= target:
+                return chosen[np.argsort(-pool[chosen], kind="stable")]
+        budget *= BUDGET_GROWTH
+    return np.argsort(-pool, kind="stable")  # most of them: sort them all
 
 
 def tensorrt_runtime_present() -> bool:
