@@ -62,7 +62,8 @@ from serve import benchmark_stack, make_tokenizer_and_eval_text, register, run_m
 
 from stack.traffic import prompts  # noqa: E402
 from tasks.lib.params import load_settings  # noqa: E402
-from tasks.serving.canary import ENGINE_TIMED, FRONT_TIMED, TRITON_TIMED, TextSample, one_stream  # noqa: E402
+from tasks.serving.analysis import ENGINE_TIMED, FRONT_TIMED, TRITON_TIMED  # noqa: E402
+from tasks.serving.traffic import Target, TextSample, one_stream  # noqa: E402
 
 OUTSIDE_MAX_TOKENS = (8, 16, 32, 64)  # with prompts of at most context - 64 tokens: none refused as too long
 OUTSIDE_TEMPERATURES = (0.0, 0.8)
@@ -92,7 +93,7 @@ def swap_decoder(export: Path, version: str, donor: Path, donor_version: str, ou
 class OutsideClient:
     """``streams`` users streaming completions through ``url`` (the router's public
     ``/v1/completions``) until :meth:`close`: each sends a request, reads its stream to the end
-    (:func:`tasks.serving.canary.one_stream`: the answering version, status, time to first
+    (:func:`tasks.serving.traffic.one_stream`: the answering version, status, time to first
     chunk, mean gap between chunks), pauses, and sends the next. :meth:`take` hands over what
     was answered since the last call."""
 
@@ -113,7 +114,7 @@ class OutsideClient:
         while not self.stopping.is_set():
             body = {"prompt": rng.choice(self.texts), "max_tokens": rng.choice(OUTSIDE_MAX_TOKENS),
                     "temperature": rng.choice(OUTSIDE_TEMPERATURES), "stream": True}
-            sample = one_stream(self.url, {}, json.dumps(body).encode(), "", self.timeout_s)
+            sample = one_stream(Target(self.url), json.dumps(body).encode(), "", self.timeout_s)
             with self.lock:
                 self.samples.append(sample)
             self.stopping.wait(rng.expovariate(1 / self.pause_s) if self.pause_s > 0 else 0)

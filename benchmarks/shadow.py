@@ -71,22 +71,22 @@ def main() -> None:
         run_step("tasks.deploy", "canary", "--model-version", stable, "--export", str(exports[stable]), "--output",
                  str(folder / "deploy"), "--no-promote", env=env)
         os.environ.update(env)
-        from tasks.serving import canary
+        from tasks.serving import traffic
         from tasks.serving.platforms import serving_platform
 
         serving = serving_platform(settings)
         reference = serving.stage(str(exports[stable]), int(stable), folder)
         serving.stage(str(exports[shadow]), int(shadow), folder)
         serving.prepare(int(stable), int(shadow))
-        requests = canary.text_requests(reference)
+        requests = traffic.text_requests(reference)
         try:
             for _ in range(args.rounds):
                 for mode in MODES:
                     copy_to = {"no shadow": None, "mirror only": NOT_LOADED, "shadow": int(shadow)}[mode]
                     serving.route(int(stable), shadow=copy_to)
-                    sent = canary.send_text_traffic(serving.url + "/v1/completions", {}, requests, args.rps,
-                                                    args.seconds, params.concurrency, params.text_timeout_s,
-                                                    with_ids=True)
+                    load = traffic.Load(args.rps, args.seconds, params.concurrency, params.text_timeout_s)
+                    sent = traffic.send_text_traffic(traffic.Target(serving.url + "/v1/completions"), requests, load,
+                                                     with_ids=True)
                     samples[mode] += sent
                     if mode == "shadow":
                         ids = [s.request_id for s in sent if s.ok]

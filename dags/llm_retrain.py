@@ -30,7 +30,7 @@ from launcher import (
 )
 from pipeline_params import pipeline_params, raw_data_asset
 from tasks.config import TrainSettings, choices
-from tasks.contract import DECISIONS, ERROR_XCOM_KEY, REPORTED_STEPS, ROLL_BACK
+from tasks.contract import DECISIONS, ERROR_XCOM_KEY, REPORTED_STEPS, ROLL_BACK, ROLLOUT_VERDICT, RolloutVerdict
 
 params = pipeline_params()
 pipeline, train_params, gate = params.pipeline, params.train, params.evaluate
@@ -315,7 +315,8 @@ with DAG(
     # within the timeout: the default, Roll back. deploy_finish carries the answer out. Only the
     # approvers may answer, and with four_eyes not the user who triggered the run (plugins/approval.py)
     approval_gate = ShortCircuitOperator(
-        task_id="approval_gate", python_callable=lambda ti: ti.xcom_pull(task_ids="deploy")["verdict"] == "held",
+        task_id="approval_gate",
+        python_callable=lambda ti: ti.xcom_pull(task_ids="deploy")[ROLLOUT_VERDICT] == RolloutVerdict.HELD,
         ignore_downstream_trigger_rules=False,
     )
     approve = RolloutApproval(

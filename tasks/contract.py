@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,20 @@ REPORTED_STEPS = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train"
 # them; ``tasks.deploy finish`` carries the answer out). The first is what a timeout chooses.
 ROLL_BACK, PROMOTE, EXTEND = "Roll back", "Promote", "Extend"
 DECISIONS = (ROLL_BACK, PROMOTE, EXTEND)
+
+
+class RolloutVerdict(StrEnum):
+    """How a rollout ended (``tasks.deploy``'s result and report.json, the run report, the DAG)."""
+
+    PROMOTED = "promoted"
+    ROLLED_BACK = "rolled back"
+    HELD = "held"  # waiting for a person's decision, its traffic where it is
+    NOT_DEPLOYED = "not deployed"  # a gate said no (older data than the champion's)
+
+
+# the field of deploy's result (its XCom) and report.json holding its RolloutVerdict: the DAG
+# reads it by this name, and the report's dataclass is checked to have it when it is imported
+ROLLOUT_VERDICT = "verdict"
 
 
 def torchrun_args(*, nodes: int, procs_per_node: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int,

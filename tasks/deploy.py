@@ -9,17 +9,21 @@
 canary: version N is loaded beside the stable one (both READY, a smoke inference through
 Triton and through the router). With ``canary.shadow`` it then shadows stable: the router
 mirrors a copy of every ``/v1`` request to N (users get stable's answer only) while a bounded
-generator sends the export's reference prompts, and :func:`canary.judge_shadow` compares the
+generator sends the export's reference prompts, and :func:`analysis.judge_shadow` compares the
 two answers to each request (errors, text, TTFT and inter-token latency, paired). Only then
 are the traffic steps of params.yaml ``canary.steps`` walked. At each step the router sends that share of real traffic (a bounded load generator
-replaying held-out text) to N, and :mod:`tasks.serving.canary` compares N with stable on the same
+replaying held-out text, :mod:`tasks.serving.traffic`) to N, and :mod:`tasks.serving.analysis` compares N with stable on the same
 window: error rate, finite logits, next-token agreement with the export's reference, latency
 (Mann-Whitney U). Each check passes, fails or is inconclusive (too few samples, a latency
 between its "clearly fine" and "clearly bad" ratios): an inconclusive step is analysed again on
 fresh traffic, up to ``canary.max_analyses``, then fails. All pass at 100%: N becomes the only version served, the old one is unloaded,
 and N becomes ``champion`` in the registry. Any check fails: the canary weight goes to 0 and
 the router is reloaded FIRST, only then N is unloaded; the champion alias does not move; the
-report is saved and the step exits 2 with one line naming the failed check (no retry).
+report (:class:`tasks.serving.canary.CanaryReport`) is saved and the step exits 2 with one line
+naming the failed check (no retry).
+
+The walk is a :class:`Rollout`: its :class:`Plan` says, purely, which :class:`Stage` follows
+each stage's verdict (prepare, shadow, each step; held, promote or roll back at the end).
 
 With ``canary.approval.enabled`` (the DAG's approval Param) or ``required`` (a deployment's
 setting, which a run cannot switch off) the walk holds before the step of weight
@@ -47,21 +51,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from enum import StrEnum
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tasks.config import CanarySettings, ServeSettings
-from tasks.contract import DECISIONS, EXTEND, PROMOTE, ROLL_BACK
+from tasks.config import CanarySettings, Settings
+from tasks.contract import DECISIONS, EXTEND, PROMOTE, ROLL_BACK, RolloutVerdict
 from tasks.lib import storage, triton
 from tasks.lib.errors import GateRejected, StepError, Terminated, absent, first_line, registry_error
 from tasks.lib.params import load_settings
@@ -69,10 +75,36 @@ from tasks.lib.polling import wait_until
 from tasks.lib.registry import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
 from tasks.lib.step import log, raise_on_sigterm, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
-from tasks.serving import canary
+from tasks.serving import plots
+from tasks.serving.analysis import StepScope, judge_shadow, judge_step
+from tasks.serving.canary import (
+    Analysis,
+    Approval,
+    CanaryReport,
+    RolloutSummary,
+    ShadowResult,
+    StepResult,
+    Verdict,
+    from_json,
+    to_json,
+    why_not,
+)
 from tasks.serving.platforms import PromotionFailed, Serving, serving_platform, stage_version
-
-HELD = "held"  # a rollout waiting for a person's decision
+from tasks.serving.traffic import (
+    Load,
+    LogitsRequests,
+    StepTraffic,
+    Target,
+    TextSample,
+    one_stream,
+    pair_records,
+    send_text_traffic,
+    send_traffic,
+    sent_span,
+    split_rates,
+    text_requests,
+    with_engine_timings,
+)
 
 
 def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> None:
@@ -86,12 +118,11 @@ def smoke_test(serving: Serving, version: int, reference: dict[str, Any]) -> Non
     for url, headers, ids in calls:
         infer_once(url, headers, ids, version)
     text_url, text_headers = serving.text_target(version)
-    for body, _ in canary.text_requests(reference):
-        sample = canary.one_stream(text_url, text_headers, body, "", 60.0, version)
+    for body, _ in text_requests(reference):
+        sample = one_stream(Target(text_url, text_headers, version), body, "", 60.0)
         if not sample.ok:
             raise StepError(f"version {version}: smoke completion through {text_url} failed "
                             f"({sample.status} {sample.error})")
-
 
 def infer_once(url: str, headers: dict[str, str], ids: np.ndarray[Any, Any], version: int) -> None:
     """One inference through ``url``: answered, with finite logits, or a StepError naming it."""
@@ -124,8 +155,8 @@ def warm_up(serving: Serving, version: int, reference: dict[str, Any], params: C
     loaded was judged slower than the warm stable on time to first token). Their figures and
     outcomes are discarded: the steps judge. Returns how many completed."""
     url, headers = serving.text_target(version)
-    samples = canary.send_text_traffic(url, headers, canary.text_requests(reference), float(params.warmup_streams), 1.0,
-                                       params.concurrency, params.text_timeout_s, version)
+    load = Load(float(params.warmup_streams), 1.0, params.concurrency, params.text_timeout_s)
+    samples = send_text_traffic(Target(url, headers, version), text_requests(reference), load)
     return sum(s.ok for s in samples)
 
 
@@ -136,7 +167,7 @@ RECORD_WAIT_S = 5.0  # the front records an answer just after its last chunk
 COMPUTE_INTERVAL_S = 0.25
 
 
-def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]]) -> dict[str, Any]:
+def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
     delta = {}
     for version, counters in after.items():
         old = before.get(version, {})
@@ -150,7 +181,7 @@ def metrics_delta(before: dict[int, dict[str, float]], after: dict[int, dict[str
 class ComputeSampler:
     """Triton's per-version counters read every ``interval_s`` while a step's traffic runs (a
     thread): per version, its compute time per request in each interval that had requests, the
-    series :func:`canary.logits_timings` compares."""
+    series :func:`tasks.serving.analysis.logits_timings` compares."""
 
     def __init__(self, serving: Serving, interval_s: float = COMPUTE_INTERVAL_S) -> None:
         self.serving, self.interval_s = serving, interval_s
@@ -196,70 +227,6 @@ def compute_ms(now: dict[str, float], before: dict[str, float]) -> float:
     return sum(now.get(k, 0.0) - before.get(k, 0.0) for k in ("compute_input_us", "compute_us", "compute_output_us")) / 1000
 
 
-@dataclass
-class StepTraffic:
-    """One canary step's samples: logits requests and streamed completions, routed and direct."""
-
-    samples: list[canary.Sample] = field(default_factory=list)
-    direct: list[canary.Sample] = field(default_factory=list)
-    text: list[canary.TextSample] = field(default_factory=list)
-    text_direct: list[canary.TextSample] = field(default_factory=list)
-    compute: dict[int, list[float]] | None = None  # per version, Triton's compute ms per request per interval
-
-    def enough(self, version: int, params: CanarySettings, baseline: int | None = None) -> bool:
-        """The canary has its samples and (``baseline``: the version of a fresh baseline, judged
-        alone) so has the baseline its direct ones."""
-        def has(samples: list[Any], of: int, wanted: int) -> bool:
-            return sum(s.version == of for s in samples) >= wanted
-
-        canary_done = has(self.samples, version, params.min_samples) and has(self.text, version, params.text_min_samples)
-        return canary_done and (baseline is None or (has(self.direct, baseline, params.min_samples)
-                                                     and has(self.text_direct, baseline, params.text_min_samples)))
-
-
-def step_traffic(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
-                 stable: int | None, version: int, weight: float) -> StepTraffic:
-    """One canary step's traffic: windows through the router (repeated, up to ``max_windows``,
-    until the canary has ``min_samples`` logits requests and ``text_min_samples`` streams) and,
-    in the same windows, the streams straight to stable that :func:`canary.split_rates` asks
-    for. Logits requests and streamed completions run side by side."""
-    inputs = [np.asarray(ids, dtype=np.int64) for ids in reference["inputs"]]
-    expected = reference["next_tokens"]
-    texts = canary.text_requests(reference)
-    routed_url, routed_text_url = serving.url + triton.infer_path(serve.triton_model), serving.url + "/v1/completions"
-    rate, duration = params.rate_rps, params.step_duration_s
-    concurrency, timeout = params.concurrency, params.request_timeout_s
-    text_rate, text_timeout = params.text_rps, params.text_timeout_s
-    fresh = serving.fresh_baseline
-    rate, direct_rps = canary.split_rates(rate, params.min_samples, weight, stable, duration, fresh)
-    text_rate, direct_text_rps = canary.split_rates(text_rate, params.text_min_samples, weight, stable, duration,
-                                                    fresh)
-    baseline_url, baseline_headers = serving.baseline_target(stable) if stable is not None else ("", {})
-    text_url, text_headers = serving.text_target(stable) if stable is not None else ("", {})
-    traffic = StepTraffic()
-    sampler = ComputeSampler(serving) if serving.per_version_metrics else contextlib.nullcontext()
-    with ThreadPoolExecutor(max_workers=3) as beside, sampler:
-        for _ in range(params.max_windows):  # a small share may need more than one window
-            baseline = beside.submit(canary.send_traffic, baseline_url, baseline_headers, inputs, expected,
-                                     direct_rps, duration, concurrency, timeout, version=stable) if direct_rps else None
-            text_baseline = beside.submit(canary.send_text_traffic, text_url, text_headers, texts, direct_text_rps,
-                                          duration, concurrency, text_timeout, stable,
-                                          with_ids=True) if direct_text_rps else None
-            text = beside.submit(canary.send_text_traffic, routed_text_url, {}, texts, text_rate, duration,
-                                 concurrency, text_timeout, with_ids=True)
-            traffic.samples += canary.send_traffic(routed_url, {}, inputs, expected, rate, duration, concurrency, timeout)
-            traffic.text += text.result()
-            traffic.direct += baseline.result() if baseline is not None else []
-            traffic.text_direct += text_baseline.result() if text_baseline is not None else []
-            if traffic.enough(version, params, stable if fresh else None):
-                break
-    if isinstance(sampler, ComputeSampler):
-        traffic.compute = sampler.series
-    if stable is not None and serving.step_records:
-        read_engine_timings(serving, traffic.text + traffic.text_direct, stable, version)
-    return traffic
-
-
 def recorded(serving: Serving, ids: list[str], stable: int, version: int, per_id: int,
              timeout_s: float) -> list[dict[str, Any]]:
     """The fronts' records of requests ``ids``, read until each has ``per_id`` of them (the
@@ -276,7 +243,7 @@ def recorded(serving: Serving, ids: list[str], stable: int, version: int, per_id
     return list(records.values())
 
 
-def read_engine_timings(serving: Serving, samples: list[canary.TextSample], stable: int, version: int) -> None:
+def read_engine_timings(serving: Serving, samples: list[TextSample], stable: int, version: int) -> None:
     """Each stream's engine figures from the fronts' records of it (by request id), waited for
     until every answered stream's record is there (at most ``RECORD_WAIT_S``). Streams without a
     record (not kept, or the read failed: logged) keep NaN: the judge then times both sides as
@@ -289,107 +256,310 @@ def read_engine_timings(serving: Serving, samples: list[canary.TextSample], stab
         return
     if len(records) < len(ids):
         log.info("%d of %d streams recorded with their engine's timings", len(records), len(ids))
-    canary.with_engine_timings(samples, records)
+    with_engine_timings(samples, records)
 
 
-def analyse_step(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
-                 stable: int | None, version: int, weight: float) -> dict[str, Any]:
-    """One analysis of a step: its traffic, judged, with Triton's counters over the same time."""
-    before = serving.metrics()
-    started = time.monotonic()
-    traffic = step_traffic(serving, serve, params, reference, stable, version, weight)
-    result = canary.judge_step(traffic.samples, traffic.direct, stable, version, weight, params,
-                               traffic.text, traffic.text_direct, serving.fresh_baseline, traffic.compute)
-    result["seconds"] = round(time.monotonic() - started, 2)
-    result["sent_s"] = {"routed": canary.sent_span(traffic.samples, started),
-                        "direct": canary.sent_span(traffic.direct, started)}
-    result["triton"] = metrics_delta(before, serving.metrics())
-    text = result["text"]
-    judged = {"latency": result["latency_test"].get("measured", ""),
-              **{key: test.get("measured", "") for key, test in text.get("tests", {}).items()}}
-    log.info("canary %g%%: %d requests (stable %d, %d of them direct; canary %d), canary p50 %.1f ms vs "
-             "stable %.1f ms; %d streams (canary %d), TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms (as "
-             "received; judged: %s): %s",
-             weight, len(traffic.samples) + len(traffic.direct), result["stable"]["requests"], len(traffic.direct),
-             result["canary"]["requests"], result["canary"]["p50_ms"], result["stable"]["p50_ms"],
-             len(traffic.text) + len(traffic.text_direct), text["canary"]["streams"],
-             text["canary"]["ttft_p50_ms"], text["stable"]["ttft_p50_ms"], text["canary"]["itl_p50_ms"],
-             text["stable"]["itl_p50_ms"], "; ".join(f"{k} {v}" for k, v in judged.items() if v) or "-",
-             "pass" if result["passed"] else "; ".join(result["failed"]))
-    return result
+class Stage(StrEnum):
+    """Where a rollout stands."""
+
+    PREPARE = "prepare"  # smoke test and warm-ups: the new version loaded, no traffic moved
+    SHADOW = "shadow"  # it answers mirrored copies of stable's requests; users get stable's answers
+    STEP = "step"  # it takes ``weight``% of traffic
+    HELD = "held"  # its traffic left where it is for a person's decision
+    PROMOTE = "promote"  # every stage passed
+    ROLL_BACK = "roll back"  # a stage failed (or a person said so)
 
 
-def shadow_traffic(serving: Serving, params: CanarySettings, reference: dict[str, Any], stable: int,
-                   version: int) -> list[dict[str, Any]]:
-    """One shadow window: streamed completions through the router (stable answers them, the
-    router mirrors each to ``version``), each with its own request id; then the front's
-    records of both answers, waited for until every copy has ended (at most a stream's timeout)."""
-    url, headers = serving.shadow_target()
-    sent = canary.send_text_traffic(url, headers, canary.text_requests(reference),
-                                    params.text_rps, params.step_duration_s, params.concurrency,
-                                    params.text_timeout_s, with_ids=True)
-    # a copy never recorded by then counts as a shadow error
-    records = recorded(serving, [s.request_id for s in sent if s.ok], stable, version, 2, params.text_timeout_s)
-    return canary.pair_records(sent, records, stable, version)
-
-
-def analyse_shadow(serving: Serving, params: CanarySettings, reference: dict[str, Any], stable: int,
-                   version: int) -> dict[str, Any]:
-    started = time.monotonic()
-    result = canary.judge_shadow(shadow_traffic(serving, params, reference, stable, version), stable, version, params)
-    result["seconds"] = round(time.monotonic() - started, 2)
-    paired = result["paired_tests"]
-    log.info("shadow: %d requests answered by stable %d, copied to %d (%d copies failed); text equal to its "
-             "reference %.0f%%, to stable's %.0f%%; TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms (paired p %s): %s",
-             result["served"], stable, version, result["shadow_errors"], 100 * result["agreement"]["reference"],
-             100 * result["agreement"]["stable_exact"], result["shadow"]["ttft_p50_ms"], result["stable"]["ttft_p50_ms"],
-             result["shadow"]["itl_p50_ms"], result["stable"]["itl_p50_ms"],
-             "/".join(f"{t['p_value']:.2g}" for t in paired.values()) or "-",
-             result["verdict"] if result["passed"] else "; ".join(result["failed"]))
-    return result
-
-
-def analysed(analyse: Callable[[], dict[str, Any]], what: str, params: CanarySettings) -> list[dict[str, Any]]:
-    """A stage's analyses: again on fresh traffic while inconclusive, at most ``max_analyses``."""
-    results: list[dict[str, Any]] = []
-    for analysis in range(1, params.max_analyses + 1):
-        result = analyse()
-        result["analysis"] = analysis
-        results.append(result)
-        if result["verdict"] != canary.INCONCLUSIVE:
-            break
-        if analysis < params.max_analyses:
-            log.info("%s inconclusive (analysis %d of %d: %s): measuring again on fresh traffic", what, analysis,
-                     params.max_analyses, result["failed"][0])
-    return results
-
-
-def why_not(result: dict[str, Any]) -> str:
-    """A stage's last analysis that did not pass, as one reason."""
-    if result["verdict"] == canary.INCONCLUSIVE:
-        return f"still inconclusive after {result['analysis']} analyses: {result['failed'][0]}"
-    return str(result["failed"][0])
+ENDS = (Stage.HELD, Stage.PROMOTE, Stage.ROLL_BACK)  # where a walk stops
 
 
 @dataclass(frozen=True)
-class Stop:
-    """Where a rollout stopped short of promotion: failed (rolled back next), or held for a
-    person's decision (its traffic left where it is)."""
-
-    weight: float
-    reason: str
-    held: bool = False
+class Position:
+    stage: Stage
+    weight: float = 0.0  # the new version's share of traffic
+    reason: str = ""  # why it holds or rolls back
+    extended: bool = False  # a held stage analysed once more (a person's Extend)
 
 
-def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Serving, serve: ServeSettings,
-               scratch: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Plan:
+    """A rollout's path, pure: the stage that follows each stage's verdict."""
+
+    steps: tuple[float, ...]  # the traffic steps' weights, rising to 100
+    shadow: bool  # a shadow stage before the first step
+    hold: bool  # hold before ``hold_before``, and at a stage still inconclusive (a person decides)
+    hold_before: float
+
+    @classmethod
+    def of(cls, params: CanarySettings, stable: int | None, hold: bool) -> Plan:
+        """The first model has no stable to compare with: one step, 100%, no shadow (held before it)."""
+        if stable is None:
+            return cls((100.0,), shadow=False, hold=hold, hold_before=100.0)
+        return cls(tuple(float(w) for w in params.steps), params.shadow, hold, float(params.approval.hold_before))
+
+    def start(self) -> Position:
+        return Position(Stage.PREPARE)
+
+    def after(self, at: Position, verdict: Verdict, why: str = "") -> Position:
+        """What follows stage ``at`` that ended with ``verdict`` (``why``: the reason it did not pass).
+        Inconclusive holds with ``hold`` (traffic where it is), else fails as a failure does."""
+        if verdict == Verdict.PASS:
+            return Position(Stage.SHADOW) if at.stage is Stage.PREPARE and self.shadow else self.above(at.weight)
+        reason = ("extended: " if at.extended else "shadow: " if at.stage is Stage.SHADOW else "") + why
+        if self.hold and verdict == Verdict.INCONCLUSIVE and at.stage is not Stage.PREPARE:
+            return Position(Stage.HELD, at.weight, reason)
+        return Position(Stage.ROLL_BACK, at.weight, reason)
+
+    def above(self, weight: float) -> Position:
+        """The first step above ``weight`` (held before it, at ``weight``, where it is
+        ``hold_before``); promotion past the last."""
+        for step in self.steps:
+            if step > weight:
+                if self.hold and step == self.hold_before:
+                    return Position(Stage.HELD, weight, f"held before {step:g}% for approval")
+                return Position(Stage.STEP, step)
+        return Position(Stage.PROMOTE, weight)
+
+    def decided(self, held: Position, approval: Approval, timeout_s: float) -> Position:
+        """Where a rollout held at ``held`` goes on a person's decision: rolled back; Extend: the held
+        stage analysed once more (the shadow at 0%, where there is one), its verdict deciding;
+        Promote: the steps above the held weight."""
+        if approval.decision == ROLL_BACK:
+            return Position(Stage.ROLL_BACK, held.weight, rollback_reason(approval, timeout_s))
+        if approval.decision == EXTEND:
+            if held.weight > 0.0:
+                return Position(Stage.STEP, held.weight, extended=True)
+            if self.shadow:
+                return Position(Stage.SHADOW, extended=True)
+        return self.above(held.weight)
+
+
+def rollback_reason(approval: Approval, timeout_s: float) -> str:
+    if approval.by:
+        return f"rolled back by {approval.by}"
+    return f"no decision within {timeout_s:g}s (approval.timeout_s): rolled back"
+
+
+class Rollout:
+    """One rollout of ``report.canary`` beside ``report.stable``: the serving platform, the
+    settings, the export's reference, the report so far, and the :class:`Plan` it walks."""
+
+    def __init__(self, serving: Serving, settings: Settings, reference: dict[str, Any], report: CanaryReport,
+                 hold: bool) -> None:
+        self.serving, self.params, self.serve, self.reference = serving, settings.canary, settings.serve, reference
+        self.report = report
+        self.stable, self.version = report.stable, report.canary
+        self.plan = Plan.of(self.params, self.stable, hold)
+
+    def roll_out(self, start: Position) -> CanaryReport:
+        """Walk from ``start``, then promote; or roll back what failed; or leave a hold as it is.
+        SIGTERM or an error on the way: traffic back to stable first (:func:`back_to_stable`)."""
+        try:
+            end = self.walk(start)
+            if end.stage is Stage.PROMOTE:
+                try:
+                    self.serving.promote(self.version)
+                except PromotionFailed as exc:
+                    if not exc.restored:
+                        raise
+                    end = Position(Stage.ROLL_BACK, 100.0, str(exc))
+            if end.stage is Stage.ROLL_BACK:
+                self.serving.roll_back(self.stable)
+        except PromotionFailed as exc:  # the canary track is the one serving a whole version: traffic stays there
+            raise StepError(f"{exc}: all traffic stays on the canary track (version {self.version}); the "
+                            f"llm_rollback DAG puts it back on version {self.stable}") from None
+        except BaseException as exc:  # SIGTERM (an evicted pod, a killed task) or an error mid-rollout
+            outcome = back_to_stable(self.serving, self.stable, self.version, exc)
+            if outcome is exc:
+                raise
+            raise outcome from exc
+        self.report = self.ended(end)
+        return self.report
+
+    def walk(self, at: Position) -> Position:
+        """Each stage's work from ``at``, then the plan's next, until the rollout holds (its traffic
+        left where it is), is to be promoted or rolled back."""
+        stages = {Stage.PREPARE: self.prepare, Stage.SHADOW: self.shadow, Stage.STEP: self.step}
+        while at.stage not in ENDS:
+            verdict, why = stages[at.stage](at)
+            at = self.plan.after(at, verdict, why)
+        if at.stage is Stage.HELD:
+            self.serving.route(self.stable, self.version, at.weight)  # (0: loaded, no user's traffic yet)
+        return at
+
+    def ended(self, end: Position) -> CanaryReport:
+        if end.stage is Stage.HELD:
+            return replace(self.report, verdict=RolloutVerdict.HELD, held_at=end.weight, reason=end.reason)
+        if end.stage is Stage.ROLL_BACK:
+            return replace(self.report, verdict=RolloutVerdict.ROLLED_BACK, failed_at=end.weight, reason=end.reason)
+        return replace(self.report, verdict=RolloutVerdict.PROMOTED)
+
+    def prepare(self, at: Position) -> tuple[Verdict, str]:
+        """The smoke test and the warm-ups, before any traffic moves."""
+        try:
+            smoke_test(self.serving, self.version, self.reference)
+        except StepError as exc:
+            return Verdict.FAIL, f"smoke test: {exc}"
+        self.report = replace(self.report, warmup_streams=warm_up(self.serving, self.version, self.reference,
+                                                                  self.params))
+        if self.serving.fresh_baseline and self.stable is not None:
+            try:
+                warmed = warm_baseline(self.serving, self.stable, self.reference, self.params)
+            except StepError as exc:  # no fair baseline to judge against; no traffic moved yet
+                return Verdict.FAIL, f"fresh baseline: {exc}"
+            self.report = replace(self.report, baseline_warmup_streams=warmed)
+        return Verdict.PASS, ""
+
+    def shadow(self, at: Position) -> tuple[Verdict, str]:
+        """The new version shadows stable (its analyses added to the report); the mirror is off
+        again before any split moves (a step's copies would double its load)."""
+        stable = self.shadowed()
+        self.serving.route(stable, shadow=self.version)
+        results = self.analysed(self.analyse_shadow, "shadow")
+        self.report = replace(self.report, shadow=self.report.shadow + tuple(results))
+        self.serving.route(stable)
+        last = results[-1]
+        if at.extended and last.passed:
+            self.serving.route(stable, self.version, 0.0)
+        return last.verdict, "" if last.passed else why_not(last)
+
+    def step(self, at: Position) -> tuple[Verdict, str]:
+        """A traffic step: that share routed to the new version (an extended one: already), analysed."""
+        if not at.extended:
+            self.serving.route(self.stable, self.version, at.weight)
+        results = self.analysed(partial(self.analyse_step, at.weight),
+                                f"canary {at.weight:g}%" + (" (extended)" if at.extended else ""))
+        self.report = replace(self.report, steps=self.report.steps + tuple(results))
+        last = results[-1]
+        return last.verdict, "" if last.passed else why_not(last)
+
+    def shadowed(self) -> int:
+        if self.stable is None:
+            raise StepError(f"version {self.version}: no stable version to shadow (the plan has no shadow stage)")
+        return self.stable
+
+    def analysed(self, analyse: Callable[[], Analysis], what: str) -> list[Analysis]:
+        """A stage's analyses: again on fresh traffic while inconclusive, at most ``max_analyses``."""
+        results: list[Analysis] = []
+        for analysis in range(1, self.params.max_analyses + 1):
+            result = replace(analyse(), analysis=analysis)
+            results.append(result)
+            if result.verdict != Verdict.INCONCLUSIVE:
+                break
+            if analysis < self.params.max_analyses:
+                log.info("%s inconclusive (analysis %d of %d: %s): measuring again on fresh traffic", what, analysis,
+                         self.params.max_analyses, result.failed[0])
+        return results
+
+    def step_traffic(self, weight: float) -> StepTraffic:
+        """One canary step's traffic: windows through the router (repeated, up to ``max_windows``,
+        until the canary has ``min_samples`` logits requests and ``text_min_samples`` streams) and,
+        in the same windows, the streams straight to stable that :func:`split_rates` asks
+        for. Logits requests and streamed completions run side by side."""
+        serving, params, stable = self.serving, self.params, self.stable
+        requests, texts = LogitsRequests.of(self.reference), text_requests(self.reference)
+        routed = Target(serving.url + triton.infer_path(self.serve.triton_model))
+        routed_text = Target(serving.url + "/v1/completions")
+        duration, fresh = params.step_duration_s, serving.fresh_baseline
+        rate, direct_rps = split_rates(params.rate_rps, params.min_samples, weight, stable, duration, fresh)
+        text_rate, direct_text_rps = split_rates(params.text_rps, params.text_min_samples, weight, stable, duration,
+                                                 fresh)
+        baseline = Target(*serving.baseline_target(stable), stable) if stable is not None else Target("")
+        text_baseline = Target(*serving.text_target(stable), stable) if stable is not None else Target("")
+
+        def logits_load(rps: float) -> Load:
+            return Load(rps, duration, params.concurrency, params.request_timeout_s)
+
+        def text_load(rps: float) -> Load:
+            return Load(rps, duration, params.concurrency, params.text_timeout_s)
+
+        text: list[TextSample] = []
+        traffic = StepTraffic(text=text)
+        sampler = ComputeSampler(serving) if serving.per_version_metrics else contextlib.nullcontext()
+        with ThreadPoolExecutor(max_workers=3) as beside, sampler:
+            for _ in range(params.max_windows):  # a small share may need more than one window
+                direct = beside.submit(send_traffic, baseline, requests, logits_load(direct_rps)) if direct_rps else None
+                text_direct = beside.submit(send_text_traffic, text_baseline, texts, text_load(direct_text_rps),
+                                            True) if direct_text_rps else None
+                routed_texts = beside.submit(send_text_traffic, routed_text, texts, text_load(text_rate), True)
+                traffic.samples += send_traffic(routed, requests, logits_load(rate))
+                text += routed_texts.result()
+                traffic.direct += direct.result() if direct is not None else []
+                traffic.text_direct += text_direct.result() if text_direct is not None else []
+                if traffic.enough(self.version, params, stable if fresh else None):
+                    break
+        if isinstance(sampler, ComputeSampler):
+            traffic.compute = sampler.series
+        if stable is not None and serving.step_records:
+            read_engine_timings(serving, text + traffic.text_direct, stable, self.version)
+        return traffic
+
+    def analyse_step(self, weight: float) -> StepResult:
+        """One analysis of a step: its traffic, judged, with Triton's counters over the same time."""
+        before = self.serving.metrics()
+        started = time.monotonic()
+        traffic = self.step_traffic(weight)
+        result = judge_step(traffic, StepScope(self.stable, self.version, weight, self.serving.fresh_baseline),
+                            self.params)
+        result = replace(result, seconds=round(time.monotonic() - started, 2),
+                         sent_s={"routed": sent_span(traffic.samples, started),
+                                 "direct": sent_span(traffic.direct, started)},
+                         triton=metrics_delta(before, self.serving.metrics()))
+        log_step(result, traffic)
+        return result
+
+    def shadow_traffic(self) -> list[dict[str, Any]]:
+        """One shadow window: streamed completions through the router (stable answers them, the
+        router mirrors each to the new version), each with its own request id; then the front's
+        records of both answers, waited for until every copy has ended (at most a stream's timeout)."""
+        params, stable = self.params, self.shadowed()
+        url, headers = self.serving.shadow_target()
+        load = Load(params.text_rps, params.step_duration_s, params.concurrency, params.text_timeout_s)
+        sent = send_text_traffic(Target(url, headers), text_requests(self.reference), load, with_ids=True)
+        # a copy never recorded by then counts as a shadow error
+        records = recorded(self.serving, [s.request_id for s in sent if s.ok], stable, self.version, 2,
+                           params.text_timeout_s)
+        return pair_records(sent, records, stable, self.version)
+
+    def analyse_shadow(self) -> ShadowResult:
+        started = time.monotonic()
+        result = judge_shadow(self.shadow_traffic(), self.shadowed(), self.version, self.params)
+        result = replace(result, seconds=round(time.monotonic() - started, 2))
+        log.info("shadow: %d requests answered by stable %d, copied to %d (%d copies failed); text equal to its "
+                 "reference %.0f%%, to stable's %.0f%%; TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms (paired p %s): %s",
+                 result.served, result.stable_version, result.shadow_version, result.shadow_errors,
+                 100 * result.agreement.reference, 100 * result.agreement.stable_exact, result.shadow.ttft_p50_ms,
+                 result.stable.ttft_p50_ms, result.shadow.itl_p50_ms, result.stable.itl_p50_ms,
+                 "/".join(f"{t.p_value:.2g}" for t in result.paired_tests.values()) or "-",
+                 result.verdict if result.passed else "; ".join(result.failed))
+        return result
+
+
+def log_step(result: StepResult, traffic: StepTraffic) -> None:
+    """One line: the step's requests and streams, each side's figures, how they were judged, the verdict."""
+    text, latency = result.text, result.latency_test
+    judged = {"latency": latency.measured if latency else "",
+              **{key: test.measured for key, test in (text.tests if text else {}).items()}}
+    streams = len(traffic.text or []) + len(traffic.text_direct)
+    figures = ((text.canary.streams, text.canary.ttft_p50_ms, text.stable.ttft_p50_ms, text.canary.itl_p50_ms,
+                text.stable.itl_p50_ms) if text else (0, math.nan, math.nan, math.nan, math.nan))
+    log.info("canary %g%%: %d requests (stable %d, %d of them direct; canary %d), canary p50 %.1f ms vs "
+             "stable %.1f ms; %d streams (canary %d), TTFT p50 %.1f vs %.1f ms, ITL p50 %.2f vs %.2f ms (as "
+             "received; judged: %s): %s",
+             result.weight, len(traffic.samples) + len(traffic.direct), result.stable.requests, len(traffic.direct),
+             result.canary.requests, result.canary.p50_ms, result.stable.p50_ms, streams, *figures,
+             "; ".join(f"{k} {v}" for k, v in judged.items() if v) or "-",
+             "pass" if result.passed else "; ".join(result.failed))
+
+
+def run_canary(args: argparse.Namespace, settings: Settings, serving: Serving, scratch: Path) -> CanaryReport:
     version = int(args.model_version)
     reference = serving.stage(args.export, version, scratch)
     live = serving.live()
     if live.stable == version and live.canary is None:
         log.info("version %d already serves all traffic: nothing to roll out", version)
         serving.promote(version)
-        return {"verdict": "promoted", "stable": version, "canary": version, "steps": [], "already_serving": True}
+        return CanaryReport(stable=version, canary=version, already_serving=True)
     if live.canary is not None:  # held for approval, or interrupted: a newer rollout supersedes it (as Argo's does)
         log.info("a canary of version %s was left at %g%% (an interrupted deploy, or one held for approval): "
                  "rolling it back first", live.canary, live.canary_weight)
@@ -397,98 +567,12 @@ def run_canary(args: argparse.Namespace, params: CanarySettings, serving: Servin
     elif live.shadow is not None:
         log.info("version %s was left shadowing stable (an interrupted deploy): rolling it back first", live.shadow)
         serving.roll_back(live.stable)
-    stable = live.stable
-    hold = params.approval.active
-    report: dict[str, Any] = {"stable": stable, "canary": version, "shadow": [], "steps": [], "verdict": "promoted",
-                              "approval": {"enabled": hold, "hold_before": params.approval.hold_before}}
-    serving.prepare(stable, version)
-    return roll_out(serving, stable, version, report,
-                    lambda: walk_steps(serving, serve, params, reference, stable, version, report, hold))
-
-
-def roll_out(serving: Serving, stable: int | None, version: int, report: dict[str, Any],
-             walk: Callable[[], Stop | None]) -> dict[str, Any]:
-    """``walk`` the rollout's stages, then promote; or roll back what failed; or leave a hold as
-    it is. SIGTERM or an error on the way: traffic back to stable first (:func:`back_to_stable`)."""
-    try:
-        stop = walk()
-        if stop is None:
-            try:
-                serving.promote(version)
-            except PromotionFailed as exc:
-                if not exc.restored:
-                    raise
-                stop = Stop(100.0, str(exc))
-        if stop is not None and not stop.held:
-            serving.roll_back(stable)
-    except PromotionFailed as exc:  # the canary track is the one serving a whole version: traffic stays there
-        raise StepError(f"{exc}: all traffic stays on the canary track (version {version}); the "
-                        f"llm_rollback DAG puts it back on version {stable}") from None
-    except BaseException as exc:  # SIGTERM (an evicted pod, a killed task) or an error mid-rollout
-        outcome = back_to_stable(serving, stable, version, exc)
-        if outcome is exc:
-            raise
-        raise outcome from exc
-    if stop is not None and stop.held:
-        report.update(verdict=HELD, held_at=stop.weight, reason=stop.reason)
-    elif stop is not None:
-        report.update(verdict="rolled back", failed_at=stop.weight, reason=stop.reason)
-    else:
-        report["verdict"] = "promoted"
-    return report
-
-
-def walk_steps(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
-               stable: int | None, version: int, report: dict[str, Any], hold: bool,
-               after: float | None = None) -> Stop | None:
-    """The smoke test, the warm-up, the shadow stage and the traffic steps (their analyses in
-    ``report``), or only the steps above weight ``after`` (a rollout a person let go on): None
-    when every stage passed. With ``hold``, the walk stops before the step of weight
-    ``approval.hold_before``, and at a stage still inconclusive after its analyses, with its
-    traffic where it is (a person decides); else an inconclusive stage fails."""
-    if after is None:
-        try:
-            smoke_test(serving, version, reference)
-        except StepError as exc:  # before any traffic moved
-            return Stop(0.0, f"smoke test: {exc}")
-        report["warmup_streams"] = warm_up(serving, version, reference, params)
-        if serving.fresh_baseline and stable is not None:
-            try:
-                report["baseline_warmup_streams"] = warm_baseline(serving, stable, reference, params)
-            except StepError as exc:  # no fair baseline to judge against; no traffic moved yet
-                return Stop(0.0, f"fresh baseline: {exc}")
-        if params.shadow and stable is not None and not shadow_stage(serving, params, reference, stable, version,
-                                                                      report):
-            last = report["shadow"][-1]
-            held = hold and last["verdict"] == canary.INCONCLUSIVE
-            if held:
-                serving.route(stable, version, 0.0)
-            return Stop(0.0, f"shadow: {why_not(last)}", held=held)
-        after = 0.0
-    current = after
-    for weight in [float(w) for w in params.steps if w > after] if stable is not None else [100.0]:
-        if hold and (weight == params.approval.hold_before or stable is None):  # (the first model: its only step)
-            serving.route(stable, version, current)  # 0: the new version loaded, no user's traffic yet
-            return Stop(current, f"held before {weight:g}% for approval", held=True)
-        serving.route(stable, version, weight)
-        results = analysed(partial(analyse_step, serving, serve, params, reference, stable, version, weight),
-                           f"canary {weight:g}%", params)
-        report["steps"] += results
-        if not results[-1]["passed"]:
-            return Stop(weight, why_not(results[-1]), held=hold and results[-1]["verdict"] == canary.INCONCLUSIVE)
-        current = weight
-    return None
-
-
-def shadow_stage(serving: Serving, params: CanarySettings, reference: dict[str, Any], stable: int, version: int,
-                 report: dict[str, Any]) -> bool:
-    """The new version shadows stable (its analyses added to ``report``); the mirror is off again
-    before any split moves (a step's copies would double its load). Whether it passed."""
-    serving.route(stable, shadow=version)
-    report["shadow"] += analysed(lambda: analyse_shadow(serving, params, reference, stable, version), "shadow",
-                                 params)
-    serving.route(stable)
-    return bool(report["shadow"][-1]["passed"])
+    approval = settings.canary.approval
+    report = CanaryReport(stable=live.stable, canary=version,
+                          approval=Approval(enabled=approval.active, hold_before=approval.hold_before))
+    serving.prepare(live.stable, version)
+    rollout = Rollout(serving, settings, reference, report, hold=approval.active)
+    return rollout.roll_out(rollout.plan.start())
 
 
 def back_to_stable(serving: Serving, stable: int | None, version: int, exc: BaseException) -> BaseException:
@@ -525,11 +609,11 @@ def back_to_stable(serving: Serving, stable: int | None, version: int, exc: Base
     return exc
 
 
-def save_report(report: dict[str, Any], output: str, dag_run_tag: str, experiment: str) -> None:
+def save_report(report: CanaryReport, output: str, dag_run_tag: str, experiment: str) -> None:
     with storage.staged_output(output) as out:
-        (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
-        if report["steps"] or report.get("shadow"):
-            canary.plot_report(report, out / "canary.png")
+        (out / "report.json").write_text(json.dumps(to_json(report), indent=1, default=float))
+        if report.steps or report.shadow:
+            plots.plot_report(report, out / "canary.png")
         if dag_run_tag and os.environ.get("MLFLOW_TRACKING_URI"):
             import mlflow
 
@@ -537,7 +621,7 @@ def save_report(report: dict[str, Any], output: str, dag_run_tag: str, experimen
             if run_id is not None:
                 with mlflow.start_run(run_id=run_id):
                     mlflow.log_artifacts(str(out), "canary")
-                    mlflow.set_tag("canary.verdict", report["verdict"])
+                    mlflow.set_tag("canary.verdict", report.verdict.value)
 
 
 def older_than_champion(name: str, version: str) -> str | None:
@@ -560,7 +644,7 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
     # canary.steps (rising, ending at 100: promotion follows the last one), deploy_older_data and
     # max_analyses are checked as the settings are read, before any traffic moves
     settings = load_settings("canary", args.overrides)
-    params, serve, name = settings.canary, settings.serve, settings.pipeline.model_name
+    params, name = settings.canary, settings.pipeline.model_name
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number")
     if params.approval.required and not params.approval.enabled:
@@ -574,87 +658,87 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
         why = None if params.deploy_older_data else older_than_champion(name, str(args.model_version))
         if why:
             raise GateRejected(f"{why}: not deployed (the run's deploy_older_data Param deploys it)",
-                               {"verdict": "not deployed", "canary": int(args.model_version), "reason": why})
-        report = run_canary(args, params, serving, serve, scratch)
+                               to_json(RolloutSummary(verdict=RolloutVerdict.NOT_DEPLOYED,
+                                                      canary=int(args.model_version), reason=why)))
+        report = run_canary(args, settings, serving, scratch)
         try:
             return conclude(report, args, name, settings.train.experiment)
         except BaseException as exc:  # a hold nobody could answer (no report, no result): not left behind
-            if report["verdict"] != HELD:
+            if report.verdict != RolloutVerdict.HELD:
                 raise
-            outcome = back_to_stable(serving, report["stable"], int(args.model_version), exc)
+            outcome = back_to_stable(serving, report.stable, int(args.model_version), exc)
             if outcome is exc:
                 raise
             raise outcome from exc
 
 
-def conclude(report: dict[str, Any], args: argparse.Namespace, name: str, experiment: str) -> dict[str, Any]:
+def conclude(report: CanaryReport, args: argparse.Namespace, name: str, experiment: str) -> dict[str, Any]:
     """Promote in the registry, save the report; the step's result, or its one-line error."""
-    if report["verdict"] == "promoted":
-        report["aliases"] = promote_version(name, str(args.model_version)) if args.promote else {}
-    if report.get("approval", {}).get("decision"):
-        tag_decision(name, str(args.model_version), report["approval"])
+    if report.verdict == RolloutVerdict.PROMOTED:
+        report = replace(report, aliases=promote_version(name, str(args.model_version)) if args.promote else {})
+    if report.approval is not None and report.approval.decision:
+        tag_decision(name, str(args.model_version), report.approval)
     save_report(report, args.output, args.mlflow_run_tag, experiment)
-    summary: dict[str, Any] = {k: report[k] for k in ("verdict", "stable", "canary", "aliases", "held_at", "failed_at",
-                                                       "reason", "approval") if k in report}
-    summary.update(report_uri=storage.join(args.output, "report.json"), steps=step_summary(report["steps"]),
-                   shadow=[{"verdict": s["verdict"], "analysis": s["analysis"]} for s in report.get("shadow", [])])
-    if report["verdict"] == HELD:
+    summary = report.summary(storage.join(args.output, "report.json"))
+    if report.verdict == RolloutVerdict.HELD:
         log.info("version %s holds at %g%% (%s): waiting for a person's decision", args.model_version,
-                 report["held_at"], report["reason"])
-        return {**summary, "approval_text": approval_text(report, summary["report_uri"])}
-    if report["verdict"] != "promoted":
-        decision = report.get("approval", {})
-        where = f"at {report['failed_at']:g}%" if report["failed_at"] else "before any user reached it"
-        stays = (f"stable version {report['stable']} keeps all traffic" if report["stable"] is not None
+                 report.held_at, report.reason)
+        return dict(to_json(replace(summary, approval_text=approval_text(report, str(summary.report_uri)))))
+    if report.verdict != RolloutVerdict.PROMOTED:
+        decision = report.approval or Approval()
+        where = f"at {report.failed_at:g}%" if report.failed_at else "before any user reached it"
+        stays = (f"stable version {report.stable} keeps all traffic" if report.stable is not None
                  else "nothing serves (it was the first model)")
-        line = f"canary of version {args.model_version} rolled back {where}: {report['reason']}; {stays}"
-        if decision.get("decision") == ROLL_BACK and decision.get("by"):
-            raise GateRejected(line, summary)  # a person's choice: the run ends cleanly, the report says who
+        line = f"canary of version {args.model_version} rolled back {where}: {report.reason}; {stays}"
+        if decision.decision == ROLL_BACK and decision.by:
+            raise GateRejected(line, to_json(summary))  # a person's choice: the run ends cleanly, the report says who
         raise StepError(line)
-    return summary
+    return dict(to_json(summary))
 
 
-def approval_text(report: dict[str, Any], report_uri: str) -> str:
+def approval_text(report: CanaryReport, report_uri: str) -> str:
     """What the person deciding reads (Markdown): where the rollout holds and why, each stage's
     figures so far, and the report."""
-    stable = f"version {report['stable']}" if report["stable"] is not None else "none: the first model"
-    lines = [f"Version **{report['canary']}** holds at **{report['held_at']:g}%** of traffic "
-             f"(stable: {stable}): {report['reason']}.", ""]
-    for shadow in report.get("shadow", []):
-        agreement, text = shadow["agreement"], (shadow["shadow"], shadow["stable"])
-        lines.append(f"- shadow (analysis {shadow['analysis']}): **{shadow['verdict']}**; {shadow['served']} requests "
-                     f"copied, {shadow['shadow_errors']} copies failed; text equal to its reference "
-                     f"{agreement['reference']:.0%}, to stable's {agreement['stable_exact']:.0%}; TTFT p50 "
-                     f"{text[0]['ttft_p50_ms']:.1f} vs {text[1]['ttft_p50_ms']:.1f} ms, ITL p50 "
-                     f"{text[0]['itl_p50_ms']:.2f} vs {text[1]['itl_p50_ms']:.2f} ms")
-    for step in report["steps"]:
-        text = step["text"]
-        lines.append(f"- {step['weight']:g}% (analysis {step.get('analysis', 1)}): **{step['verdict']}**"
-                     f"{': ' + '; '.join(step['failed']) if step['failed'] else ''}; canary p50 "
-                     f"{step['canary']['p50_ms']:.1f} vs stable {step['stable']['p50_ms']:.1f} ms, TTFT p50 "
-                     f"{text['canary']['ttft_p50_ms']:.1f} vs {text['stable']['ttft_p50_ms']:.1f} ms, "
-                     f"{text['canary']['streams']} canary streams")
+    stable = f"version {report.stable}" if report.stable is not None else "none: the first model"
+    lines = [f"Version **{report.canary}** holds at **{report.held_at or 0:g}%** of traffic "
+             f"(stable: {stable}): {report.reason}.", ""]
+    for shadow in report.shadow:
+        agreement, text = shadow.agreement, (shadow.shadow, shadow.stable)
+        lines.append(f"- shadow (analysis {shadow.analysis}): **{shadow.verdict}**; {shadow.served} requests "
+                     f"copied, {shadow.shadow_errors} copies failed; text equal to its reference "
+                     f"{agreement.reference:.0%}, to stable's {agreement.stable_exact:.0%}; TTFT p50 "
+                     f"{text[0].ttft_p50_ms:.1f} vs {text[1].ttft_p50_ms:.1f} ms, ITL p50 "
+                     f"{text[0].itl_p50_ms:.2f} vs {text[1].itl_p50_ms:.2f} ms")
+    for step in report.steps:
+        streams = step.text
+        lines.append(f"- {step.weight:g}% (analysis {step.analysis}): **{step.verdict}**"
+                     f"{': ' + '; '.join(step.failed) if step.failed else ''}; canary p50 "
+                     f"{step.canary.p50_ms:.1f} vs stable {step.stable.p50_ms:.1f} ms, TTFT p50 "
+                     f"{streams.canary.ttft_p50_ms if streams else math.nan:.1f} vs "
+                     f"{streams.stable.ttft_p50_ms if streams else math.nan:.1f} ms, "
+                     f"{streams.canary.streams if streams else 0} canary streams")
     lines += ["", f"Report: `{report_uri}` (and canary.png in the run's MLflow run, canary/).", "",
               f"**{PROMOTE}**: walk the remaining steps and promote. **{ROLL_BACK}**: stable keeps all traffic. "
               f"**{EXTEND}**: analyse the held stage once more on fresh traffic and let its verdict decide."]
     return "\n".join(lines)
 
 
-def tag_decision(name: str, version: str, approval: dict[str, Any]) -> None:
+def tag_decision(name: str, version: str, approval: Approval) -> None:
     """Who decided the rollout, when and what, as tags of the registered version."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     try:
-        for key in ("decision", "by", "at"):
-            MlflowClient().set_model_version_tag(name, version, f"approval.{key}", str(approval.get(key) or "timeout"))
+        for key, value in (("decision", approval.decision), ("by", approval.by), ("at", approval.at)):
+            MlflowClient().set_model_version_tag(name, version, f"approval.{key}", str(value or "timeout"))
     except MlflowException as exc:
         raise registry_error(f"tagging models:/{name}/{version}", exc) from None
 
 
-def parse_answer(text: str) -> dict[str, Any]:
+def parse_answer(text: str) -> Approval:
     """The human-in-the-loop task's answer (``--answer``): ``{"chosen_options": [...],
-    "responded_by": NAME or null (the timeout chose the default), "responded_at": TIME}``."""
+    "responded_by": NAME or null (the timeout chose the default), "responded_at": TIME}``, as
+    the decision's part of an :class:`Approval`."""
     try:
         answer = json.loads(text)
         chosen = answer["chosen_options"]
@@ -662,55 +746,56 @@ def parse_answer(text: str) -> dict[str, Any]:
         raise StepError(f"--answer {text[:80]!r}: expected JSON with chosen_options, responded_by, responded_at") from None
     if not isinstance(chosen, list) or len(chosen) != 1 or chosen[0] not in DECISIONS:
         raise StepError(f"--answer: chosen_options {chosen!r}: expected one of {', '.join(DECISIONS)}")
-    return {"decision": chosen[0], "by": answer.get("responded_by") or None, "at": answer.get("responded_at")}
+    return Approval(decision=chosen[0], by=answer.get("responded_by") or None, at=answer.get("responded_at"))
+
+
+def read_held(held: str) -> CanaryReport:
+    """The canary report a ``canary`` step left in ``held`` (its output)."""
+    try:
+        return from_json(CanaryReport, storage.read_json(storage.join(held, "report.json")))
+    except StepError as exc:
+        raise StepError(f"--held {held}: no canary report ({first_line(exc)})") from None
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        raise StepError(f"--held {held}: not a canary report ({first_line(exc)})") from None
 
 
 def finish_main(args: argparse.Namespace) -> dict[str, Any]:
     """Carry out a person's decision on a rollout that ``canary`` left held."""
     settings = load_settings("canary", args.overrides)
-    params, serve, name = settings.canary, settings.serve, settings.pipeline.model_name
+    params, name = settings.canary, settings.pipeline.model_name
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number")
     answer = parse_answer(args.answer)
-    held_uri = storage.join(args.held, "report.json")
-    try:
-        report = storage.read_json(held_uri)
-    except StepError as exc:
-        raise StepError(f"--held {args.held}: no canary report ({first_line(exc)})") from None
+    report = read_held(args.held)
     version = int(args.model_version)
-    if report.get("verdict") != HELD or report.get("canary") != version:
+    if report.verdict != RolloutVerdict.HELD or report.canary != version:
         raise StepError(f"--held {args.held}: the rollout of version {version} was not held "
-                        f"(its report says {report.get('verdict')!r} for version {report.get('canary')})")
-    report["approval"].update(answer)
-    log.info("version %d: %s (%s)", version, answer["decision"],
-             f"answered by {answer['by']} at {answer['at']}" if answer["by"] else
+                        f"(its report says {report.verdict.value!r} for version {report.canary})")
+    approval = replace(report.approval or Approval(), decision=answer.decision, by=answer.by, at=answer.at)
+    report = replace(report, approval=approval)
+    log.info("version %d: %s (%s)", version, approval.decision,
+             f"answered by {approval.by} at {approval.at}" if approval.by else
              f"no answer within {params.approval.timeout_s:g}s: the default")
     serving = serving_platform(settings)
     with serving.lock(), storage.scratch() as scratch:
         reference = serving.stage(args.export, version, scratch)
         live = serving.live()
-        back = live.stable == report["stable"] and live.canary is None and live.shadow is None
+        back = live.stable == report.stable and live.canary is None and live.shadow is None
+        held_at = report.held_at or 0.0
         if live.stable == version and live.canary is None:  # a retried finish: promoted already
-            report.update(verdict="promoted", already_serving=True)
-        elif answer["decision"] == ROLL_BACK and back:  # a retried finish: rolled back already
-            report.update(verdict="rolled back", failed_at=report.pop("held_at"),
-                          reason=rollback_reason(report["approval"], params))
-        elif live.canary != version or live.stable != report["stable"]:
-            raise StepError(f"version {version} no longer holds at {report['held_at']:g}% (the route serves "
+            report = replace(report, verdict=RolloutVerdict.PROMOTED, already_serving=True)
+        elif approval.decision == ROLL_BACK and back:  # a retried finish: rolled back already
+            report = replace(report, verdict=RolloutVerdict.ROLLED_BACK, failed_at=held_at, held_at=None,
+                             reason=rollback_reason(approval, params.approval.timeout_s))
+        elif live.canary != version or live.stable != report.stable:
+            raise StepError(f"version {version} no longer holds at {held_at:g}% (the route serves "
                             f"stable {live.stable}, canary {live.canary}): superseded by a later deploy or rolled "
                             "back meanwhile; nothing changed")
         else:
-            stable, weight = report["stable"], float(report["held_at"])
-            report.pop("reason")
-            report = roll_out(serving, stable, version, report,
-                              lambda: decided(serving, serve, params, reference, stable, version, weight, report))
+            rollout = Rollout(serving, settings, reference, replace(report, reason=None), hold=False)
+            held = Position(Stage.HELD, float(held_at))
+            report = rollout.roll_out(rollout.plan.decided(held, approval, params.approval.timeout_s))
         return conclude(report, args, name, settings.train.experiment)
-
-
-def rollback_reason(approval: dict[str, Any], params: CanarySettings) -> str:
-    if approval["by"]:
-        return f"rolled back by {approval['by']}"
-    return f"no decision within {params.approval.timeout_s:g}s (approval.timeout_s): rolled back"
 
 
 def release_main(args: argparse.Namespace) -> dict[str, Any]:
@@ -719,54 +804,20 @@ def release_main(args: argparse.Namespace) -> dict[str, Any]:
     marked failed) is rolled back; anything else is left as it is (a finish always moves the
     route: promoted, rolled back, or it found the hold gone)."""
     settings = load_settings("canary", args.overrides)
-    held_uri = storage.join(args.held, "report.json")
-    if not storage.exists(held_uri):
+    if not storage.exists(storage.join(args.held, "report.json")):
         return {"released": None}
-    held = storage.read_json(held_uri)
-    if held.get("verdict") != HELD:
+    held = read_held(args.held)
+    if held.verdict != RolloutVerdict.HELD:
         return {"released": None}
     serving = serving_platform(settings)
     with serving.lock():
         live = serving.live()
-        if live.canary != held["canary"] or live.stable != held["stable"]:
+        if live.canary != held.canary or live.stable != held.stable:
             return {"released": None}  # superseded, rolled back or promoted meanwhile
         log.warning("the run ends with version %s held at %g%% and no decision carried out: rolled back to %s",
-                    held["canary"], live.canary_weight, held["stable"])
-        serving.roll_back(held["stable"])
-    return {"released": held["canary"], "stable": held["stable"]}
-
-
-def decided(serving: Serving, serve: ServeSettings, params: CanarySettings, reference: dict[str, Any],
-            stable: int | None, version: int, weight: float, report: dict[str, Any]) -> Stop | None:
-    """The rollout after a person's decision: rolled back; or (Extend) the held stage analysed
-    once more, its verdict deciding; then the steps above the held weight."""
-    approval = report["approval"]
-    if approval["decision"] == ROLL_BACK:
-        return Stop(weight, rollback_reason(approval, params))
-    if approval["decision"] == EXTEND:
-        if weight == 0.0:
-            passed = (not params.shadow or stable is None
-                      or shadow_stage(serving, params, reference, stable, version, report))
-            last = report["shadow"][-1] if report["shadow"] else {}
-            serving.route(stable, version, 0.0)
-        else:
-            results = analysed(partial(analyse_step, serving, serve, params, reference, stable, version, weight),
-                               f"canary {weight:g}% (extended)", params)
-            report["steps"] += results
-            passed, last = results[-1]["passed"], results[-1]
-        if not passed:
-            return Stop(weight, f"extended: {why_not(last)}")
-    return walk_steps(serving, serve, params, reference, stable, version, report, hold=False, after=weight)
-
-
-def step_summary(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per weight, its last analysis's verdict and how many analyses it took (XCom, run report)."""
-    summary: dict[float, dict[str, Any]] = {}
-    for step in steps:
-        summary[step["weight"]] = {"weight": step["weight"], "passed": step["passed"],
-                                   "verdict": step.get("verdict", "pass" if step["passed"] else "fail"),
-                                   "analyses": step.get("analysis", 1)}
-    return list(summary.values())
+                    held.canary, live.canary_weight, held.stable)
+        serving.roll_back(held.stable)
+    return {"released": held.canary, "stable": held.stable}
 
 
 def rollback_main(args: argparse.Namespace) -> dict[str, Any]:

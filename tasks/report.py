@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import ServeSettings, Settings
-from tasks.contract import REPORTED_STEPS
+from tasks.contract import REPORTED_STEPS, RolloutVerdict
 from tasks.lib import metrics, storage
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
+from tasks.serving.canary import Approval, CanaryReport, RolloutSummary, from_json, to_json
 
 STEPS = REPORTED_STEPS  # the retrain DAG's, in its order
 
@@ -35,6 +36,16 @@ def rollout_step(results: dict[str, Any]) -> str:
     """The step with the rollout's last word: the finish of a rollout held for approval, where it
     reported, else deploy."""
     return "deploy_finish" if results.get("deploy_finish") else "deploy"
+
+
+def rollout_result(results: dict[str, Any]) -> RolloutSummary | None:
+    """The rollout's last word (:func:`rollout_step`'s result), typed; None where it gave none."""
+    found = results.get(rollout_step(results))
+    return from_json(RolloutSummary, found) if found else None
+
+
+# the run report's account of the rollout: these fields of deploy's result
+CANARY_FIELDS = ("verdict", "stable", "canary", "aliases", "shadow", "steps", "report_uri", "held_at", "approval")
 
 
 def parse_results(items: list[str], option: str = "--result") -> dict[str, Any]:
@@ -77,27 +88,25 @@ def outcome(states: dict[str, str], results: dict[str, Any], errors: dict[str, s
     the step's own error line when the launcher recorded it)."""
     failed = [t for t in STEPS if states.get(t) == "failed"] + [
         t for t, s in states.items() if t not in STEPS and s == "failed"]
-    rollout = rollout_step(results)
-    deploy = results.get(rollout) or {}
+    deploy = rollout_result(results) or RolloutSummary()
     # a person's "Roll back" ends the rollout as a gate does (skipped); a failed check or no answer fails it
-    if states.get(rollout) in ("failed", "skipped") and deploy.get("verdict") == "rolled back":
-        failed_at = deploy.get("failed_at", 0)
-        where = f"at {failed_at:g}%" if failed_at else "before any user reached it"
-        return "rolled back", f"the canary was rolled back {where}: {deploy.get('reason')}"
+    if states.get(rollout_step(results)) in ("failed", "skipped") and deploy.verdict == RolloutVerdict.ROLLED_BACK:
+        where = f"at {deploy.failed_at:g}%" if deploy.failed_at else "before any user reached it"
+        return "rolled back", f"the canary was rolled back {where}: {deploy.reason}"
     if failed:
         error = (errors or {}).get(failed[0])
         return "failed", f"failed at {failed[0]}: {error}" if error else f"failed at {failed[0]} (its task log has the ERROR line)"
     evaluation = results.get("evaluate") or {}
     if states.get("evaluate") == "skipped" and evaluation.get("passed") is False:
         return "rejected", "the gate rejected the challenger: " + "; ".join(evaluation.get("reasons", []))
-    if deploy.get("verdict") == "promoted":
-        return "success", f"version {deploy.get('canary')} serves as champion"
-    if deploy.get("verdict") == "held":
-        return "held", (f"version {deploy.get('canary')} holds at {deploy.get('held_at', 0):g}% of traffic, "
-                        f"waiting for a person's decision ({deploy.get('reason')})")
+    if deploy.verdict == RolloutVerdict.PROMOTED:
+        return "success", f"version {deploy.canary} serves as champion"
+    if deploy.verdict == RolloutVerdict.HELD:
+        return "held", (f"version {deploy.canary} holds at {deploy.held_at or 0:g}% of traffic, "
+                        f"waiting for a person's decision ({deploy.reason})")
     registered = results.get("register") or {}
     if states.get("deploy") == "skipped" and registered.get("version"):
-        why = f": {deploy['reason']}" if deploy.get("reason") else " (skip_deploy)"
+        why = f": {deploy.reason}" if deploy.reason else " (skip_deploy)"
         return "deploy skipped", f"version {registered['version']} registered and exported, not deployed{why}"
     pending = [t for t in STEPS if states.get(t) not in ("success", "skipped")]
     return "incomplete", f"not finished: {', '.join(pending) or 'unknown'}"
@@ -121,7 +130,8 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
     snap, val, merged = results.get("snapshot") or {}, results.get("validate") or {}, results.get("tokenize_merge") or {}
     tokenizer = results.get("tokenizer") or {}
     train, evaluation = results.get("train") or {}, results.get("evaluate") or {}
-    registered, deploy = results.get("register") or {}, results.get(rollout_step(results)) or {}
+    registered, deploy = results.get("register") or {}, rollout_result(results)
+    rollout = to_json(deploy) if deploy else {}
     url = endpoint(settings.serve)
     return {
         "dag_id": args.dag_id,
@@ -141,8 +151,7 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
                        "challenger": evaluation.get("challenger"), "champion": evaluation.get("champion"),
                        "tasks": evaluation.get("tasks"), "samples_uri": evaluation.get("samples_uri")},
         "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
-        "canary": {k: deploy.get(k) for k in ("verdict", "stable", "canary", "aliases", "shadow", "steps",
-                                              "report_uri", "held_at", "approval")},
+        "canary": {k: rollout.get(k) for k in CANARY_FIELDS},
         # what started the run when a drift check did (the raw data Asset's event it emitted)
         "trigger": trigger_of(args),
         "serving": {"endpoint": f"{url}/v1", "model": settings.pipeline.model_name,
@@ -164,36 +173,35 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
-def analyses_note(step: dict[str, Any]) -> str:
+def analyses_note(analyses: int) -> str:
     """" (2 analyses)" for a stage measured again (an inconclusive verdict), else ""."""
-    analyses = step.get("analyses", step.get("analysis", 1))
     return f" ({analyses} analyses)" if analyses > 1 else ""
 
 
-def verdict_of(step: dict[str, Any]) -> str:
-    return str(step.get("verdict") or ("pass" if step.get("passed") else "fail"))
+def rollout_of(report: dict[str, Any]) -> RolloutSummary:
+    """The run report's account of the rollout (its ``canary`` section), typed."""
+    return from_json(RolloutSummary, report["canary"])
 
 
-def rollout_stages(canary: dict[str, Any]) -> list[tuple[str, str, str]]:
+def rollout_stages(rollout: RolloutSummary) -> list[tuple[str, str, str]]:
     """(stage, verdict, analyses note) for the shadow (its last analysis) and each step."""
-    shadow = canary.get("shadow") or []
-    stages = [shadow[-1] | {"stage": "shadow"}] if shadow else []
-    stages += [s | {"stage": f"{s['weight']:g}%"} for s in canary.get("steps") or []]
-    return [(s["stage"], verdict_of(s), analyses_note(s)) for s in stages]
+    stages = [("shadow", str(rollout.shadow[-1].verdict), analyses_note(rollout.shadow[-1].analysis))] \
+        if rollout.shadow else []
+    return stages + [(f"{s.weight:g}%", str(s.verdict), analyses_note(s.analyses)) for s in rollout.steps]
 
 
-def approval_line(canary: dict[str, Any]) -> str:
+def approval_line(rollout: RolloutSummary) -> str:
     """Who decided a held rollout, what and when (or that nobody answered in time)."""
-    approval = canary["approval"]
-    where = f"held at {canary.get('held_at') or 0:g}%"
-    if not approval.get("by"):
-        return f"{where}: no answer in time, {approval['decision']} (the default) at {approval.get('at')}"
-    return f"{where}: {approval['decision']} by {approval['by']} at {approval.get('at')}"
+    approval = rollout.approval or Approval()
+    where = f"held at {rollout.held_at or 0:g}%"
+    if not approval.by:
+        return f"{where}: no answer in time, {approval.decision} (the default) at {approval.at}"
+    return f"{where}: {approval.decision} by {approval.by} at {approval.at}"
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
     data, val, tok, train = report["data"], report["validation"], report["tokens"], report["training"]
-    ev, reg, canary, serving = report["evaluation"], report["registered"], report["canary"], report["serving"]
+    ev, reg, rollout, serving = report["evaluation"], report["registered"], rollout_of(report), report["serving"]
     lines = [f"{report['dag_id']} {report['run_id']}: {report['verdict'].upper()}: {report['outcome']}"]
     trigger = report.get("trigger") or {}
     if trigger.get("drift_report"):
@@ -226,13 +234,13 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  task        {name} {task['metric']} {_fmt(task['challenger'], '.3f')}{versus}, min {task['min']:g}")
     if reg.get("version"):
         lines.append(f"  registered  {reg['model_uri']} (alias challenger: v{reg.get('challenger')}, the newest data window)")
-    if canary.get("verdict") and canary["verdict"] != "not deployed":  # (the outcome line says why not)
+    if rollout.verdict and rollout.verdict != RolloutVerdict.NOT_DEPLOYED:  # (the outcome line says why not)
         path = " -> ".join(f"{stage}{'' if verdict == 'pass' else f' ({verdict})'}{note}"
-                           for stage, verdict, note in rollout_stages(canary))
-        aliases = ", ".join(f"{k} v{v}" for k, v in (canary.get("aliases") or {}).items() if v)
-        lines.append(f"  canary      {canary['verdict']} ({path or 'first model: no canary'}){'; ' + aliases if aliases else ''}")
-    if (canary.get("approval") or {}).get("decision"):
-        lines.append(f"  approval    {approval_line(canary)}")
+                           for stage, verdict, note in rollout_stages(rollout))
+        aliases = ", ".join(f"{k} v{v}" for k, v in (rollout.aliases or {}).items() if v)
+        lines.append(f"  canary      {rollout.verdict} ({path or 'first model: no canary'}){'; ' + aliases if aliases else ''}")
+    if rollout.approval and rollout.approval.decision:
+        lines.append(f"  approval    {approval_line(rollout)}")
     if report["verdict"] == "success":
         lines += [f"  serving     {serving['endpoint']} (OpenAI-compatible API, model {serving['model']})",
                   f"  try it      {serving['predict']}",
@@ -265,9 +273,10 @@ def render_html(report: dict[str, Any], lines: list[str], loss_png: Path | None,
     sample_rows = [(s["prompt"], s["completion"], next((c["completion"] for c in (samples or {}).get("champion") or []
                                                          if c["prompt"] == s["prompt"]), "-"))
                    for s in (samples or {}).get("challenger") or []]
-    canary_rows = [(stage, verdict + note) for stage, verdict, note in rollout_stages(report["canary"])]
-    if (report["canary"].get("approval") or {}).get("decision"):
-        canary_rows.append(("approval", approval_line(report["canary"])))
+    rollout = rollout_of(report)
+    canary_rows = [(stage, verdict + note) for stage, verdict, note in rollout_stages(rollout)]
+    if rollout.approval and rollout.approval.decision:
+        canary_rows.append(("approval", approval_line(rollout)))
     links = [f'<li>MLflow run: <a href="{html.escape(mlflow_url)}">{html.escape(mlflow_url)}</a> '
              "(artifacts: validation/ holds the Great Expectations Data Docs, report/ this page)</li>"] if mlflow_url else []
     links += [f"<li>{html.escape(k)}: <code>{html.escape(str(v))}</code></li>" for k, v in (
@@ -317,13 +326,13 @@ def optional_file(uri: str | None, scratch: Path, name: str) -> Path | None:
 
 def write(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     states, results, errors = run_states(args.states), parse_results(args.result), parse_errors(args.error)
-    # a rolled-back canary fails its task (no XCom): its report is in the step's output
+    # a rolled-back canary fails its task (no XCom): its report is in the step's output, summed up as its result is
     outputs = {"deploy": args.deploy_output, "deploy_finish": args.finish_output}
     for step, output in outputs.items():
         step_report = storage.join(output, "report.json") if output else ""
         ended = states.get(step) in ("success", "failed", "skipped")  # (a cleared step's earlier report: not this try's)
         if results.get(step) is None and ended and step_report and storage.exists(step_report):
-            results[step] = {**storage.read_json(step_report), "report_uri": step_report}
+            results[step] = to_json(from_json(CanaryReport, storage.read_json(step_report)).summary(step_report))
     report = build_report(args, settings, states, results, errors)
     lines = summary_lines(report)
     mlflow_on = bool(args.mlflow_run_tag and os.environ.get("MLFLOW_TRACKING_URI"))

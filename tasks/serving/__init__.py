@@ -7,6 +7,9 @@
 - ``capture.py``: a bounded, scrubbed sample of served traffic, for the drift check.
 - ``router.py``: the local nginx router (the split, the shadow mirror, the public allowlist).
 - ``platforms.py``: where versions run and how traffic moves (one local Triton, or Kubernetes).
-- ``canary.py``: deploy's load generator and judge (shadow and canary steps).
+- ``traffic.py``: deploy's bounded load generators (logits requests, streamed completions) and their samples.
+- ``analysis.py``: the judge, pure functions over samples (the shadow stage, each traffic step).
+- ``canary.py``: the canary report as typed values (verdicts, checks, stage results) and its JSON.
+- ``plots.py``: the report's chart (``canary.png``).
 - ``triton_models/``: the Triton models each export ships (the logits model, the engine).
 """

@@ -133,7 +133,7 @@ def test_stable_gets_the_canarys_load_where_the_split_leaves_it_too_few_samples(
     """Both versions answer the same load and the step's load stays the same: where stable's
     routed share falls short, the rate is split between the router (all to the canary at 100%)
     and a stream straight to stable (logits requests and streams alike)."""
-    from tasks.serving.canary import split_rates
+    from tasks.serving.traffic import split_rates
 
     assert split_rates(25, 10, 100.0, 3, 8) == (12.5, 12.5)
     routed, direct = split_rates(25, 10, 96.0, 3, 8)  # 8 routed to stable: short of 10
@@ -150,7 +150,8 @@ def test_with_a_fresh_baseline_the_canary_is_judged_against_it_alone() -> None:
     """Kayenta's rule: the long-running stable pods, warm and differently loaded, are not the
     baseline; the pod of the stable version started beside the canary is. Routed stable
     requests 5x faster than both new pods do not make a canary as fast as its baseline slower."""
-    from tasks.serving.canary import Sample, judge_step
+    from tasks.serving.analysis import StepScope, judge_step
+    from tasks.serving.traffic import Sample, StepTraffic
 
     rng = np.random.default_rng(1)
 
@@ -159,11 +160,12 @@ def test_with_a_fresh_baseline_the_canary_is_judged_against_it_alone() -> None:
 
     params = canary_settings()
     routed, baseline = samples(4, 1 / 5, 200) + samples(5, 1.0, 30), samples(4, 1.0, 30)
-    against_all = judge_step(routed, baseline, 4, 5, 10.0, params)
-    against_fresh = judge_step(routed, baseline, 4, 5, 10.0, params, baseline_only=True)
-    assert against_all["verdict"] == "fail" and against_all["failed"][0].startswith("latency"), against_all["checks"]
-    assert against_fresh["verdict"] == "pass" and against_fresh["baseline"] == "fresh", against_fresh["checks"]
-    assert against_fresh["stable"]["requests"] == 30  # the baseline's alone
+    traffic = StepTraffic(samples=routed, direct=baseline)
+    against_all = judge_step(traffic, StepScope(4, 5, 10.0), params)
+    against_fresh = judge_step(traffic, StepScope(4, 5, 10.0, baseline_only=True), params)
+    assert against_all.verdict == "fail" and against_all.failed[0].startswith("latency"), against_all.checks
+    assert against_fresh.verdict == "pass" and against_fresh.baseline == "fresh", against_fresh.checks
+    assert against_fresh.stable.requests == 30  # the baseline's alone
 
 
 def test_a_router_reload_outwaits_the_longest_stream() -> None:
@@ -177,13 +179,13 @@ def test_a_router_reload_outwaits_the_longest_stream() -> None:
 
 
 def test_mann_whitney_flags_a_slower_canary_only() -> None:
-    from tasks.serving.canary import latency_test
+    from tasks.serving.analysis import latency_test
 
     rng = np.random.default_rng(0)
     base = list(rng.lognormal(0, 0.2, 200))
-    assert latency_test(list(rng.lognormal(0, 0.2, 40)), base)["p_value"] > 0.01
+    assert latency_test(list(rng.lognormal(0, 0.2, 40)), base).p_value > 0.01
     slow = latency_test(list(5 * rng.lognormal(0, 0.2, 40)), base)
-    assert slow["p_value"] < 1e-6 and slow["median_ratio"] > 4
+    assert slow.p_value < 1e-6 and slow.median_ratio > 4
 
 
 def canary_settings(**overrides: Any) -> Any:
@@ -196,22 +198,22 @@ def test_each_check_passes_fails_or_is_inconclusive() -> None:
     """Slower than "clearly fine" but not "clearly bad" (between max_latency_ratio and it times
     clearly_slower_factor), or too few samples: inconclusive, measured again; the step's verdict
     is its worst check's, failures named first."""
-    from tasks.serving.canary import FAIL, INCONCLUSIVE, PASS, _recorder, enough, latency_verdict, verdict_of
+    from tasks.serving.analysis import FAIL, INCONCLUSIVE, PASS, Checks, enough, latency_verdict, verdict_of
+    from tasks.serving.canary import LatencyTest
 
     params = canary_settings(max_latency_ratio=1.5, clearly_slower_factor=2.0, latency_alpha=0.01)
-    assert latency_verdict({"p_value": 0.2, "median_ratio": 5.0}, 1.5, params) == PASS  # not significant
-    assert latency_verdict({"p_value": 1e-6, "median_ratio": 1.4}, 1.5, params) == PASS  # clearly fine
-    assert latency_verdict({"p_value": 1e-6, "median_ratio": 2.0}, 1.5, params) == INCONCLUSIVE
-    assert latency_verdict({"p_value": 1e-6, "median_ratio": 3.1}, 1.5, params) == FAIL  # clearly bad
+    assert latency_verdict(LatencyTest(p_value=0.2, median_ratio=5.0), 1.5, params) == PASS  # not significant
+    assert latency_verdict(LatencyTest(p_value=1e-6, median_ratio=1.4), 1.5, params) == PASS  # clearly fine
+    assert latency_verdict(LatencyTest(p_value=1e-6, median_ratio=2.0), 1.5, params) == INCONCLUSIVE
+    assert latency_verdict(LatencyTest(p_value=1e-6, median_ratio=3.1), 1.5, params) == FAIL  # clearly bad
     assert enough(7, 8) == INCONCLUSIVE and enough(8, 8) == PASS
-    checks: list[dict[str, Any]] = []
-    check = _recorder(checks)
-    check("samples", INCONCLUSIVE, 3, 8, "3 canary streams")
-    check("latency", True, 1.0, 1.5, "fine")
-    assert verdict_of(checks)["verdict"] == INCONCLUSIVE and not verdict_of(checks)["passed"]
-    check("error_rate", False, 0.2, 0.01, "2 of 10 failed")
+    checks = Checks()
+    checks.add("samples", INCONCLUSIVE, 3, 8, "3 canary streams")
+    checks.add("latency", True, 1.0, 1.5, "fine")
+    assert verdict_of(checks).verdict == INCONCLUSIVE and not verdict_of(checks).passed
+    checks.add("error_rate", False, 0.2, 0.01, "2 of 10 failed")
     judged = verdict_of(checks)
-    assert judged["verdict"] == FAIL and judged["failed"] == [
+    assert judged.verdict == FAIL and list(judged.failed) == [
         "error_rate: 2 of 10 failed (limit 0.01)", "samples: 3 canary streams (limit 8): inconclusive"]
     with pytest.raises(StepError, match=r"clearly_slower_factor 0\.5: expected at least 1"):
         canary_settings(clearly_slower_factor=0.5)
@@ -222,7 +224,7 @@ def shadow_pairs(count: int, changed_every: int = 0, slower_ms: float = 0.0, fai
     """What the front records of ``count`` requests answered by stable and copied to a shadow of
     equal weights, but for the given faults (every ``changed_every``-th answer changed, each
     copy ``slower_ms`` later to its first token, every ``failing_every``-th copy failed)."""
-    from tasks.serving.canary import TextSample
+    from tasks.serving.traffic import TextSample
 
     rng = np.random.default_rng(seed)
     pairs = []
@@ -245,42 +247,43 @@ def shadow_pairs(count: int, changed_every: int = 0, slower_ms: float = 0.0, fai
 def test_the_shadow_is_judged_request_by_request() -> None:
     """An identical shadow passes; a fifth of its answers changed, 300 ms more to the first
     token, or failing copies fail; too few pairs, or copies never recorded, do not pass."""
-    from tasks.serving.canary import judge_shadow
+    from tasks.serving.analysis import judge_shadow
+    from tasks.serving.canary import to_json
 
     params = canary_settings(text_min_samples=6)
     same = judge_shadow(shadow_pairs(40), 3, 4, params)
-    assert same["verdict"] == "pass", same["failed"]
-    assert same["agreement"] == {"reference": 1.0, "stable_exact": 1.0, "stable_tokens": 1.0,
-                                 "first_divergence_median": 4.0}
-    assert same["paired_tests"]["ttft_ms"]["p_value"] > 0.01
+    assert same.verdict == "pass", same.failed
+    assert to_json(same.agreement) == {"reference": 1.0, "stable_exact": 1.0, "stable_tokens": 1.0,
+                                       "first_divergence_median": 4.0}
+    assert same.paired_tests["ttft_ms"].p_value > 0.01
     changed = judge_shadow(shadow_pairs(40, changed_every=5), 3, 4, params)
-    assert changed["verdict"] == "fail" and changed["failed"][0].startswith("shadow_text_agreement: 80%")
-    assert changed["agreement"]["stable_exact"] == 0.8 and changed["agreement"]["stable_tokens"] == 0.85
+    assert changed.verdict == "fail" and changed.failed[0].startswith("shadow_text_agreement: 80%")
+    assert changed.agreement.stable_exact == 0.8 and changed.agreement.stable_tokens == 0.85
     strict = judge_shadow(shadow_pairs(40, changed_every=5), 3, 4, canary_settings(shadow_min_stable_agreement=0.95))
-    assert any(f.startswith("shadow_stable_agreement: 80%") for f in strict["failed"])
+    assert any(f.startswith("shadow_stable_agreement: 80%") for f in strict.failed)
     slower = judge_shadow(shadow_pairs(40, slower_ms=300.0), 3, 4, params)
-    assert slower["verdict"] == "fail" and slower["failed"][0].startswith("shadow_ttft: median time to first token")
-    assert slower["paired_tests"]["ttft_ms"]["p_value"] < 1e-6 and slower["paired_tests"]["itl_ms"]["p_value"] > 0.01
+    assert slower.verdict == "fail" and slower.failed[0].startswith("shadow_ttft: median time to first token")
+    assert slower.paired_tests["ttft_ms"].p_value < 1e-6 and slower.paired_tests["itl_ms"].p_value > 0.01
     failing = judge_shadow(shadow_pairs(40, failing_every=5), 3, 4, params)
-    assert failing["failed"][0] == "shadow_error_rate: 8 of 40 shadow copies failed (first: injected fault) (limit 0.01)"
-    assert failing["users"]["errors"] == 0  # the copies' errors are not what users saw
+    assert failing.failed[0] == "shadow_error_rate: 8 of 40 shadow copies failed (first: injected fault) (limit 0.01)"
+    assert failing.users.errors == 0  # the copies' errors are not what users saw
     few = judge_shadow(shadow_pairs(4), 3, 4, params)
-    assert few["verdict"] == "inconclusive" and few["failed"][0].startswith("shadow_samples: 4 requests")
+    assert few.verdict == "inconclusive" and few.failed[0].startswith("shadow_samples: 4 requests")
     unrecorded = shadow_pairs(40)
     for pair in unrecorded:  # records lost (a restarted front): nothing known, nothing failed
         pair["stable"] = pair["shadow"] = None
     nothing = judge_shadow(unrecorded, 3, 4, params)
-    assert nothing["verdict"] == "inconclusive", nothing["failed"]
-    assert nothing["failed"][0] == ("shadow_samples: 0 requests answered by stable and copied to the shadow (40 of 40 "
+    assert nothing.verdict == "inconclusive", nothing.failed
+    assert nothing.failed[0] == ("shadow_samples: 0 requests answered by stable and copied to the shadow (40 of 40 "
                                     "sent have no record of stable's answer) (limit 6): inconclusive")
     busy = shadow_pairs(40)
     for pair in busy[::4]:  # copies the front dropped (too many in flight): not the shadow's errors
         pair["shadow"] = {**pair["shadow"], "ok": False, "error": "dropped: 64 copies in flight"}
-    assert judge_shadow(busy, 3, 4, params)["verdict"] == "pass"
+    assert judge_shadow(busy, 3, 4, params).verdict == "pass"
     lost = shadow_pairs(40)
     for pair in lost[::2]:
         pair["shadow"] = None  # never recorded: a copy that did not come back counts as failed
-    assert judge_shadow(lost, 3, 4, params)["failed"][0].startswith("shadow_error_rate: 20 of 40 shadow copies failed "
+    assert judge_shadow(lost, 3, 4, params).failed[0].startswith("shadow_error_rate: 20 of 40 shadow copies failed "
                                                                     "(first: no answer recorded)")
 
 
@@ -289,7 +292,7 @@ def test_the_shadows_latency_is_judged_on_the_engines_own_timings() -> None:
     apart, the copy's 3 ms: seen once in an A/A rollout, 34x 'slower') passes on the engines' own
     per-token times, which both answers carry; a copy its engine timed 5x slower fails on them.
     Answers of engines that do not time themselves are judged on arrival times as before."""
-    from tasks.serving.canary import ENGINE_TIMED, FRONT_TIMED, judge_shadow
+    from tasks.serving.analysis import ENGINE_TIMED, FRONT_TIMED, judge_shadow
 
     params = canary_settings(text_min_samples=6)
     bunched = shadow_pairs(40)
@@ -299,13 +302,13 @@ def test_the_shadows_latency_is_judged_on_the_engines_own_timings() -> None:
         pair["stable"]["itl_ms"] = 0.09
         pair["shadow"]["itl_ms"] = 3.16
     judged = judge_shadow(bunched, 3, 4, params)
-    assert judged["verdict"] == "pass" and judged["paired_tests"]["itl_ms"]["measured"] == ENGINE_TIMED, judged["failed"]
+    assert judged.verdict == "pass" and judged.paired_tests["itl_ms"].measured == ENGINE_TIMED, judged.failed
     for pair in bunched:
         pair["shadow"]["engine_itl_ms"] *= 5
     slower = judge_shadow(bunched, 3, 4, params)
-    assert slower["verdict"] == "fail" and slower["failed"][0].startswith("shadow_itl: median inter-token latency")
+    assert slower.verdict == "fail" and slower.failed[0].startswith("shadow_itl: median inter-token latency")
     untimed = shadow_pairs(40)  # no engine figures: the arrivals at the front
-    assert judge_shadow(untimed, 3, 4, params)["paired_tests"]["itl_ms"]["measured"] == FRONT_TIMED
+    assert judge_shadow(untimed, 3, 4, params).paired_tests["itl_ms"].measured == FRONT_TIMED
 
 
 def test_a_steps_text_latency_is_judged_on_the_engines_own_timings() -> None:
@@ -314,7 +317,8 @@ def test_a_steps_text_latency_is_judged_on_the_engines_own_timings() -> None:
     wait for a slot) but its engine timed them as stable's did: it passes, judged on the records'
     engine figures. Engine figures 5x stable's fail; streams without records (an engine that does
     not time itself) are judged as deploy received them."""
-    from tasks.serving.canary import CLIENT_TIMED, ENGINE_TIMED, TextSample, judge_text, with_engine_timings
+    from tasks.serving.analysis import CLIENT_TIMED, ENGINE_TIMED, StepScope, judge_text
+    from tasks.serving.traffic import StepTraffic, TextSample, with_engine_timings
 
     params = canary_settings(text_min_samples=8)
     rng = np.random.default_rng(7)
@@ -330,19 +334,21 @@ def test_a_steps_text_latency_is_judged_on_the_engines_own_timings() -> None:
     direct, direct_records = streams(4, 20, client_ms=30.0, engine_ms=3.0, start=100)
     stray = [{**routed_records[0], "version": 4}]  # another version's record of the same id: not this stream's
     unrecorded = [dataclasses.replace(s) for s in routed]
-    as_received, checks = judge_text(unrecorded, [dataclasses.replace(s) for s in direct], 4, 5, 100.0, params)
-    assert as_received["tests"]["ttft_ms"]["measured"] == CLIENT_TIMED
-    assert any(c["check"] == "ttft" and c["verdict"] == "fail" for c in checks)
+    at_100 = StepScope(4, 5, 100.0)
+    as_received, checks = judge_text(StepTraffic(text=unrecorded, text_direct=[dataclasses.replace(s) for s in direct]),
+                                     at_100, params)
+    assert as_received.tests["ttft_ms"].measured == CLIENT_TIMED
+    assert any(c.check == "ttft" and c.verdict == "fail" for c in checks)
     with_engine_timings(routed + direct, routed_records[1:] + direct_records + stray)
     assert math.isnan(routed[0].engine_ttft_ms) and routed[1].engine_ttft_ms == routed_records[1]["engine_ttft_ms"]
-    report, checks = judge_text(routed, direct, 4, 5, 100.0, params)
-    assert report["tests"]["ttft_ms"]["measured"] == ENGINE_TIMED and all(c["passed"] for c in checks), checks
-    assert 0.5 < report["tests"]["ttft_ms"]["median_ratio"] < 2 and report["canary"]["engine_ttft_p50_ms"] < 4
+    report, checks = judge_text(StepTraffic(text=routed, text_direct=direct), at_100, params)
+    assert report.tests["ttft_ms"].measured == ENGINE_TIMED and all(c.passed for c in checks), checks
+    assert 0.5 < report.tests["ttft_ms"].median_ratio < 2 and report.canary.engine_ttft_p50_ms < 4
     for sample in routed:
         sample.engine_ttft_ms *= 5
-    _, checks = judge_text(routed, direct, 4, 5, 100.0, params)
-    slower = next(c for c in checks if c["check"] == "ttft")
-    assert slower["verdict"] == "fail" and "as the engines timed them" in slower["detail"], slower
+    _, checks = judge_text(StepTraffic(text=routed, text_direct=direct), at_100, params)
+    slower = next(c for c in checks if c.check == "ttft")
+    assert slower.verdict == "fail" and "as the engines timed them" in slower.detail, slower
 
 
 def test_a_steps_logits_latency_is_judged_on_tritons_compute_time() -> None:
@@ -350,7 +356,8 @@ def test_a_steps_logits_latency_is_judged_on_tritons_compute_time() -> None:
     identical copy read 3.2x stable's latency with equal compute times. Given Triton's compute
     time per request per interval for both versions, the step judges those (equal: pass; the
     canary's 4x: fail); with too few intervals of either, the latencies deploy's client received."""
-    from tasks.serving.canary import CLIENT_TIMED, TRITON_TIMED, Sample, judge_step
+    from tasks.serving.analysis import CLIENT_TIMED, TRITON_TIMED, StepScope, judge_step
+    from tasks.serving.traffic import Sample, StepTraffic
 
     params = canary_settings(min_samples=10)
     rng = np.random.default_rng(3)
@@ -361,13 +368,15 @@ def test_a_steps_logits_latency_is_judged_on_tritons_compute_time() -> None:
     routed = [sample(5, 300.0) for _ in range(30)]  # the canary's queue: 10x slower as received
     direct = [sample(4, 30.0) for _ in range(30)]
     same = {5: list(rng.uniform(30, 40, 16)), 4: list(rng.uniform(30, 40, 16))}
-    judged = judge_step(routed, direct, 4, 5, 100.0, params, compute=same)
-    assert judged["passed"] and judged["latency_test"]["measured"] == TRITON_TIMED, judged["failed"]
-    slower = judge_step(routed, direct, 4, 5, 100.0, params, compute={**same, 5: [4 * v for v in same[5]]})
-    assert slower["verdict"] == "fail" and "compute time per request" in slower["failed"][0], slower["failed"]
+    at_100 = StepScope(4, 5, 100.0)
+    judged = judge_step(StepTraffic(samples=routed, direct=direct, compute=same), at_100, params)
+    assert judged.passed and judged.latency_test and judged.latency_test.measured == TRITON_TIMED, judged.failed
+    slower = judge_step(StepTraffic(samples=routed, direct=direct, compute={**same, 5: [4 * v for v in same[5]]}),
+                        at_100, params)
+    assert slower.verdict == "fail" and "compute time per request" in slower.failed[0], slower.failed
     for sparse in ({5: same[5][:9], 4: same[4]}, None):
-        received = judge_step(routed, direct, 4, 5, 100.0, params, compute=sparse)
-        assert received["latency_test"]["measured"] == CLIENT_TIMED and received["verdict"] == "fail"
+        received = judge_step(StepTraffic(samples=routed, direct=direct, compute=sparse), at_100, params)
+        assert received.latency_test and received.latency_test.measured == CLIENT_TIMED and received.verdict == "fail"
 
 
 def test_the_compute_sampler_gives_each_version_its_compute_time_per_request_per_interval() -> None:
@@ -403,7 +412,7 @@ def test_the_compute_sampler_gives_each_version_its_compute_time_per_request_per
 def test_records_that_cannot_be_read_leave_the_streams_as_received() -> None:
     """A front that does not answer its records: the step goes on, judged as deploy received it."""
     from tasks.deploy import read_engine_timings
-    from tasks.serving.canary import TextSample
+    from tasks.serving.traffic import TextSample
 
     class NoRecords:
         def shadow_records(self, ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
@@ -603,7 +612,7 @@ def first_version(kube: platforms.KubernetesServing, export: str) -> None:
 def test_a_step_judged_against_a_fresh_baseline_waits_for_its_samples_too() -> None:
     from types import SimpleNamespace
 
-    from tasks.deploy import StepTraffic
+    from tasks.serving.traffic import StepTraffic
 
     params = canary_settings()
     of = lambda version, n: [SimpleNamespace(version=version)] * n  # noqa: E731
@@ -900,10 +909,10 @@ class StableWatcher:
         self.thread = threading.Thread(target=self.loop, daemon=True)
 
     def loop(self) -> None:
-        from tasks.serving.canary import _one_request
+        from tasks.serving.traffic import Target, one_request
 
         while not self.stop.is_set():
-            sample = _one_request(f"{self.url}/v2/models/llm/infer", {}, self.ids, [-1], 10.0)
+            sample = one_request(Target(f"{self.url}/v2/models/llm/infer"), self.ids, [-1], 10.0)
             self.answers[f"{sample.version}:{'ok' if sample.ok else sample.status}"] += 1
             time.sleep(0.02)
 
