@@ -28,8 +28,7 @@ from launcher import (
     step,
     tokenize_steps,
 )
-from pipeline_params import pipeline_params, raw_data_asset
-from tasks.config import TrainSettings, choices
+from pipeline_params import SettingParam, pipeline_params, raw_data_asset, set_arguments
 from tasks.contract import DECISIONS, ERROR_XCOM_KEY, REPORTED_STEPS, ROLL_BACK, ROLLOUT_VERDICT, RolloutVerdict
 
 params = pipeline_params()
@@ -39,6 +38,86 @@ approval = params.canary.approval
 # and a run that switches it off is refused when it is created (REST API, CLI, backfill); deploy
 # overrides a false one from a run created before, with a warning line
 APPROVAL_SCHEMA: dict[str, Any] = {"const": True} if approval.required else {}
+
+
+# The trigger form's Params that stand for settings of params.yaml: default and type from the
+# settings, bounds and words here; a Param with a set_key reaches the steps of its section as
+# `--set` (set_arguments), the others as arguments of their own below.
+RUN_SETTINGS = {
+    "lookback_days": SettingParam(
+        "pipeline.lookback_days", "Look-back days", "How many daily partitions before the end date to snapshot.",
+        {"minimum": 1, "maximum": 366}),
+    "raw_data_uri": SettingParam(
+        "pipeline.raw_data_uri", "Raw data",
+        "Raw JSON Lines partitioned as date=YYYY-MM-DD/ (s3:// URI or absolute path).", {"pattern": r"^(s3://|/).+"}),
+    "eval_set_uri": SettingParam(
+        "evaluate.eval_set_uri", "Held-out text",
+        "JSON Lines of held-out text (never trained on) the gate measures perplexity on and the export checks "
+        "parity with (s3:// URI or absolute path).", {"pattern": r"^(s3://|/).+"}),
+    "num_shards": SettingParam(
+        "tokenize.num_shards", "Tokenization shards", "Parallel tokenization tasks (one pod each in a cluster).",
+        {"minimum": 1, "maximum": 256}),
+    "train_preset": SettingParam(
+        "train.preset", "Model preset", "Model size (params.yaml train.presets): cpu-* on CPUs, gpu-* on GPU nodes.",
+        {"enum": sorted(train_params.presets)}, set_key="preset"),
+    "train_engine": SettingParam(
+        "train.engine", "Training engine", "FSDP2 (sharded), DDP (replicated), DeepSpeed ZeRO, or one process.",
+        set_key="engine"),
+    "train_precision": SettingParam(
+        "train.precision", "Training precision",
+        "bf16 autocast: auto on GPUs only; bf16 on CPU nodes with AMX too (~2x there), fp32 never.",
+        set_key="precision"),
+    "train_nodes": SettingParam(
+        "train.nodes", "Training nodes", "torchrun nodes: local processes, or pods of the Indexed Job in a cluster.",
+        {"minimum": 1, "maximum": 64}),
+    "train_max_steps": SettingParam(
+        "train.max_steps", "Training steps",
+        "Optimizer steps of the train step (the rest of its settings: params.yaml train).",
+        {"minimum": 1, "maximum": 10_000_000}, set_key="max_steps"),
+    "train_init_from": SettingParam(
+        "train.init_from", "Start training from",
+        "champion: continue from the production model's weights (same architecture and vocabulary, else "
+        "scratch); scratch: a random initialization.", set_key="init_from"),
+    # the gate: a run may tighten it, never loosen it past params.yaml's evaluate.limits (the
+    # evaluate step refuses a looser value too, whatever created the run)
+    "max_regression": SettingParam(
+        "evaluate.max_regression", "Gate: largest regression",
+        "Largest relative perplexity increase over the champion the gate accepts (0.05: 5%); "
+        f"at most {gate.limits.max_regression:g} (evaluate.limits).",
+        {"minimum": 0, "maximum": gate.limits.max_regression}, set_key="max_regression"),
+    "max_eval_perplexity": SettingParam(
+        "evaluate.max_eval_perplexity", "Gate: highest perplexity",
+        "Held-out perplexity above this is rejected, whatever the champion's; at most "
+        f"{gate.limits.max_eval_perplexity:g} (evaluate.limits).",
+        {"exclusiveMinimum": 1, "maximum": gate.limits.max_eval_perplexity}, set_key="max_eval_perplexity"),
+    "min_eval_accuracy": SettingParam(
+        "evaluate.min_eval_accuracy", "Gate: lowest accuracy",
+        f"Held-out next-token accuracy below this is rejected; at least {gate.limits.min_eval_accuracy:g} "
+        "(evaluate.limits).", {"minimum": gate.limits.min_eval_accuracy, "maximum": 1}, set_key="min_eval_accuracy"),
+    "canary_steps": SettingParam(
+        "canary.steps", "Canary traffic steps (%)",
+        "Traffic share of the new version at each canary step, ending at 100 (then promotion).",
+        {"minItems": 1, "maxItems": 10, "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 100}},
+        set_key="steps"),
+    "deploy_older_data": SettingParam(
+        "canary.deploy_older_data", "Deploy over a newer champion",
+        "Deploy even when the model's data window ends before the champion's (a backfill's usually does: it is "
+        "registered and exported, not deployed).", set_key="deploy_older_data"),
+    "approval": SettingParam(
+        "canary.approval.enabled", "Approve the rollout",
+        f"Hold the canary before its {approval.hold_before:g}% step until a person answers (Promote, Roll back, "
+        f"Extend) in Airflow's Required Actions; no answer within {approval.timeout_s:g}s rolls it back."
+        + (" Required by this deployment (canary.approval.required): a run cannot switch it off."
+           if approval.required else ""),
+        APPROVAL_SCHEMA, set_key="approval.enabled", default=approval.active),
+    # null, not "": the trigger form refuses an empty required string
+    "train_base": SettingParam(
+        "train.base", "Base checkpoint",
+        "A Hugging Face checkpoint (Llama, Mistral, Qwen2): a folder, an s3:// URI or a registered version "
+        "(models:/NAME/VERSION, models:/NAME@ALIAS). The line starts from: its weights, tokenizer and "
+        "architecture; retrains continue from their champion while it descends from this base. Empty: the "
+        "preset, from scratch (train.base).", nullable=True),
+}
 
 
 # Dates read from the DagRun's attributes only: a run triggered without a logical date (the
@@ -95,101 +174,15 @@ with DAG(
             None, type=["null", "string"], format="date", title="Data window end",
             description="Read the look-back window ending before this date (YYYY-MM-DD); empty: the run's data interval.",
         ),
-        "lookback_days": Param(
-            pipeline.lookback_days, type="integer", minimum=1, maximum=366, title="Look-back days",
-            description="How many daily partitions before the end date to snapshot.",
-        ),
-        "raw_data_uri": Param(
-            pipeline.raw_data_uri, type="string", pattern=r"^(s3://|/).+", title="Raw data",
-            description="Raw JSON Lines partitioned as date=YYYY-MM-DD/ (s3:// URI or absolute path).",
-        ),
-        "eval_set_uri": Param(
-            params.evaluate.eval_set_uri, type="string", pattern=r"^(s3://|/).+", title="Held-out text",
-            description="JSON Lines of held-out text (never trained on) the gate measures perplexity on and the "
-                        "export checks parity with (s3:// URI or absolute path).",
-        ),
-        "num_shards": Param(
-            params.tokenize.num_shards, type="integer", minimum=1, maximum=256, title="Tokenization shards",
-            description="Parallel tokenization tasks (one pod each in a cluster).",
-        ),
-        "train_preset": Param(
-            train_params.preset, type="string", enum=sorted(train_params.presets), title="Model preset",
-            description="Model size (params.yaml train.presets): cpu-* on CPUs, gpu-* on GPU nodes.",
-        ),
-        "train_engine": Param(
-            train_params.engine, type="string", enum=choices(TrainSettings, "engine"), title="Training engine",
-            description="FSDP2 (sharded), DDP (replicated), DeepSpeed ZeRO, or one process.",
-        ),
-        "train_precision": Param(
-            train_params.precision, type="string", enum=choices(TrainSettings, "precision"), title="Training precision",
-            description="bf16 autocast: auto on GPUs only; bf16 on CPU nodes with AMX too (~2x there), fp32 never.",
-        ),
-        "train_nodes": Param(
-            train_params.nodes, type="integer", minimum=1, maximum=64, title="Training nodes",
-            description="torchrun nodes: local processes, or pods of the Indexed Job in a cluster.",
-        ),
-        "train_max_steps": Param(
-            train_params.max_steps, type="integer", minimum=1, maximum=10_000_000, title="Training steps",
-            description="Optimizer steps of the train step (the rest of its settings: params.yaml train).",
-        ),
-        "train_init_from": Param(
-            train_params.init_from, type="string", enum=choices(TrainSettings, "init_from"), title="Start training from",
-            description="champion: continue from the production model's weights (same architecture and "
-                        "vocabulary, else scratch); scratch: a random initialization.",
-        ),
-        # the gate: a run may tighten it, never loosen it past params.yaml's evaluate.limits (the
-        # evaluate step refuses a looser value too, whatever created the run)
-        "max_regression": Param(
-            gate.max_regression, type="number", minimum=0, maximum=gate.limits.max_regression,
-            title="Gate: largest regression",
-            description="Largest relative perplexity increase over the champion the gate accepts (0.05: 5%); "
-                        f"at most {gate.limits.max_regression:g} (evaluate.limits).",
-        ),
-        "max_eval_perplexity": Param(
-            gate.max_eval_perplexity, type="number", exclusiveMinimum=1, maximum=gate.limits.max_eval_perplexity,
-            title="Gate: highest perplexity",
-            description="Held-out perplexity above this is rejected, whatever the champion's; at most "
-                        f"{gate.limits.max_eval_perplexity:g} (evaluate.limits).",
-        ),
-        "min_eval_accuracy": Param(
-            gate.min_eval_accuracy, type="number", minimum=gate.limits.min_eval_accuracy, maximum=1,
-            title="Gate: lowest accuracy",
-            description="Held-out next-token accuracy below this is rejected; at least "
-                        f"{gate.limits.min_eval_accuracy:g} (evaluate.limits).",
-        ),
-        "canary_steps": Param(
-            list(params.canary.steps), type="array", minItems=1, maxItems=10,
-            items={"type": "number", "exclusiveMinimum": 0, "maximum": 100}, title="Canary traffic steps (%)",
-            description="Traffic share of the new version at each canary step, ending at 100 (then promotion).",
-        ),
+        **{name: setting.param(params) for name, setting in RUN_SETTINGS.items()},
         "skip_deploy": Param(
             False, type="boolean", title="Skip deploy",
             description="Register and export the model, but do not canary or promote it.",
-        ),
-        "deploy_older_data": Param(
-            params.canary.deploy_older_data, type="boolean", title="Deploy over a newer champion",
-            description="Deploy even when the model's data window ends before the champion's (a backfill's "
-                        "usually does: it is registered and exported, not deployed).",
-        ),
-        "approval": Param(
-            approval.active, type="boolean", title="Approve the rollout", **APPROVAL_SCHEMA,
-            description=f"Hold the canary before its {approval.hold_before:g}% step until a person answers "
-                        "(Promote, Roll back, Extend) in Airflow's Required Actions; no answer within "
-                        f"{approval.timeout_s:g}s rolls it back."
-                        + (" Required by this deployment (canary.approval.required): a run cannot switch it off."
-                           if approval.required else ""),
         ),
         "tokenizer_uri": Param(
             None, type=["null", "string"], title="Tokenizer",
             description="Use this tokenizer.json; empty: the base's, the production model's, or train one on "
                         "first run.",
-        ),
-        "train_base": Param(  # null, not "": the trigger form refuses an empty required string
-            train_params.base or None, type=["null", "string"], title="Base checkpoint",
-            description="A Hugging Face checkpoint (Llama, Mistral, Qwen2): a folder, an s3:// URI or a registered "
-                        "version (models:/NAME/VERSION, models:/NAME@ALIAS). The line starts "
-                        "from: its weights, tokenizer and architecture; retrains continue from their champion "
-                        "while it descends from this base. Empty: the preset, from scratch (train.base).",
         ),
     },
     tags=["llm", "retrain"],
@@ -236,11 +229,7 @@ with DAG(
             "--output", run_output_uri("train/model"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
             "--init-from", result(tokenizer, "init_model_uri"),
-            "--set", "max_steps={{ params.train_max_steps }}",
-            "--set", "init_from={{ params.train_init_from }}",
-            "--set", "preset={{ params.train_preset }}",
-            "--set", "engine={{ params.train_engine }}",
-            "--set", "precision={{ params.train_precision }}",
+            *set_arguments(RUN_SETTINGS, "train", params),
         ],
         nodes="{{ params.train_nodes }}",
         procs_per_node=train_params.procs_per_node,
@@ -257,9 +246,7 @@ with DAG(
             "--eval-set", "{{ params.eval_set_uri }}",
             "--output", run_output_uri("evaluate"),
             "--mlflow-run-tag", MLFLOW_RUN_TAG,
-            "--set", "max_regression={{ params.max_regression }}",
-            "--set", "max_eval_perplexity={{ params.max_eval_perplexity }}",
-            "--set", "min_eval_accuracy={{ params.min_eval_accuracy }}",
+            *set_arguments(RUN_SETTINGS, "evaluate", params),
         ],
     )
     register = step(
@@ -294,9 +281,7 @@ with DAG(
         "deploy",
         "tasks.deploy",
         [
-            "--set", "steps={{ params.canary_steps | tojson }}",  # the parser's, before the sub-command
-            "--set", "deploy_older_data={{ params.deploy_older_data | tojson }}",
-            "--set", "approval.enabled={{ params.approval | tojson }}",
+            *set_arguments(RUN_SETTINGS, "canary", params),  # the parser's, before the sub-command
             "canary",
             "--model-version", result(register, "version"),
             "--export", result(export, "export_uri"),
@@ -335,7 +320,7 @@ with DAG(
         "deploy_finish",
         "tasks.deploy",
         [
-            "--set", "steps={{ params.canary_steps | tojson }}",
+            *set_arguments(RUN_SETTINGS, "canary", params),
             "finish",
             "--model-version", result(register, "version"),
             "--export", result(export, "export_uri"),

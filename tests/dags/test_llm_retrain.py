@@ -289,6 +289,42 @@ def test_each_task_has_a_time_limit_and_scarce_steps_queue_in_pools(dag: Any) ->
     assert dag.dagrun_timeout == dt.timedelta(minutes=pipeline["deadline_min"])
 
 
+def test_a_setting_param_is_the_settings_default_and_reaches_its_steps_as_set(dag: Any) -> None:
+    """The Params that stand for settings (RUN_SETTINGS) default to params.yaml's values, and
+    the `--set` each carries to the steps of its section, rendered with that default, is read
+    back by the settings as the same value: a Param whose key or type drifts from its setting
+    fails here, not at the end of a run."""
+    from airflow.sdk.definitions._internal.templater import SandboxedEnvironment
+
+    from tasks.config import load
+
+    sys.path.insert(0, str(REPO_ROOT / "dags"))
+    from llm_retrain import RUN_SETTINGS
+
+    settings = load()
+    steps = {"train": ["train"], "evaluate": ["evaluate"], "canary": ["deploy", "deploy_finish"]}
+    defaults = {name: dag.params[name] for name in dag.params}
+    for name, setting in RUN_SETTINGS.items():
+        value: Any = settings
+        for part in setting.setting.split("."):
+            value = getattr(value, part)
+        expected = list(value) if isinstance(value, tuple) else (value or None if setting.nullable else value)
+        if name != "approval":  # its default: enabled or required (canary.approval.active)
+            assert defaults[name] == expected, name
+        if setting.set_key is None:
+            continue
+        for task_id in steps[setting.section]:
+            arguments = dag.get_task(task_id).arguments
+            rendered = [SandboxedEnvironment().from_string(str(arg)).render(params=defaults)
+                        for arg in arguments if f"params.{name} " in str(arg)]
+            assert len(rendered) == 1 and rendered[0].startswith(f"{setting.set_key}="), (task_id, name, rendered)
+            read = load(section=setting.section, overrides=rendered)
+            got: Any = read
+            for part in setting.setting.split("."):
+                got = getattr(got, part)
+            assert (list(got) if isinstance(got, tuple) else got) == defaults[name], (task_id, name, rendered)
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [("num_shards", 0), ("train_preset", "gpu-7b"), ("train_engine", "horovod"), ("train_precision", "fp16"), ("train_nodes", 0),
