@@ -51,6 +51,17 @@ def test_every_relative_link_and_anchor_resolves() -> None:
     assert anchors(REPO_ROOT / "docs" / "benchmarks.md") >= {"llm-serving-benchmarksserve_llmpy"}  # the slug rule
 
 
+def test_every_docs_page_is_on_the_index_which_the_readme_links() -> None:
+    """docs/index.md maps the pages by layer: a new page is put on it, and README leads there."""
+    index = REPO_ROOT / "docs" / "index.md"
+    linked = {(index.parent / target.partition("#")[0]).resolve()
+              for target in re.findall(r"\]\(([^)\s]+)\)", prose(index)) if not re.match(r"^[a-z]+://", target)}
+    pages = {page.resolve() for page in (REPO_ROOT / "docs").glob("*.md")} - {index.resolve()}
+    assert len(pages) > 20  # the glob sees the pages
+    assert not pages - linked, f"docs/index.md does not link {sorted(page.name for page in pages - linked)}"
+    assert "docs/index.md" in re.findall(r"\]\(([^)\s#]+)", prose(REPO_ROOT / "README.md")), "README does not link docs/index.md"
+
+
 def test_every_repository_path_the_docs_name_exists() -> None:
     """A backticked path under one of the tree's folders (`tasks/lib/step.py`, `observability/`):
     a renamed file leaves no stale name behind. Placeholders (`<step>`, `*`) are skipped."""
