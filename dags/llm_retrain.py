@@ -197,6 +197,7 @@ with DAG(
             "--lookback-days", "{{ params.lookback_days }}",
             "--output", run_output_uri("snapshot"),
             "--run-id", "{{ run_id }}",  # claims the run's storage folder: two ids may share a key
+            "--trigger", DRIFT_TRIGGER,  # a retrain the drift check started needs data newer than the champion's
         ],
     )
     validate = step(

@@ -169,6 +169,28 @@ def snapshot_result(output: str, version: Any, duplicates_removed: int) -> dict[
     }
 
 
+def check_a_drift_retrain_has_new_data(trigger: dict[str, Any], source: str, days: list[dt.date],
+                                       model_name: str) -> None:
+    """A retrain the drift check started (``trigger``: its raw data Asset event's extra) must learn
+    what the champion did not: raw partitions of the window from the day the champion's data ended
+    on. Without any, it would train on the data the champion saw (captured traffic is not part of
+    a retrain's data) and serve the drifted traffic no better: refused with one line, before
+    anything is written. A run something else started, or a champion without a data window, passes."""
+    if not trigger.get("drift_report") or not trigger.get("champion"):
+        return
+    from tasks.lib.registry import data_end
+
+    champion = str(trigger["champion"])
+    end = data_end(model_name, champion)
+    if end is None:
+        return
+    newer = [day for day in days if day >= dt.date.fromisoformat(end)]
+    if not newer or not records.partition_files(source, newer):
+        raise StepError(f"--trigger: this retrain was started by the drift check ({trigger['drift_report']}), but "
+                        f"{source} holds no partition from {end} on, after champion v{champion}'s data: nothing "
+                        "new to learn from (land data of the drifted domain, e.g. make import, then retrain)")
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.run_id:
         claim_run_folder(args.output, args.run_id)
@@ -181,6 +203,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     end = dt.date.fromisoformat(args.end_date)
     logical = dt.date.fromisoformat(args.logical_date) if args.logical_date else end
     days = records.interval_days(end, args.lookback_days or settings.pipeline.lookback_days)
+    check_a_drift_retrain_has_new_data(json.loads(args.trigger or "{}"), args.source, days,
+                                       settings.pipeline.model_name)
     log.info("snapshot of %s for %s..%s", args.source, days[0], days[-1])
     with storage.scratch() as scratch, storage.staged_output(args.output) as out_dir:
         result, partitions = collect(args.source, days, params.max_record_bytes, scratch / "dedup")
@@ -206,6 +230,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lookback-days", type=int, help="days before --end-date to read (default: params)")
     p.add_argument("--output", required=True, help="run-scoped output URI")
     p.add_argument("--run-id", help="the DAG run's id: claims the run's storage folder (see claim_run_folder)")
+    p.add_argument("--trigger", help="the drift check's Asset event extra (JSON) when it started this run: the "
+                                     "window must hold data newer than the champion's")
     return p
 
 

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_measuring_peak_rss, run_module, step_result
+from helpers import (
+    REPO_ROOT,
+    RUNTIME_PY,
+    error_lines,
+    params_with_model_name,
+    run_measuring_peak_rss,
+    run_module,
+    step_result,
+)
 
 from tasks.lib import storage
 
@@ -181,6 +189,43 @@ def test_empty_interval_fails(stack_env: dict[str, str]) -> None:
     assert proc.returncode == 2
     assert "empty interval" in error_lines(proc)[0]
     assert storage.list_files(output) == []
+
+
+def test_a_drift_retrain_without_data_newer_than_the_champions_is_refused(stack_env: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """A retrain the drift check started would train on the data its champion saw when no raw
+    partition landed after the champion's window: one line naming the drift report and the day,
+    nothing written. A day of new data lets it through; a run something else started, or one
+    whose champion carries no window, is not asked."""
+    from mlflow import MlflowClient
+
+    env = params_with_model_name("drift-data", tmp_path)
+    client = MlflowClient()
+    client.create_registered_model(env["MODEL_NAME"])
+    champion = client.create_model_version(env["MODEL_NAME"], "s3://mlflow/x", tags={"data_end": "2026-11-21"}).version
+    untagged = client.create_model_version(env["MODEL_NAME"], "s3://mlflow/y").version
+    source = f"s3://raw/drift-{uuid.uuid4().hex[:8]}"
+    rows = "".join(json.dumps({**GOOD, "id": f"r{i}", "text": f"drifted text number {i} of the week"}) + "\n"
+                   for i in range(10))
+    write_partition(source, "2026-11-19", rows.encode())  # all the champion saw
+    drift = {"drift_report": "s3://pipeline/runs/llm_drift/x/drift/report.html", "champion": champion}
+
+    def run(trigger: dict[str, str], output: str) -> subprocess.CompletedProcess[str]:
+        return run_module("tasks.snapshot", "--source", source, "--end-date", "2026-11-23", "--lookback-days", "5",
+                          "--output", output, "--trigger", json.dumps(trigger), env=env)
+
+    output = out_uri("snapshot")
+    refused = run(drift, output)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert error_lines(refused) == [
+        f"ERROR python -m tasks.snapshot: --trigger: this retrain was started by the drift check ({drift['drift_report']}), but {source} holds no "
+        f"partition from 2026-11-21 on, after champion v{champion}'s data: nothing new to learn from (land data of "
+        "the drifted domain, e.g. make import, then retrain)"]
+    assert storage.list_files(output) == []
+    for passing in ({}, {**drift, "champion": untagged}):  # not started by the drift check; no window to compare
+        assert run(passing, out_uri("snapshot")).returncode == 0
+    write_partition(source, "2026-11-22", rows.replace("text number", "new text number").encode())
+    assert run(drift, out_uri("snapshot")).returncode == 0
 
 
 def test_validation_passes_on_real_text_and_saves_report(seeded_raw: str) -> None:
