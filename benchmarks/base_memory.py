@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import psutil  # noqa: E402
 
 from examples.tiny_base import make_base, read_texts  # noqa: E402
-from tasks.contract import TORCHRUN_MODULE, torchrun_args  # noqa: E402
+from tasks.contract import TORCHRUN_MODULE, Rendezvous, torchrun_args  # noqa: E402
 from tasks.lib import records  # noqa: E402
 
 # Llama 3.2 1B's config.json (its tokenizer is ours, 4,096 ids, inside the 128,256 rows)
@@ -152,7 +152,7 @@ def main() -> None:
                       "--set", "eval_batches=2", "--set", f"checkpoint_every={args.steps}",
                       "--set", "warmup_steps=2"]
         trained, result["train"] = measured([TORCHRUN_MODULE, *torchrun_args(
-            nodes=1, procs_per_node=1, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"base-{port}", max_restarts=0,
+            nodes=1, procs_per_node=1, rendezvous=Rendezvous(f"127.0.0.1:{port}", f"base-{port}"), max_restarts=0,
             module="tasks.train", arguments=train_args)])
         result["train"] |= {k: trained.get(k) for k in ("precision", "engine", "tokens_per_s", "mfu",
                                                           "final_loss", "world_size")}

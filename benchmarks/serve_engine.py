@@ -40,10 +40,13 @@ from tasks.export import export_decoder  # noqa: E402
 from tasks.lib import tokens  # noqa: E402
 from tasks.lib.model import GPT, GPTConfig, generate_greedy  # noqa: E402
 from tasks.serving.triton_models.llm_generate.engine import (  # noqa: E402
+    CacheShape,
     DeviceKVDecoder,
     Engine,
+    EngineLimits,
     KVDecoder,
     SamplingParams,
+    SamplingRequest,
     Sequence,
     check_sampling,
     generate,
@@ -73,13 +76,13 @@ def build(preset: str, folder: Path) -> tuple[GPT, Any, Path]:
 
 def open_engine(kind: str, model: GPT, tokenizer: Any, path: Path, slots: int, queue: int) -> Engine:
     c = model.config
-    decoder = DECODERS[kind](str(path), c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len, slots)
-    return Engine(decoder, tokenizer, c.seq_len, slots, queue, 16, 600.0).start()
+    decoder = DECODERS[kind](str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), slots)
+    return Engine(decoder, tokenizer, c.seq_len, EngineLimits(slots, queue, 16, 600.0)).start()
 
 
 def sampling(engine: Engine, prompt: int, new: int) -> SamplingParams:
     """Greedy, exactly ``new`` tokens: refused (one line) where prompt and new exceed the context."""
-    return check_sampling(new, new, prompt, engine.context, ignore_eos=True)
+    return check_sampling(SamplingRequest(new, ignore_eos=True), new, prompt, engine.context)
 
 
 def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> list[Sequence]:

@@ -357,11 +357,10 @@ def pytorch_steps(model: Any) -> tuple[Callable[[list[int]], int], Callable[[int
 def onnxruntime_steps(folder: Path) -> tuple[Callable[[list[int]], int], Callable[[int], int]]:
     """Prefill and decode by the engine's own :class:`KVDecoder` (``decoder.onnx``), one slot,
     ONNX Runtime on every core as the engine runs it, without the server around it."""
-    from tasks.serving.triton_models.llm_generate.engine import KVDecoder
+    from tasks.serving.triton_models.llm_generate.engine import CacheShape, KVDecoder
 
-    shape = json.loads((folder / "generation.json").read_text())
-    decoder = KVDecoder(str(folder / "decoder.onnx"), shape["n_layers"], shape.get("n_kv_heads", shape["n_heads"]),
-                        shape["head_dim"], shape["seq_len"], 1, 0)
+    shape = CacheShape.of_generation(json.loads((folder / "generation.json").read_text()))
+    decoder = KVDecoder(str(folder / "decoder.onnx"), shape, 1, 0)
     return (lambda ids: int(np.argmax(decoder.prefill(0, ids))),
             lambda token: int(np.argmax(decoder.decode([0], [token])[0])))
 

@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 from tasks import seed  # noqa: E402
 from tasks.config import SettingsError, TrainSettings, load  # noqa: E402
-from tasks.contract import TORCHRUN_MODULE, torchrun_args  # noqa: E402
+from tasks.contract import TORCHRUN_MODULE, Rendezvous, torchrun_args  # noqa: E402
 from tasks.lib import parallel, records  # noqa: E402
 from tasks.lib.data import BatchSampler, open_split  # noqa: E402
 from tasks.lib.model import GPT  # noqa: E402
@@ -134,8 +134,9 @@ def train_step(dataset: Path, out: Path, nodes: int, steps: int, micro_batch: in
     # CPU: one agent per node, as on separate machines; GPU: one agent with a process per GPU
     # (two agents of one process each would both take cuda:0)
     agents, per_agent = (1, nodes) if torch.cuda.is_available() else (nodes, 1)
-    torchrun = torchrun_args(nodes=agents, procs_per_node=per_agent, rdzv_endpoint=f"127.0.0.1:{port}",
-                             rdzv_id=f"bench-{port}", max_restarts=0, module="tasks.train", arguments=args)
+    torchrun = torchrun_args(nodes=agents, procs_per_node=per_agent,
+                             rendezvous=Rendezvous(f"127.0.0.1:{port}", f"bench-{port}"), max_restarts=0,
+                             module="tasks.train", arguments=args)
     procs = [subprocess.Popen([str(BIN / "python"), "-m", TORCHRUN_MODULE, *torchrun],
                               cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(agents)]

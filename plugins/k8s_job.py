@@ -36,7 +36,14 @@ from cluster import JOB_LABEL
 from kubernetes.client import models as k8s
 from step_exit import step_outcome
 
-from tasks.contract import BAD_INPUT_EXIT_CODE, TORCHRUN_MODULE, ended_without_error_line, record_error, torchrun_args
+from tasks.contract import (
+    BAD_INPUT_EXIT_CODE,
+    TORCHRUN_MODULE,
+    Rendezvous,
+    ended_without_error_line,
+    record_error,
+    torchrun_args,
+)
 
 ATTEMPT_OF_LABEL = "llm-pipeline/attempt-of"  # the task instance a Job is an attempt of (hashed)
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
@@ -155,7 +162,7 @@ class TorchrunJobOperator(KubernetesJobOperator):
 
     def torchrun_args(self, service: str) -> list[str]:
         return torchrun_args(nodes=self.node_count, procs_per_node=self.procs_per_node,
-                             rdzv_endpoint=f"{service}.{self.namespace}.svc:{self.rdzv_port}", rdzv_id=service,
+                             rendezvous=Rendezvous(f"{service}.{self.namespace}.svc:{self.rdzv_port}", service),
                              max_restarts=self.max_restarts, module=self.module, arguments=self.arguments or [])
 
     def build_job_request_obj(self, context: Any = None) -> k8s.V1Job:

@@ -43,6 +43,7 @@ from tasks.contract import (
     GATE_REJECTED_EXIT_CODE,
     RESULT_PATH_ENV,
     TORCHRUN_MODULE,
+    Rendezvous,
     ended_without_error_line,
     record_error,
     torchrun_args,
@@ -273,7 +274,7 @@ class LocalTorchrunOperator(LocalStepOperator):
         rdzv_id = re.sub(r"[^A-Za-z0-9_.-]", "-", rdzv_id)
         command = [runtime_python(), "-m", TORCHRUN_MODULE,
                    *torchrun_args(nodes=self.node_count, procs_per_node=self.procs_per_node,
-                                  rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=rdzv_id,
+                                  rendezvous=Rendezvous(f"127.0.0.1:{port}", rdzv_id),
                                   max_restarts=self.max_restarts, module=self.module, arguments=self.arguments)]
         return [command for _ in range(self.node_count)]
 

@@ -63,12 +63,11 @@ def init_compose_stack() -> None:
     create_buckets(env)
     router, triton = urllib.parse.urlsplit(env["ROUTER_URL"]), urllib.parse.urlsplit(env["TRITON_URL"])
     openai, internal = urllib.parse.urlsplit(env["OPENAI_API_URL"]), urllib.parse.urlsplit(env["ROUTER_INTERNAL_URL"])
-    from tasks.serving.router import write_router_config
+    from tasks.serving.router import Listeners, Upstreams, write_router_config
 
-    write_router_config(Path(env["ROUTER_DIR"]), router.port or 80, triton.port or 80, openai.port or 80,
-                        internal.port or 80,
-                        listen_host="0.0.0.0", triton_host=triton.hostname or "triton",
-                        openai_host=openai.hostname or "openai-api")
+    write_router_config(Path(env["ROUTER_DIR"]), Listeners(router.port or 80, internal.port or 80, host="0.0.0.0"),
+                        Upstreams(triton.port or 80, openai.port or 80, triton_host=triton.hostname or "triton",
+                                  openai_host=openai.hostname or "openai-api"))
     Path(env["TRITON_REPOSITORY"]).mkdir(parents=True, exist_ok=True)
     create_airflow_pools(shutil.which("airflow") or "airflow", env)
 

@@ -90,11 +90,11 @@ def openai_api_command() -> list[str]:
 
 
 def router_command() -> list[str]:
-    from tasks.serving.router import nginx_binary, write_router_config
+    from tasks.serving.router import Listeners, Upstreams, nginx_binary, write_router_config
 
     port = ports()
-    conf = write_router_config(router_dir(), port["router"], port["triton_http"], port["openai_api"],
-                               port["router_internal"])
+    conf = write_router_config(router_dir(), Listeners(port["router"], port["router_internal"]),
+                               Upstreams(port["triton_http"], port["openai_api"]))
     return [nginx_binary(), "-p", str(router_dir()), "-c", str(conf)]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,16 @@ class RolloutVerdict(StrEnum):
 ROLLOUT_VERDICT = "verdict"
 
 
-def torchrun_args(*, nodes: int, procs_per_node: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int,
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a step's torchrun agents meet (c10d): the store's ``HOST:PORT`` and the run's id,
+    fresh per attempt (a retry must not meet the agents of the failed one)."""
+
+    endpoint: str
+    id: str
+
+
+def torchrun_args(*, nodes: int, procs_per_node: int, rendezvous: Rendezvous, max_restarts: int,
                   module: str, arguments: Sequence[Any]) -> list[str]:
     """A step's torchrun options, the same for a local agent, a Job's pod, a test and a
     benchmark; they follow ``python -m`` :data:`TORCHRUN_MODULE`."""
@@ -71,8 +81,8 @@ def torchrun_args(*, nodes: int, procs_per_node: int, rdzv_endpoint: str, rdzv_i
         f"--nnodes={nodes}",
         f"--nproc-per-node={procs_per_node}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rdzv_endpoint}",
-        f"--rdzv-id={rdzv_id}",
+        f"--rdzv-endpoint={rendezvous.endpoint}",
+        f"--rdzv-id={rendezvous.id}",
         f"--max-restarts={max_restarts}",
         "-m",
         module,

@@ -221,6 +221,32 @@ def mean_losses(model: Any, windows: list[np.ndarray], context: int) -> np.ndarr
     return found
 
 
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
+class AskedPrompts:
+    """The window's distinct prompts (token ids, none empty) and the clients that asked each."""
+
+    prompts: list[np.ndarray]
+    clients: list[frozenset[str]]
+
+
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
+class Vocabulary:
+    """The ids the check counts in: how many (the tokenizer's, or more where the reference holds
+    higher ids), and those of the byte-fallback tokens (:func:`byte_fallback_ids`)."""
+
+    size: int
+    byte_fallback: np.ndarray
+
+
+@dataclass(frozen=True)
+class Champion:
+    """The model whose surprise the check measures, and its context (tokens): a window longer
+    than that is read by its last ``context`` tokens."""
+
+    model: Any
+    context: int
+
+
 @dataclass
 class Traffic:
     """The window's prompts as the check weighs them, each read once: its first
@@ -236,12 +262,14 @@ class Traffic:
     lengths: np.ndarray
 
     @classmethod
-    def of(cls, prompts: list[np.ndarray], clients: list[frozenset[str]], reference: Reference, fallback: np.ndarray,
-           model: Any, context: int, max_prompt_tokens: int, rng: random.Random) -> Traffic:
-        capped = [np.asarray(p[:max_prompt_tokens], dtype=np.int64) for p in prompts]
+    def of(cls, asked: AskedPrompts, reference: Reference, fallback: np.ndarray, champion: Champion,
+           max_prompt_tokens: int, rng: random.Random) -> Traffic:
+        capped = [np.asarray(p[:max_prompt_tokens], dtype=np.int64) for p in asked.prompts]
         same_lengths = reference.windows([len(p) for p in capped], rng)
-        return cls(capped, list(clients), shares_of(capped, fallback), mean_losses(model, capped, context),
-                   mean_losses(model, same_lengths, context), np.array([len(p) for p in prompts], dtype=np.int64))
+        model, context = champion.model, champion.context
+        return cls(capped, list(asked.clients), shares_of(capped, fallback), mean_losses(model, capped, context),
+                   mean_losses(model, same_lengths, context),
+                   np.array([len(p) for p in asked.prompts], dtype=np.int64))
 
 
 BOUNDS = ("token distribution", "byte fallback", "surprise")  # judge()'s phrases start with these names
@@ -457,14 +485,15 @@ def client_reason(clients: dict[str, Any]) -> str:
             f"{held}; top by share of the drift: {tops}")
 
 
-def assess(prompts: list[np.ndarray], clients: list[frozenset[str]], reference: Reference, fallback: np.ndarray,
-           model: Any, context: int, vocab_size: int, settings: DriftSettings, rng: random.Random) -> dict[str, Any]:
-    """The window's prompts (token ids, none empty) and the clients that asked each, judged:
-    figures, bounds, reasons, clients, verdict (drift, drift from too few clients, no drift)."""
-    traffic = Traffic.of(prompts, clients, reference, fallback, model, context, settings.max_prompt_tokens, rng)
-    comparison = Comparison(traffic, reference, fallback, vocab_size, settings, rng)
-    figures = comparison.figures(np.ones(len(prompts), dtype=bool))
-    figures["clients"] = len(set().union(*clients))
+def assess(asked: AskedPrompts, reference: Reference, vocabulary: Vocabulary, champion: Champion,
+           settings: DriftSettings, rng: random.Random) -> dict[str, Any]:
+    """The window's prompts and the clients that asked each, judged: figures, bounds, reasons,
+    clients, verdict (drift, drift from too few clients, no drift)."""
+    fallback = vocabulary.byte_fallback
+    traffic = Traffic.of(asked, reference, fallback, champion, settings.max_prompt_tokens, rng)
+    comparison = Comparison(traffic, reference, fallback, vocabulary.size, settings, rng)
+    figures = comparison.figures(np.ones(len(asked.prompts), dtype=bool))
+    figures["clients"] = len(set().union(*asked.clients))
     names, reasons = crossed(figures, settings), judge(figures, settings)
     found: dict[str, Any] = {"distinct": figures["clients"], "min_clients": settings.min_clients}
     verdict = NO_DRIFT
@@ -624,8 +653,8 @@ def check(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     reference = Reference.of_dataset(dataset_uri, drift.reference_tokens)
     vocab = tokenizer.get_vocab()
     vocab_size = max(tokenizer.get_vocab_size(), int(reference.tokens.max()) + 1)
-    assessed = assess(prompts, asked_by, reference, byte_fallback_ids(vocab), loaded.model, loaded.model.config.seq_len,
-                      vocab_size, drift, rng)
+    assessed = assess(AskedPrompts(prompts, asked_by), reference, Vocabulary(vocab_size, byte_fallback_ids(vocab)),
+                      Champion(loaded.model, loaded.model.config.seq_len), drift, rng)
     report = {**base, "figures": {**assessed["figures"], "requests": len(captured)}, "reasons": assessed["reasons"],
               "bounds": assessed["bounds"], "clients": assessed["clients"], "champion": champion,
               "dataset_uri": dataset_uri, "verdict": assessed["verdict"]}

@@ -47,13 +47,14 @@ import argparse
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tasks.config import REPO_ROOT, ServeSettings, Settings, TensorRT
+from tasks.config import REPO_ROOT, ExportSettings, ServeSettings, Settings, TensorRT
 from tasks.lib import hf_checkpoint, storage, tokens, triton
 from tasks.lib.errors import StepError, first_line
 from tasks.lib.model import GPT, empty_cache, generate_greedy
@@ -136,16 +137,27 @@ def generation_shape(model: GPT, special: tokens.SpecialTokens) -> dict[str, Any
 
 @torch.no_grad()
 def check_decoder(model: GPT, decoder_path: Path, vocabulary: tokens.Vocabulary, prompts: list[str],
-                  windows: list[np.ndarray[Any, Any]], atol: float, new_tokens: int) -> dict[str, Any]:
-    """The KV-cache decoder against PyTorch (see the module docstring); raises StepError."""
-    from tasks.serving.triton_models.llm_generate.engine import Engine, KVDecoder, check_sampling, generate
+                  windows: list[np.ndarray[Any, Any]], params: ExportSettings) -> dict[str, Any]:
+    """The KV-cache decoder against PyTorch (see the module docstring), within ``parity_atol``,
+    up to ``parity_new_tokens`` greedy tokens a prompt; raises StepError."""
+    from tasks.serving.triton_models.llm_generate.engine import (
+        CacheShape,
+        Engine,
+        EngineLimits,
+        KVDecoder,
+        SamplingRequest,
+        check_sampling,
+        generate,
+    )
 
     c, tokenizer = model.config, vocabulary.tokenizer
+    atol, new_tokens = params.parity_atol, params.parity_new_tokens
     shape = generation_shape(model, vocabulary.special)
     # teacher forcing on whole-context windows: each row prefilled to its own length (ragged
     # caches, up to half the window), the rest decoded a token at a time, all rows in one batch
     rows = np.concatenate([w for w in windows if w.shape[1] == c.seq_len])[:6]
-    decoder = KVDecoder(str(decoder_path), c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len, max(len(rows), len(prompts)))
+    decoder = KVDecoder(str(decoder_path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len),
+                        max(len(rows), len(prompts)))
     worst = 0.0
     full = model(torch.from_numpy(rows)).numpy()
     starts = [max(1, (i + 1) * rows.shape[1] // (2 * len(rows))) for i in range(len(rows))]  # ragged caches
@@ -159,16 +171,17 @@ def check_decoder(model: GPT, decoder_path: Path, vocabulary: tokens.Vocabulary,
         worst = max(worst, float(np.abs(logits - expected).max()))
     if not np.isfinite(worst) or worst > atol:
         raise StepError(f"decoder.onnx parity: max |logit difference| {worst:.3g} > tolerance {atol:g} (KV cache)")
-    engine = Engine(decoder, tokenizer, c.seq_len, len(prompts), len(prompts), new_tokens, 120.0, shape["eos_ids"],
-                    shape["bos_id"]).start()
+    limits = EngineLimits(slots=len(prompts), max_queue=len(prompts), default_max_tokens=new_tokens,
+                          request_timeout_s=120.0)
+    engine = Engine(decoder, tokenizer, c.seq_len, limits, shape["eos_ids"], shape["bos_id"]).start()
     try:
         prompt_ids = [engine.encode(p) for p in prompts]
         wanted = [min(new_tokens, c.seq_len - len(ids)) for ids in prompt_ids]
         results: list[Any] = [None] * len(prompts)
         with ThreadPoolExecutor(len(prompts)) as pool:  # together: the engine decodes them as one batch
             for index, ids in enumerate(prompt_ids):
-                params = check_sampling(wanted[index], new_tokens, len(ids), c.seq_len)
-                results[index] = pool.submit(generate, engine, ids, params)
+                sampling = check_sampling(SamplingRequest(wanted[index]), new_tokens, len(ids), c.seq_len)
+                results[index] = pool.submit(generate, engine, ids, sampling)
             sequences = [r.result() for r in results]
     finally:
         engine.stop()
@@ -320,8 +333,19 @@ def check_chat_template(vocabulary: tokens.Vocabulary) -> None:
         raise StepError(f"the model's tokenizer_config.json: its chat template cannot serve ({first_line(exc)})") from None
 
 
-def write_repository(out: Path, version: str, onnx_path: Path, plan_path: Path, decoder_path: Path,
-                     vocabulary: tokens.Vocabulary, shape: dict[str, Any], serve: ServeSettings) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Built:
+    """What the export built (in its scratch folder) for Triton: ``model.onnx`` (next-token
+    logits), the TensorRT plan (where one was built: the path may not exist), ``decoder.onnx``
+    (the KV-cache decoder the generation engine runs)."""
+
+    onnx: Path
+    plan: Path
+    decoder: Path
+
+
+def write_repository(out: Path, version: str, built: Built, vocabulary: tokens.Vocabulary, shape: dict[str, Any],
+                     serve: ServeSettings) -> dict[str, Any]:
     """The Triton repository fragment of this version and every backend's configuration (a
     base's tokenizer_config.json beside the engine: its chat template)."""
     logits_name, generate_name = serve.triton_model, serve.generate_model
@@ -331,16 +355,16 @@ def write_repository(out: Path, version: str, onnx_path: Path, plan_path: Path, 
     generate_dir = out / "triton" / generate_name / version
     logits_dir.mkdir(parents=True)
     generate_dir.mkdir(parents=True)
-    shutil.copy(onnx_path, logits_dir / "model.onnx")
-    if plan_path.exists():  # where the tensorrt_plan configs look for it
-        shutil.copy(plan_path, logits_dir / triton.MODEL_FILES["tensorrt_plan"])
+    shutil.copy(built.onnx, logits_dir / "model.onnx")
+    if built.plan.exists():  # where the tensorrt_plan configs look for it
+        shutil.copy(built.plan, logits_dir / triton.MODEL_FILES["tensorrt_plan"])
     shutil.copy(TRITON_MODELS / "llm" / "model.py", logits_dir / "model.py")
     # the bounds it checks each request against before batching it with others
     (logits_dir / "model.json").write_text(json.dumps({k: shape[k] for k in ("vocab_size", "seq_len")}))
     for name in ENGINE_FILES:
         shutil.copy(TRITON_MODELS / "llm_generate" / name, generate_dir / name)
     shutil.copy(CONTRACT, generate_dir / "serving_contract.py")  # what engine.py imports there
-    shutil.copy(decoder_path, generate_dir / "decoder.onnx")
+    shutil.copy(built.decoder, generate_dir / "decoder.onnx")
     shutil.copy(vocabulary.file, generate_dir / "tokenizer.json")
     if vocabulary.chat_config is not None:
         (generate_dir / tokens.TOKENIZER_CONFIG_FILE).write_text(vocabulary.chat_config, encoding="utf-8")
@@ -393,15 +417,15 @@ def kept_export(output: str, name: str, version: str) -> dict[str, Any] | None:
     return result
 
 
-def log_to_registry(name: str, version: str, dag_run_tag: str, output: str, out: Path | None,
-                    result: dict[str, Any], settings: Settings) -> None:
+def log_to_registry(version: str, dag_run_tag: str, output: str, out: Path | None, result: dict[str, Any],
+                    settings: Settings) -> None:
     """The ONNX file and configs into the DAG run's MLflow run (``out``: the export's files; None
     when they were logged by the export that wrote them), the export's figures as tags of the
-    model version: the registry says what was deployed and from where."""
+    model version (of ``pipeline.model_name``): the registry says what was deployed and from where."""
     import mlflow
     from mlflow import MlflowClient
 
-    client = MlflowClient()
+    client, name = MlflowClient(), settings.pipeline.model_name
     tags = {"export.uri": output, "export.onnx_sha256": result["onnx_sha256"], "export.opset": str(result["opset"]),
             "export.backend": result["backend"], "export.tensorrt": result["tensorrt"],
             "export.parity_max_abs_logit_diff": f"{result['parity']['max_abs_logit_diff']:.3g}",
@@ -435,7 +459,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if kept is not None:
         log.info("%s: version %s is exported there already: kept as it is (it may be serving)", args.output, version)
         if args.mlflow:
-            log_to_registry(name, version, args.mlflow_run_tag, args.output, None, kept, settings)
+            log_to_registry(version, args.mlflow_run_tag, args.output, None, kept, settings)
         return kept
     check_tensorrt_can_be_built(serve)
     # write_once: should another attempt commit first (a zombie and its retry), its output stays
@@ -454,8 +478,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                  parity["max_abs_logit_diff"], parity["inputs"])
         decoder_path = scratch / "decoder.onnx"
         export_decoder(loaded.model, decoder_path, params.opset)
-        decoder = check_decoder(loaded.model, decoder_path, vocabulary, prompts, inputs[len(prompts):], atol,
-                                params.parity_new_tokens)
+        decoder = check_decoder(loaded.model, decoder_path, vocabulary, prompts, inputs[len(prompts):], params)
         log.info("decoder.onnx parity: max |logit diff| %.3g (KV cache, %d windows), greedy continuations of %d "
                  "prompts identical to PyTorch's (%d tokens)", decoder["max_abs_logit_diff"], decoder["windows"],
                  len(prompts), decoder["greedy_tokens_compared"])
@@ -464,7 +487,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         tensorrt = build_tensorrt(onnx_path, plan_path, loaded.model.config.seq_len, params.tensorrt)
         if serve.backend == "tensorrt_plan" and not plan_path.exists():
             raise StepError(f"serve.backend tensorrt_plan: no TensorRT plan was built ({tensorrt})")
-        write_repository(out, version, onnx_path, plan_path, decoder_path, vocabulary, decoder.pop("shape"), serve)
+        write_repository(out, version, Built(onnx_path, plan_path, decoder_path), vocabulary, decoder.pop("shape"),
+                         serve)
         generations = decoder.pop("generations")
         parity |= {"decoder": decoder, "hf_checkpoint": hf}
         reference = {"inputs": [ids.tolist() for ids in inputs], "next_tokens": parity.pop("expected_next_tokens"),
@@ -475,7 +499,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                   "backend": serve.backend, "tensorrt": tensorrt, "parity": parity}
         (out / RESULT_FILE).write_text(json.dumps(result))
         if args.mlflow:
-            log_to_registry(name, version, args.mlflow_run_tag, args.output, out, result, settings)
+            log_to_registry(version, args.mlflow_run_tag, args.output, out, result, settings)
     return result
 
 

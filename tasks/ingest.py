@@ -295,9 +295,21 @@ def text_rows(folder: Path, max_bytes: int) -> Iterator[Row]:
 # -- rows into records ------------------------------------------------------------------------
 
 
-def record_of(fields: dict[str, Any], mapping: FieldMap, source_name: str, today: dt.date,
-              max_bytes: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RecordRules:
+    """How a row becomes a record: which fields hold its parts, the source named by a record
+    whose row names none, the day of a row without a timestamp, the largest record (bytes:
+    ``snapshot.max_record_bytes``)."""
+
+    mapping: FieldMap
+    source_name: str
+    today: dt.date
+    max_bytes: int
+
+
+def record_of(fields: dict[str, Any], rules: RecordRules) -> dict[str, Any]:
     """The raw record of one row (:data:`tasks.lib.records.REQUIRED_FIELDS`); raises BadRow."""
+    mapping, max_bytes = rules.mapping, rules.max_bytes
     if mapping.text not in fields:
         raise BadRow(f"no field {mapping.text!r}")
     text = fields[mapping.text]
@@ -308,8 +320,8 @@ def record_of(fields: dict[str, Any], mapping: FieldMap, source_name: str, today
     if not records.normalize_text(text):
         raise BadRow(f"{mapping.text!r} is empty (or only spaces and control characters)")
     record = {"id": row_id(fields, mapping, text), "text": text,
-              "source": named(fields, mapping.source, "source") if mapping.source else source_name,
-              "created_at": created_at(fields, mapping.timestamp, today).isoformat()}
+              "source": named(fields, mapping.source, "source") if mapping.source else rules.source_name,
+              "created_at": created_at(fields, mapping.timestamp, rules.today).isoformat()}
     size = len(json.dumps(record, ensure_ascii=False).encode())
     if size > max_bytes:
         raise BadRow(f"a record of {size} bytes, above snapshot.max_record_bytes {max_bytes}")
@@ -411,8 +423,8 @@ def is_heldout(text: str, every: int) -> bool:
     return int(records.content_hash(records.normalize_text(text))[8:16], 16) % every == 0
 
 
-def sort_rows(rows: Iterator[Row], mapping: FieldMap, source_name: str, today: dt.date, max_bytes: int,
-              days: DayFiles, quarantine: IO[str], heldout: tuple[IO[str], int] | None = None) -> Tally:
+def sort_rows(rows: Iterator[Row], rules: RecordRules, days: DayFiles, quarantine: IO[str],
+              heldout: tuple[IO[str], int] | None = None) -> Tally:
     """Every row into its day's file, into the held-out file (``heldout``: the file and one in how
     many texts), or into the quarantine with its reason."""
     tally = Tally()
@@ -423,7 +435,7 @@ def sort_rows(rows: Iterator[Row], mapping: FieldMap, source_name: str, today: d
         problem, raw = row.problem, row.raw
         if row.fields is not None:
             try:
-                record = record_of(row.fields, mapping, source_name, today, max_bytes)
+                record = record_of(row.fields, rules)
                 if heldout is not None and is_heldout(record["text"], heldout[1]):
                     heldout[0].write(json.dumps(record, ensure_ascii=False) + "\n")
                     tally.heldout += 1
@@ -510,9 +522,9 @@ def import_main(args: argparse.Namespace) -> dict[str, Any]:
         with (scratch / "quarantine" / "rows.jsonl").open("w", encoding="utf-8") as quarantine, \
                 (scratch / "heldout" / heldout_name).open("w", encoding="utf-8") as held:
             try:
-                tally = sort_rows(rows_of(source, kind, args.split, settings.snapshot.max_record_bytes), mapping,
-                                  source_name, today, settings.snapshot.max_record_bytes, days, quarantine,
-                                  (held, settings.ingest.heldout_every) if args.heldout_output else None)
+                rules = RecordRules(mapping, source_name, today, settings.snapshot.max_record_bytes)
+                tally = sort_rows(rows_of(source, kind, args.split, settings.snapshot.max_record_bytes), rules, days,
+                                  quarantine, (held, settings.ingest.heldout_every) if args.heldout_output else None)
             finally:
                 days.close()
         why_not = refusal(source, tally, mapping, settings.ingest.max_bad_share)

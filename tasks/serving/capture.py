@@ -22,6 +22,7 @@ import os
 import random
 import socket
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from tasks.config import Capture
@@ -138,23 +139,47 @@ def bounded(text: str, length: int | None, limit: int) -> str:
     return text[:max(limit - len(marker), 0)] + marker
 
 
-def served_record(*, endpoint: str, version: str, prompt: str, completion: str, prompt_tokens: int,
-                  completion_tokens: int, status: int, latency_ms: float, ttft_ms: float | None,
-                  stream: bool, error: str, client: str = "") -> dict[str, Any]:
-    """One captured request and its answer, as the drift check reads it (scrubbed when written);
-    ``client``: the client's address, hashed (``""``: unknown)."""
+@dataclass(frozen=True)
+class CapturedRequest:
+    """What a client asked: the endpoint (``completions`` or ``chat``), its prompt (``""`` for a
+    refused request: it may be anything a client sent) and its tokens, whether it streamed, and
+    the client's address, hashed (``""``: unknown)."""
+
+    endpoint: str
+    prompt: str
+    prompt_tokens: int
+    stream: bool
+    client: str = ""
+
+
+@dataclass(frozen=True)
+class CapturedAnswer:
+    """What it got: the version that answered, the completion and its tokens, the HTTP status,
+    the latency and time to first token (milliseconds; None: no token came), the error."""
+
+    version: str
+    completion: str
+    completion_tokens: int
+    status: int
+    latency_ms: float
+    ttft_ms: float | None
+    error: str
+
+
+def served_record(request: CapturedRequest, answer: CapturedAnswer) -> dict[str, Any]:
+    """One captured request and its answer, as the drift check reads it (scrubbed when written)."""
     return {
         "time": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds"),
-        "endpoint": endpoint,
-        "version": version,
-        "prompt": prompt,
-        "completion": completion,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "status": status,
-        "latency_ms": round(latency_ms, 3),
-        "ttft_ms": None if ttft_ms is None else round(ttft_ms, 3),
-        "stream": stream,
-        "error": error,
-        "client": client,
+        "endpoint": request.endpoint,
+        "version": answer.version,
+        "prompt": request.prompt,
+        "completion": answer.completion,
+        "prompt_tokens": request.prompt_tokens,
+        "completion_tokens": answer.completion_tokens,
+        "status": answer.status,
+        "latency_ms": round(answer.latency_ms, 3),
+        "ttft_ms": None if answer.ttft_ms is None else round(answer.ttft_ms, 3),
+        "stream": request.stream,
+        "error": answer.error,
+        "client": request.client,
     }

@@ -68,7 +68,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from tasks.serving.capture import TrafficCapture, served_record
+from tasks.serving.capture import CapturedAnswer, CapturedRequest, TrafficCapture, served_record
 from tasks.serving.contract import (
     CLIENT_HEADER,
     COPY_HEADER,
@@ -228,13 +228,15 @@ class Api:
             status = response.status if response is not None else 499
             refused = reply.refusal is not None
             arrivals = reply.arrivals
-            self.capture.offer(served_record(
-                endpoint="chat" if reply.chat else "completions", version=reply.version or reply.route,
-                prompt="" if refused else reply.prompt, completion="".join(reply.text),
-                prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens, status=status,
-                latency_ms=(time.perf_counter() - reply.started) * 1000,
-                ttft_ms=(arrivals[0] - reply.started) * 1000 if arrivals else None,
-                stream=reply.stream, error=reply.error, client=client_id(request, self.client_key)))
+            answered = CapturedAnswer(version=reply.version or reply.route, completion="".join(reply.text),
+                                      completion_tokens=reply.completion_tokens, status=status,
+                                      latency_ms=(time.perf_counter() - reply.started) * 1000,
+                                      ttft_ms=(arrivals[0] - reply.started) * 1000 if arrivals else None,
+                                      error=reply.error)
+            asked = CapturedRequest(endpoint="chat" if reply.chat else "completions",
+                                    prompt="" if refused else reply.prompt, prompt_tokens=reply.prompt_tokens,
+                                    stream=reply.stream, client=client_id(request, self.client_key))
+            self.capture.offer(served_record(asked, answered))
         except Exception:  # a capture that breaks must never break the answer
             log.exception("capture: a record could not be made")
 

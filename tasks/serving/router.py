@@ -88,6 +88,27 @@ class ClientLimits:
         return cls(router.rate_per_client, router.burst, router.connections_per_client, router.client_timeout_s)
 
 
+@dataclass(frozen=True)
+class Listeners:
+    """Where the router listens, on ``host``: the public port (what clients call) and the internal
+    one (deploy's). Loopback on the local stack; docker-compose.yaml's router listens on its network."""
+
+    public_port: int
+    internal_port: int
+    host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Upstreams:
+    """What the router passes requests to: Triton, and the OpenAI front (``/v1/*``). Loopback on the
+    local stack; docker-compose.yaml's router reaches them by service name."""
+
+    triton_port: int
+    openai_port: int
+    triton_host: str = "127.0.0.1"
+    openai_host: str = "127.0.0.1"
+
+
 def nginx_binary() -> str:
     found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if found is None:
@@ -95,18 +116,14 @@ def nginx_binary() -> str:
     return found
 
 
-def nginx_conf(prefix: Path, listen_port: int, triton_port: int, openai_port: int, internal_port: int,
-               listen_host: str = "127.0.0.1", triton_host: str = "127.0.0.1", openai_host: str = "127.0.0.1",
-               limits: ClientLimits | None = None) -> str:
-    """The router's static configuration; the split itself lives in ``split.conf``. The hosts
-    are loopback on the local stack; docker-compose.yaml's router listens on its network and
-    reaches Triton and the OpenAI front by service name.
+def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: ClientLimits | None = None) -> str:
+    """The router's static configuration; the split itself lives in ``split.conf``.
 
-    Two listeners. The public one (``listen_port``, what clients call) serves an allowlist: the
+    Two listeners. The public one (``listen.public_port``, what clients call) serves an allowlist: the
     split's inference, generate and stream paths, ``/v1/*``, health, server and model metadata,
     the route state; anything else (Triton's repository control: load, unload, index; a path
     naming a version) is a 404 with a one-line reason, so no client can unload the champion or
-    pick a version. The internal one (``internal_port``, deploy's) adds each version's own
+    pick a version. The internal one (``listen.internal_port``, deploy's) adds each version's own
     inference paths: the smoke test and stable's baseline through the same nginx hop as the
     split's requests. Triton's control plane is on neither: deploy calls Triton itself.
 
@@ -187,8 +204,8 @@ http {{
     # a shadow's pair id: deploy's generator sends one per request (32 hex digits), read back by it
     map $http_x_shadow_pair $shadow_pair_id {{ "~^[0-9a-f]{{32}}$" $http_x_shadow_pair; default ""; }}
     include {prefix / 'split.conf'};
-    upstream triton {{ server {triton_host}:{triton_port}; keepalive 32; }}
-    upstream openai {{ server {openai_host}:{openai_port}; keepalive 32; }}
+    upstream triton {{ server {upstreams.triton_host}:{upstreams.triton_port}; keepalive 32; }}
+    upstream openai {{ server {upstreams.openai_host}:{upstreams.openai_port}; keepalive 32; }}
     # per client address: a flood or a pile of slow connections from one client is refused at
     # once, before it queues in front of Triton; what other clients send is not touched
     limit_req_zone $binary_remote_addr zone=per_client_rate:10m rate={limits.rate_per_client}r/s;
@@ -196,7 +213,7 @@ http {{
     limit_req_status 429;
     limit_conn_status 429;
     server {{  # public: what clients call
-        listen {listen_host}:{listen_port};
+        listen {listen.host}:{listen.public_port};
         client_header_timeout {limits.client_timeout_s}s;
         client_body_timeout {limits.client_timeout_s}s;
         limit_req zone=per_client_rate burst={limits.burst} nodelay;
@@ -219,7 +236,7 @@ http {{
         {routed(internal=False)}
     }}
     server {{  # internal: deploy's smoke test and stable's baseline, a version by its path
-        listen {listen_host}:{internal_port};
+        listen {listen.host}:{listen.internal_port};
         location ~ ^/v2/models/(?<model>{models})/versions/(?<version>[0-9]+)/(?<action>{actions})$ {{
             {to_triton}
             proxy_pass http://triton/v2/models/$model/versions/$version/$action;
@@ -271,15 +288,12 @@ def saved_route(prefix: Path) -> Route:
     return Route(**json.loads(state))
 
 
-def write_router_config(prefix: Path, listen_port: int, triton_port: int, openai_port: int, internal_port: int,
-                        listen_host: str = "127.0.0.1", triton_host: str = "127.0.0.1",
-                        openai_host: str = "127.0.0.1") -> Path:
+def write_router_config(prefix: Path, listen: Listeners, upstreams: Upstreams) -> Path:
     """nginx.conf, and the saved split and mirror (an empty split where none exists yet)."""
     for kind in TEMP_KINDS:
         (prefix / "tmp" / kind).mkdir(parents=True, exist_ok=True)
     conf = prefix / "nginx.conf"
-    conf.write_text(nginx_conf(prefix, listen_port, triton_port, openai_port, internal_port, listen_host, triton_host,
-                               openai_host))
+    conf.write_text(nginx_conf(prefix, listen, upstreams))
     # the saved route (none yet: no model) written again in this code's form: a split.conf of
     # older code lacks variables nginx.conf now uses
     route = saved_route(prefix)

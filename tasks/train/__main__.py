@@ -23,7 +23,7 @@ from tasks.lib import storage
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import run_step, step_parser
-from tasks.train.trainer import train
+from tasks.train.trainer import TrainRun, train
 
 
 def recorded_settings(uri: str, overrides: list[str]) -> TrainSettings:
@@ -40,7 +40,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         settings = recorded_settings(args.settings, args.overrides)
     else:
         settings = load_settings("train", args.overrides).train
-    return train(settings, args.dataset, args.checkpoints, args.output, args.init_from, args.mlflow_run_tag)
+    return train(settings, TrainRun(args.dataset, args.checkpoints, args.output, args.init_from, args.mlflow_run_tag))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,17 @@ def matmul_probe(device: torch.device, probe_size: int, repeats: int, bf16: bool
     return 2 * size**3 / best, f"measured {kind} matmul ({size}x{size}), {torch.get_num_threads()} thread(s)"
 
 
+@dataclass(frozen=True)
+class CheckpointTimes:
+    """What the run's checkpoints cost (:class:`~tasks.train.checkpoint.Checkpointer`'s): per
+    save, how long the loop waited (``stalls``) and how long until the checkpoint was complete
+    (``save_seconds``); and the loop's whole wait on checkpoints (``blocking_seconds``)."""
+
+    stalls: list[float]
+    save_seconds: list[float]
+    blocking_seconds: float
+
+
 class Meters:
     """Timers of one training run: a window between two logged steps, and the run as a whole."""
 
@@ -120,9 +132,10 @@ class Meters:
         return figures
 
     def summary(self, step: int, world: int, flops_per_token: float, peak: tuple[float, str],
-                stalls: list[float], save_seconds: list[float], blocking_seconds: float) -> dict[str, Any]:
+                checkpoints: CheckpointTimes) -> dict[str, Any]:
         """The run's figures: throughput, MFU of this process (its share of the tokens against its
         device's peak), and the shares of data loading, evaluation and checkpoint stalls."""
+        stalls, save_seconds = checkpoints.stalls, checkpoints.save_seconds
         seconds = (self.stopped or time.perf_counter()) - self.started
         trained_tokens = (step - self.started_step) * self.tokens_per_step
         process_rate = trained_tokens / seconds / world if trained_tokens else 0.0
@@ -133,7 +146,7 @@ class Meters:
             "peak_source": peak[1],
             "data_loading_share": self.data_seconds / seconds,
             "eval_share": self.eval_seconds / seconds,
-            "checkpoint_share": blocking_seconds / seconds,
+            "checkpoint_share": checkpoints.blocking_seconds / seconds,
             # per save: how long the loop waited (the median, and each: the first save also
             # allocates the staging buffers), and how long until the checkpoint was complete
             "checkpoint_stall_s": float(np.median(stalls)) if stalls else 0.0,

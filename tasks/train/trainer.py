@@ -33,7 +33,7 @@ from tasks.lib.torchrun import malloc_in_use
 from tasks.lib.tracking import Tracker
 from tasks.train.checkpoint import Checkpointer, CheckpointStore, list_complete
 from tasks.train.engines import Engine, build_engine, compile_blocks, compile_wanted, engine_class
-from tasks.train.meters import Meters, best_peak, peak_flops
+from tasks.train.meters import CheckpointTimes, Meters, best_peak, peak_flops
 
 
 @dataclasses.dataclass
@@ -85,17 +85,41 @@ def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
 
 
-class Trainer:
-    """One process's training loop. The engine hides how the model is distributed; the
-    checkpointer, where the state goes; the tracker, where the figures go (each may be the
-    in-process kind: a local folder, no MLflow)."""
+@dataclasses.dataclass(frozen=True)
+class TrainedModel:
+    """The model being trained: its architecture, and the engine that holds its weights and
+    optimizer (and hides how they are distributed)."""
 
-    def __init__(self, settings: TrainSettings, env: parallel.Dist, config: GPTConfig, engine: Engine,
-                 train_data: BatchSampler, val_data: BatchSampler, checkpointer: Checkpointer, tracker: Tracker,
-                 state: TrainState | None = None) -> None:
-        self.settings, self.env, self.config, self.engine = settings, env, config, engine
-        self.train_data, self.val_data = train_data, val_data
-        self.checkpointer, self.tracker = checkpointer, tracker
+    config: GPTConfig
+    engine: Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """Where the loop's batches come from: the train split's sampler, and the validation split's
+    (the same batches at every evaluation)."""
+
+    train: BatchSampler
+    val: BatchSampler
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutputs:
+    """Where the loop's results go: its state (the checkpointer) and its figures (the tracker);
+    either may be the in-process kind (a local folder, no MLflow)."""
+
+    checkpointer: Checkpointer
+    tracker: Tracker
+
+
+class Trainer:
+    """One process's training loop, and the model it publishes at the end."""
+
+    def __init__(self, settings: TrainSettings, env: parallel.Dist, model: TrainedModel, batches: Batches,
+                 outputs: RunOutputs, state: TrainState | None = None) -> None:
+        self.settings, self.env, self.config, self.engine = settings, env, model.config, model.engine
+        self.train_data, self.val_data = batches.train, batches.val
+        self.checkpointer, self.tracker = outputs.checkpointer, outputs.tracker
         self.state = state or TrainState()
         self.bf16 = parallel.use_bf16(env.device, settings.precision)
         self.global_batch = settings.micro_batch * settings.grad_accum * env.world
@@ -200,11 +224,39 @@ class Trainer:
         self.checkpointer.close()
         self.meters.stop()  # the run's time ends here, before the second probe
         checkpoints = self.checkpointer
+        times = CheckpointTimes(checkpoints.stalls, checkpoints.save_seconds, checkpoints.blocking_seconds)
         peak = best_peak(peak_before, peak_flops(self.env.device, self.bf16))
         return {"final_loss": state.loss, "val_loss": state.val_loss, "steps": state.step,
                 "tokens_seen": state.samples_seen * self.config.seq_len,
-                **self.meters.summary(state.step, self.env.world, self.config.flops_per_token(), peak,
-                                      checkpoints.stalls, checkpoints.save_seconds, checkpoints.blocking_seconds)}
+                **self.meters.summary(state.step, self.env.world, self.config.flops_per_token(), peak, times)}
+
+    def export_model(self, split: TokenSplit, run: TrainRun, line: Line | None) -> dict[str, Any]:
+        """Gather the full weights on rank 0 and publish model.safetensors + config.json at the
+        run's output (with what a replay needs to train it again: the settings, layout and runtime)."""
+        full = self.engine.full_state_dict()
+        env, state, config, output = self.env, self.state, self.config, run.output
+        if not env.is_main:
+            return {"model_uri": output}
+        with storage.staged_output(output) as out:
+            description = {
+                "architecture": "gpt",
+                "format_version": FORMAT_VERSION,
+                "config": config.to_dict(),
+                "tokenizer_uri": split.tokenizer_uri,
+                "tokenizer_hash": split.tokenizer_hash,
+                "eos_id": split.eos_id,
+                "special_tokens": split.special_tokens.to_dict(),
+                "base": line.base if line else None,
+                "dataset_uri": run.dataset,
+                "step": state.step,
+                "tokens_seen": state.samples_seen * config.seq_len,
+                "initialized_from": state.initialized_from,
+                "training": training_record(self.settings, env.world, env.device, split.index),
+            }
+            save_model_files(full, description, out)
+            self.tracker.log_model_files(out)
+        return {"model_uri": output, "model_file": storage.join(output, WEIGHTS_FILE),
+                "mlflow_run_id": self.tracker.run_id}
 
 
 # -- building a run -----------------------------------------------------------------------------
@@ -215,6 +267,20 @@ def model_config(settings: TrainSettings, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(settings.model))
     except (TypeError, ValueError) as exc:
         raise StepError(f"train.presets.{settings.preset}: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRun:
+    """What one train step reads and writes, as its command line names them: the tokenize step's
+    dataset, the checkpoints (resumed from), the consolidated model's folder, the model it may
+    start from (``train.init_from: champion``; empty: a random initialization), and the tag
+    (dag_run) that names the DAG run's MLflow run."""
+
+    dataset: str
+    checkpoints: str
+    output: str
+    init_from: str = ""
+    mlflow_run_tag: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,23 +403,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(settings: TrainSettings, dataset: str, checkpoints: str, output: str, init_from: str = "",
-          mlflow_run_tag: str = "") -> dict[str, Any]:
+def train(settings: TrainSettings, run: TrainRun) -> dict[str, Any]:
     """The train step in this process (one rank of a torchrun group, or alone): its result."""
     env = parallel.init_distributed()
     try:
         # the run's objects live in a frame of their own, gone before the process group: a DDP
         # reducer freed after its group deadlocks in gloo's destructor (rank 0 hung at exit), and
         # a DeepSpeed engine (reference cycles: freed by the collector) aborted the process at exit
-        return _train(settings, env, dataset, checkpoints, output, init_from, mlflow_run_tag)
+        return _train(settings, env, run)
     finally:
         gc.collect()
         parallel.shutdown()
 
 
-def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoints: str, output: str,
-           init_from: str, mlflow_run_tag: str) -> dict[str, Any]:
+def _train(settings: TrainSettings, env: parallel.Dist, run: TrainRun) -> dict[str, Any]:
     check_settings(settings, env)
+    dataset, init_from = run.dataset, run.init_from
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     dataset_dir = local_dataset(dataset)
     train_split, val_split = open_split(dataset_dir, "train"), open_split(dataset_dir, "val")
@@ -367,7 +432,7 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
     val_data = BatchSampler(val_split.tokens, config.seq_len, settings.micro_batch, settings.seed + 1)
     check_fits(config, settings, env, train_data)
 
-    store = CheckpointStore(checkpoints, settings.keep_last, env.rank)
+    store = CheckpointStore(run.checkpoints, settings.keep_last, env.rank)
     latest = store.latest()
     seed_everything(settings.seed)
     gpt = GPT(config)
@@ -386,10 +451,11 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
     state = TrainState(initialized_from=started_from)
     if latest is not None:
         state.load_state_dict(checkpointer.load(latest, engine, state.state_dict()))
-    tracker = Tracker(env.is_main, settings, mlflow_run_tag)
+    tracker = Tracker(env.is_main, settings, run.mlflow_run_tag)
     tracker.start(config, env, resumed_from=latest.uri if latest else None, dataset=dataset,
                   initialized_from=state.initialized_from)
-    trainer = Trainer(settings, env, config, engine, train_data, val_data, checkpointer, tracker, state)
+    trainer = Trainer(settings, env, TrainedModel(config, engine), Batches(train_data, val_data),
+                      RunOutputs(checkpointer, tracker), state)
     malloc = malloc_in_use()
     log.info(
         "training %s (%.2fM params) engine=%s rank %d/%d pid %d on %s (%s, malloc: %s): %d steps x %d tokens, "
@@ -400,9 +466,9 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
     )
     figures = trainer.fit()
     result = {
-        **export_model(engine, config, train_split, dataset, output, state, env, tracker, settings, line),
+        **trainer.export_model(train_split, run, line),
         **figures,
-        "checkpoints": [c.uri for c in list_complete(checkpoints)],
+        "checkpoints": [c.uri for c in list_complete(run.checkpoints)],
         "resumed_from": latest.uri if latest else None,
         "initialized_from": state.initialized_from,
         "world_size": env.world,
@@ -416,32 +482,3 @@ def _train(settings: TrainSettings, env: parallel.Dist, dataset: str, checkpoint
     del train_split, val_split, train_data, val_data, trainer  # their memory maps, before the files go
     drop_local_dataset(dataset_dir, env)
     return result
-
-
-def export_model(engine: Engine, config: GPTConfig, split: TokenSplit, dataset: str, output: str,
-                 state: TrainState, env: parallel.Dist, tracker: Tracker, settings: TrainSettings,
-                 line: Line | None) -> dict[str, Any]:
-    """Gather the full weights on rank 0 and publish model.safetensors + config.json at ``output``
-    (with what a replay needs to train it again: the settings, layout and runtime)."""
-    full = engine.full_state_dict()
-    if not env.is_main:
-        return {"model_uri": output}
-    with storage.staged_output(output) as out:
-        description = {
-            "architecture": "gpt",
-            "format_version": FORMAT_VERSION,
-            "config": config.to_dict(),
-            "tokenizer_uri": split.tokenizer_uri,
-            "tokenizer_hash": split.tokenizer_hash,
-            "eos_id": split.eos_id,
-            "special_tokens": split.special_tokens.to_dict(),
-            "base": line.base if line else None,
-            "dataset_uri": dataset,
-            "step": state.step,
-            "tokens_seen": state.samples_seen * config.seq_len,
-            "initialized_from": state.initialized_from,
-            "training": training_record(settings, env.world, env.device, split.index),
-        }
-        save_model_files(full, description, out)
-        tracker.log_model_files(out)
-    return {"model_uri": output, "model_file": storage.join(output, WEIGHTS_FILE), "mlflow_run_id": tracker.run_id}

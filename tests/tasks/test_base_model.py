@@ -24,9 +24,10 @@ import torch
 from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result, tokenize
 
 from examples.tiny_base import make_base
-from tasks.contract import TORCHRUN_MODULE, torchrun_args
+from tasks.contract import TORCHRUN_MODULE, Rendezvous, torchrun_args
 from tasks.lib import hf_checkpoint, storage, tokens
 from tasks.lib.model_store import load_model_dir
+from tasks.lib.params import load_settings
 
 pytestmark = pytest.mark.torchrun  # training processes, and under torchrun (make test-fast leaves them out)
 
@@ -61,7 +62,7 @@ def train_two_processes(dataset: Path, init_from: str, out: Path, *extra: str) -
             "--set", "log_every=2", "--set", "eval_every=4", "--set", "eval_batches=1", "--set", "checkpoint_every=4",
             "--set", "warmup_steps=0", *extra]
     proc = subprocess.run([str(RUNTIME_PY), "-m", TORCHRUN_MODULE, *torchrun_args(
-        nodes=1, procs_per_node=2, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"base-{port}", max_restarts=0,
+        nodes=1, procs_per_node=2, rendezvous=Rendezvous(f"127.0.0.1:{port}", f"base-{port}"), max_restarts=0,
         module="tasks.train", arguments=args)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1", **NO_MLFLOW})
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -152,7 +153,8 @@ def test_the_export_keeps_the_bases_special_tokens_and_chat_template(
     assert all(batch[0][0] == vocabulary.special.bos_id for batch in inputs[:len(prompts)])
     decoder_path = tmp_path / "decoder.onnx"
     export_decoder(loaded.model, decoder_path, 18)
-    checked = check_decoder(loaded.model, decoder_path, vocabulary, prompts, inputs[len(prompts):], 1e-3, 12)
+    params = dataclasses.replace(load_settings().export, parity_atol=1e-3, parity_new_tokens=12)
+    checked = check_decoder(loaded.model, decoder_path, vocabulary, prompts, inputs[len(prompts):], params)
     assert all(g["prompt_ids"][0] == vocabulary.special.bos_id for g in checked["generations"])
 
     hf = write_hf_checkpoint(loaded.model, vocabulary, tmp_path / "hf", inputs, 1e-3)

@@ -121,11 +121,11 @@ def world() -> dict[str, Any]:
 def assess(world: dict[str, Any], prompts: list[np.ndarray], clients: list[frozenset[str]], **settings: Any) -> dict[str, Any]:
     import random
 
-    from tasks.drift import assess
+    from tasks.drift import AskedPrompts, Champion, Vocabulary, assess
 
     drift = dataclasses.replace(load_settings().drift, **settings)
-    return assess(world["normal"] + prompts, world["normal_clients"] + clients, world["reference"], FOREIGN,
-                  world["model"], 128, VOCAB, drift, random.Random(1))
+    return assess(AskedPrompts(world["normal"] + prompts, world["normal_clients"] + clients), world["reference"],
+                  Vocabulary(VOCAB, FOREIGN), Champion(world["model"], 128), drift, random.Random(1))
 
 
 def test_each_prompt_weighs_the_same_so_a_few_huge_prompts_do_not_make_the_figures(world: dict[str, Any]) -> None:

@@ -15,12 +15,15 @@ import torch
 from tasks.lib import tokens
 from tasks.lib.model import GPT, GPTConfig, generate_greedy
 from tasks.serving.triton_models.llm_generate.engine import (  # the file Triton loads beside model.py
+    CacheShape,
     Detokenizer,
     DeviceKVDecoder,
     Engine,
+    EngineLimits,
     KVDecoder,
     Overloaded,
     RequestError,
+    SamplingRequest,
     Sequence,
     check_sampling,
     generate,
@@ -48,8 +51,8 @@ def engine_of(exported: tuple[GPT, Any, Path], slots: int = 4, queue: int = 8, t
               decoder_kind: type[KVDecoder] = KVDecoder) -> Engine:
     model, tokenizer, path = exported
     c = model.config
-    decoder = decoder_kind(str(path), c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len, slots, threads=1)
-    return Engine(decoder, tokenizer, c.seq_len, slots, queue, 8, timeout_s).start()
+    decoder = decoder_kind(str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), slots, threads=1)
+    return Engine(decoder, tokenizer, c.seq_len, EngineLimits(slots, queue, 8, timeout_s)).start()
 
 
 def staggered(engine: Engine, prompts: list[list[int]], max_tokens: list[int], every_s: float,
@@ -61,7 +64,7 @@ def staggered(engine: Engine, prompts: list[list[int]], max_tokens: list[int], e
     def run(index: int) -> None:
         time.sleep(every_s * index)
         ids = prompts[index]
-        results[index] = generate(engine, ids, check_sampling(max_tokens[index], 8, len(ids), engine.context),
+        results[index] = generate(engine, ids, check_sampling(SamplingRequest(max_tokens[index]), 8, len(ids), engine.context),
                                   timeout_s=timeout_s)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
@@ -140,7 +143,7 @@ def test_providers_cuda_in_full_float32_and_tensorrt_only_where_asked_and_loadab
     its library loads (else ONNX Runtime would retry on CUDA without the options asked for)."""
     from tasks.serving.triton_models.llm_generate import engine
 
-    shape = (2, 4, 8, 48)
+    shape = CacheShape(2, 4, 8, 48)
     cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})
     assert KVDecoder.providers(GpuOnnxRuntime, shape, 4) == [cuda, "CPUExecutionProvider"]
     monkeypatch.setattr(engine, "tensorrt_runtime_present", lambda: False)
@@ -162,7 +165,7 @@ def test_a_gpu_provider_that_fails_to_start_is_an_error_not_a_cpu_engine(exporte
     monkeypatch.setattr(KVDecoder, "providers", staticmethod(
         lambda ort, shape, slots, tensorrt=False: [("TensorrtExecutionProvider", {}), "CPUExecutionProvider"]))
     with pytest.raises(RuntimeError, match=r"runs it on \w+, not TensorrtExecutionProvider \(its log"):
-        KVDecoder.open(str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, 2)
+        KVDecoder.open(str(path), CacheShape(c.n_layers, c.n_heads, c.head_dim, c.seq_len), 2)
 
 
 def cuda_provider_present() -> bool:
@@ -190,12 +193,12 @@ def test_on_a_gpu_the_engine_runs_on_cuda_with_the_cache_on_the_gpu_and_the_refe
     path = tmp_path / "decoder.onnx"
     export_decoder(model, path, 18)
     c = model.config
-    decoder = KVDecoder.open(str(path), c.n_layers, c.n_heads, c.head_dim, c.seq_len, 4)
+    decoder = KVDecoder.open(str(path), CacheShape(c.n_layers, c.n_heads, c.head_dim, c.seq_len), 4)
     assert isinstance(decoder, DeviceKVDecoder) and decoder.device.type == "cuda", type(decoder)
     providers = decoder.session.get_providers()
     assert providers[0] == "CUDAExecutionProvider", (providers, ort.get_available_providers())
     assert decoder.session.get_provider_options()["CUDAExecutionProvider"]["use_tf32"] == "0"
-    engine = Engine(decoder, tokenizer, c.seq_len, 4, 8, 8, 120).start()
+    engine = Engine(decoder, tokenizer, c.seq_len, EngineLimits(4, 8, 8, 120)).start()
     prompts = [prompt_ids(tokenizer, t) for t in TEXTS[:8]]
     results = staggered(engine, prompts, [128] * len(prompts), 0.02, timeout_s=120)
     for ids, result in zip(prompts, results, strict=True):
@@ -218,7 +221,7 @@ def test_sampling_is_reproducible_by_seed_and_respects_stop_strings(exported: tu
                 if reason is not None:
                     done.set()
 
-            sequence = engine.submit(ids, check_sampling(30, 8, len(ids), CONTEXT, **kwargs), emit)
+            sequence = engine.submit(ids, check_sampling(SamplingRequest(30, **kwargs), 8, len(ids), CONTEXT), emit)
             assert done.wait(30)
             return "".join(pieces), sequence.finish_reason
 
@@ -242,11 +245,11 @@ def test_ignore_eos_generates_exactly_max_tokens(exported: tuple[GPT, Any, Path]
     ids = prompt_ids(tokenizer, "Return the")
     room = CONTEXT - len(ids)
     try:
-        free = generate(engine, ids, check_sampling(room, 8, len(ids), CONTEXT)).tokens
+        free = generate(engine, ids, check_sampling(SamplingRequest(room), 8, len(ids), CONTEXT)).tokens
         engine.eos_ids = frozenset({free[2]})
         first_eos = free.index(free[2])
-        stopped = generate(engine, ids, check_sampling(room, 8, len(ids), CONTEXT))
-        forced = generate(engine, ids, check_sampling(room, 8, len(ids), CONTEXT, ignore_eos=True))
+        stopped = generate(engine, ids, check_sampling(SamplingRequest(room), 8, len(ids), CONTEXT))
+        forced = generate(engine, ids, check_sampling(SamplingRequest(room, ignore_eos=True), 8, len(ids), CONTEXT))
     finally:
         engine.stop()
     assert stopped.finish_reason == "stop" and stopped.tokens == free[:first_eos]
@@ -257,7 +260,7 @@ def test_a_full_queue_refuses_at_once_and_memory_stays_bounded(exported: tuple[G
     _, tokenizer, _ = exported
     engine = engine_of(exported, slots=1, queue=2)
     ids = prompt_ids(tokenizer, "Return the")
-    params = check_sampling(CONTEXT - len(ids), 8, len(ids), CONTEXT)
+    params = check_sampling(SamplingRequest(CONTEXT - len(ids)), 8, len(ids), CONTEXT)
     ended = threading.Semaphore(0)
     try:
         accepted, refused = 0, 0
@@ -282,10 +285,10 @@ def test_a_cancelled_request_frees_its_slot(exported: tuple[GPT, Any, Path]) -> 
     gone = threading.Event()
     reasons: list[str | None] = []
     try:
-        engine.submit(ids, check_sampling(CONTEXT - len(ids), 8, len(ids), CONTEXT),
+        engine.submit(ids, check_sampling(SamplingRequest(CONTEXT - len(ids)), 8, len(ids), CONTEXT),
                       lambda s, d, r: reasons.append(r), cancelled=gone.is_set)
         gone.set()  # the client went away
-        follower = generate(engine, ids, check_sampling(4, 8, len(ids), CONTEXT))
+        follower = generate(engine, ids, check_sampling(SamplingRequest(4), 8, len(ids), CONTEXT))
         assert follower.finish_reason == "length" and "cancelled" in reasons
         assert engine.stats.cancelled == 1 and engine.in_use == 0
     finally:
@@ -302,9 +305,9 @@ def test_the_engines_own_time_to_first_token_leaves_out_the_wait_for_a_slot(
     ids = prompt_ids(tokenizer, "Return the")
     ahead_done = threading.Event()
     try:
-        engine.submit(ids, check_sampling(CONTEXT - len(ids), 8, len(ids), CONTEXT, ignore_eos=True),
+        engine.submit(ids, check_sampling(SamplingRequest(CONTEXT - len(ids), ignore_eos=True), 8, len(ids), CONTEXT),
                       lambda s, d, r: r is not None and ahead_done.set())  # type: ignore[func-returns-value]
-        waited = generate(engine, ids, check_sampling(4, 8, len(ids), CONTEXT))
+        waited = generate(engine, ids, check_sampling(SamplingRequest(4), 8, len(ids), CONTEXT))
         assert ahead_done.is_set(), "the second request did not wait for the slot"
     finally:
         engine.stop()
@@ -325,11 +328,11 @@ def test_the_engines_own_time_to_first_token_leaves_out_the_wait_for_a_slot(
     ({"prompt_tokens": 48}, "leaves no room"),
 ])
 def test_bad_settings_are_refused_with_one_line(kwargs: dict[str, Any], message: str) -> None:
-    settings = {"max_tokens": None, "default_max_tokens": 8, "prompt_tokens": 5, "context": CONTEXT, **kwargs}
+    asked = SamplingRequest(**{k: v for k, v in kwargs.items() if k != "prompt_tokens"})
     with pytest.raises(RequestError, match=message.replace("(", r"\(")) as raised:
-        check_sampling(**settings)
+        check_sampling(asked, 8, kwargs.get("prompt_tokens", 5), CONTEXT)
     assert "\n" not in str(raised.value)
-    assert check_sampling(None, 64, 40, CONTEXT).max_tokens == 8  # an absent max_tokens fits the room left
+    assert check_sampling(SamplingRequest(), 64, 40, CONTEXT).max_tokens == 8  # an absent max_tokens fits the room left
 
 
 def test_invalid_utf8_prompts_are_refused(exported: tuple[GPT, Any, Path]) -> None:

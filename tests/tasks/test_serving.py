@@ -171,11 +171,11 @@ def test_with_a_fresh_baseline_the_canary_is_judged_against_it_alone() -> None:
 def test_a_router_reload_outwaits_the_longest_stream() -> None:
     """Old nginx workers finish the streams they carry (a request may hold its slot for the
     engine's timeout); a route change waits for them, and nginx ends them past that."""
-    from tasks.serving.router import OLD_WORKERS_TIMEOUT_S, NginxRouter, nginx_conf
+    from tasks.serving.router import OLD_WORKERS_TIMEOUT_S, Listeners, NginxRouter, Upstreams, nginx_conf
 
     assert serve_settings().generate.request_timeout_s < OLD_WORKERS_TIMEOUT_S
     assert NginxRouter(Path("."), "http://x", "http://y").timeout_s > OLD_WORKERS_TIMEOUT_S
-    assert f"worker_shutdown_timeout {OLD_WORKERS_TIMEOUT_S}s;" in nginx_conf(Path("."), 1, 2, 3, 4)
+    assert f"worker_shutdown_timeout {OLD_WORKERS_TIMEOUT_S}s;" in nginx_conf(Path("."), Listeners(1, 4), Upstreams(2, 3))
 
 
 def test_mann_whitney_flags_a_slower_canary_only() -> None:
@@ -424,13 +424,13 @@ def test_records_that_cannot_be_read_leave_the_streams_as_received() -> None:
 
 
 def test_a_shadow_route_mirrors_v1_only_and_marks_both_requests(tmp_path: Path) -> None:
-    from tasks.serving.router import mirror_conf, nginx_conf
+    from tasks.serving.router import Listeners, Upstreams, mirror_conf, nginx_conf
 
     assert mirror_conf(Route(2)).startswith("#") and "mirror /_shadow;" in mirror_conf(Route(2, shadow=3))
     shadowing = split_conf(Route(2, shadow=3))
     assert '$shadow_version { default "3"; }' in shadowing and '$shadow_version { default ""; }' in split_conf(Route(2))
     assert '* "2";' in shadowing and Route(2, shadow=3).versions() == [2, 3]
-    conf = nginx_conf(tmp_path, 1, 2, 3, 4)
+    conf = nginx_conf(tmp_path, Listeners(1, 4), Upstreams(2, 3))
     public, internal = (part.split("location")[0] for part in conf.split("location /v1/ {")[1:])
     for v1 in (public, internal):
         assert f"include {tmp_path / 'mirror.conf'};" in v1 and 'proxy_set_header X-Shadow-Copy "";' in v1

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import REPO_ROOT, RUNTIME_PY, error_lines, run_module, step_result, write_dataset
 
 from tasks.config import load
-from tasks.contract import TORCHRUN_MODULE, torchrun_args
+from tasks.contract import TORCHRUN_MODULE, Rendezvous, torchrun_args
 from tasks.lib import parallel, storage
 from tasks.lib.errors import StepError
 from tasks.lib.model import GPT, GPTConfig
@@ -52,7 +52,7 @@ def start_nodes(nodes: int, args: list[str], logs: Path, env: dict[str, str] | N
     return [
         subprocess.Popen(
             [str(RUNTIME_PY), "-m", TORCHRUN_MODULE,
-             *torchrun_args(nodes=nodes, procs_per_node=1, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"test-{port}",
+             *torchrun_args(nodes=nodes, procs_per_node=1, rendezvous=Rendezvous(f"127.0.0.1:{port}", f"test-{port}"),
                             max_restarts=2, module="tasks.train", arguments=args)],
             cwd=REPO_ROOT, stdout=(logs / f"node{i}.log").open("wb"), stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})},

@@ -24,7 +24,17 @@ from tasks.lib.model import GPT
 from tasks.lib.tracking import Tracker
 from tasks.train import engines, meters
 from tasks.train.checkpoint import Checkpointer, CheckpointStore, DCPFormat, DeepSpeedFormat, list_complete
-from tasks.train.trainer import Trainer, TrainState, build_optimizer, check_fits, lr_at, model_config
+from tasks.train.trainer import (
+    Batches,
+    RunOutputs,
+    TrainedModel,
+    Trainer,
+    TrainState,
+    build_optimizer,
+    check_fits,
+    lr_at,
+    model_config,
+)
 
 VOCAB = 64
 CPU = parallel.Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
@@ -58,7 +68,8 @@ def make_trainer(settings: TrainSettings, dataset: Path, checkpoints: Path) -> T
     checkpointer = Checkpointer(store, engine.checkpoint_format(settings.async_checkpoint))
     train_data = BatchSampler(split.tokens, config.seq_len, settings.micro_batch, settings.seed)
     val_data = BatchSampler(open_split(dataset, "val").tokens, config.seq_len, settings.micro_batch, settings.seed + 1)
-    trainer = Trainer(settings, CPU, config, engine, train_data, val_data, checkpointer, Tracker(False, settings, ""))
+    trainer = Trainer(settings, CPU, TrainedModel(config, engine), Batches(train_data, val_data),
+                      RunOutputs(checkpointer, Tracker(False, settings, "")))
     latest = store.latest()
     if latest is not None:
         trainer.load_state_dict(checkpointer.load(latest, engine, trainer.state_dict()))

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 from tasks.config import Capture
-from tasks.serving.capture import TrafficCapture, served_record
+from tasks.serving.capture import CapturedAnswer, CapturedRequest, TrafficCapture, served_record
 
 
 def capture(tmp_path: Path, **changes: object) -> TrafficCapture:
@@ -20,8 +20,9 @@ def capture(tmp_path: Path, **changes: object) -> TrafficCapture:
 
 
 def record(prompt: str = "Write to ann@example.org today") -> dict[str, object]:
-    return served_record(endpoint="completions", version="5", prompt=prompt, completion="Mail bob@x.io", prompt_tokens=7,
-                         completion_tokens=3, status=200, latency_ms=41.25, ttft_ms=6.5, stream=True, error="")
+    return served_record(CapturedRequest(endpoint="completions", prompt=prompt, prompt_tokens=7, stream=True),
+                         CapturedAnswer(version="5", completion="Mail bob@x.io", completion_tokens=3, status=200,
+                                        latency_ms=41.25, ttft_ms=6.5, error=""))
 
 
 def test_the_capture_writes_scrubbed_records_by_date_and_drops_beyond_its_bound(tmp_path: Path) -> None:

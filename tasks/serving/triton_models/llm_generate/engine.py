@@ -73,14 +73,25 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class SamplingRequest:
+    """A request's sampling settings as it sent them, unchecked (None: not sent):
+    :func:`check_sampling` makes them :class:`SamplingParams`."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    ignore_eos: bool | None = None
 
 
-def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_tokens: int, context: int,
-                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                   seed: int | None = None, stop: list[str] | None = None,
-                   ignore_eos: bool | None = None) -> SamplingParams:
+def check_sampling(asked: SamplingRequest, default_max_tokens: int, prompt_tokens: int,
+                   context: int) -> SamplingParams:
     """The request's sampling settings, or :class:`RequestError` naming the first bad one."""
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+    max_tokens, temperature, top_k, top_p = asked.max_tokens, asked.temperature, asked.top_k, asked.top_p
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", asked.seed)):
         low, high = SAMPLING_LIMITS[name]
         if (value is not None and not (low <= value <= high)) or (name == "top_p" and value == 0.0):
             raise RequestError(f"{name} {value!r}: expected {'(0' if name == 'top_p' else f'[{low}'}, {high}]")
@@ -96,12 +107,12 @@ def check_sampling(max_tokens: int | None, default_max_tokens: int, prompt_token
     elif max_tokens > room:
         raise RequestError(f"prompt of {prompt_tokens} tokens plus max_tokens {max_tokens} exceeds the model's "
                            f"context of {context} tokens")
-    stops = tuple(stop or ())
+    stops = tuple(asked.stop or ())
     if len(stops) > ENGINE_MAX_STOPS or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise RequestError(f"stop {list(stops)!r}: expected at most {ENGINE_MAX_STOPS} non-empty strings of at most "
                            f"{MAX_STOP_CHARS} characters")
     return SamplingParams(int(max_tokens), float(temperature or 0.0), int(top_k or 0),
-                          1.0 if top_p is None else float(top_p), seed, stops, bool(ignore_eos))
+                          1.0 if top_p is None else float(top_p), asked.seed, stops, bool(asked.ignore_eos))
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -217,6 +228,23 @@ def tensorrt_runtime_present() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class CacheShape:
+    """What the key/value cache holds per sequence: ``layers`` of ``kv_heads`` heads (fewer than
+    the attention heads under grouped-query attention) of ``head_dim``, for ``context`` positions."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    context: int
+
+    @classmethod
+    def of_generation(cls, generation: dict[str, Any]) -> CacheShape:
+        """From an export's ``generation.json`` (exports before grouped-query attention: n_heads)."""
+        return cls(int(generation["n_layers"]), int(generation.get("n_kv_heads", generation["n_heads"])),
+                   int(generation["head_dim"]), int(generation["seq_len"]))
+
+
 class KVDecoder:
     """``decoder.onnx`` and the key/value cache of ``slots`` sequences."""
 
@@ -226,27 +254,26 @@ class KVDecoder:
     values: Any
     placeholder: Any  # the masked one-position past of a prefill
 
-    def __init__(self, onnx_path: str, layers: int, heads: int, head_dim: int, context: int, slots: int,
-                 threads: int = 0, session: Any = None) -> None:
-        self.session = session or self.open_session(onnx_path, (layers, heads, head_dim, context), slots, threads)[0]
-        self.shape = (layers, slots, heads, context, head_dim)
+    def __init__(self, onnx_path: str, shape: CacheShape, slots: int, threads: int = 0, session: Any = None) -> None:
+        self.session = session or self.open_session(onnx_path, shape, slots, threads)[0]
+        self.shape = (shape.layers, slots, shape.kv_heads, shape.context, shape.head_dim)
         self.lengths = np.zeros(slots, np.int64)
         self.allocate()
 
     @classmethod
-    def open(cls, onnx_path: str, layers: int, heads: int, head_dim: int, context: int, slots: int,
-             threads: int = 0, tensorrt: bool = False) -> KVDecoder:
+    def open(cls, onnx_path: str, shape: CacheShape, slots: int, threads: int = 0,
+             tensorrt: bool = False) -> KVDecoder:
         """The decoder for wherever ONNX Runtime runs it: on a GPU (CUDA or TensorRT provider) the
         cache lives in the GPU's memory (:class:`DeviceKVDecoder`), else in the host's."""
-        session, asked = cls.open_session(onnx_path, (layers, heads, head_dim, context), slots, threads, tensorrt)
+        session, asked = cls.open_session(onnx_path, shape, slots, threads, tensorrt)
         if session.get_providers()[0] != asked[0]:  # ONNX Runtime logs a provider that failed to start, then goes on
             raise RuntimeError(f"{onnx_path}: ONNX Runtime runs it on {session.get_providers()[0]}, not {asked[0]} "
                                "(its log above says why: a missing CUDA, cuDNN or TensorRT library)")
         kind = KVDecoder if asked[0] == "CPUExecutionProvider" else DeviceKVDecoder
-        return kind(onnx_path, layers, heads, head_dim, context, slots, threads, session)
+        return kind(onnx_path, shape, slots, threads, session)
 
     @classmethod
-    def open_session(cls, onnx_path: str, shape: tuple[int, int, int, int], slots: int, threads: int,
+    def open_session(cls, onnx_path: str, shape: CacheShape, slots: int, threads: int,
                      tensorrt: bool = False) -> tuple[Any, list[str]]:
         """The session, and the providers it was asked for, best first."""
         import onnxruntime as ort
@@ -268,7 +295,7 @@ class KVDecoder:
         self.placeholder = np.zeros((layers, 1, heads, 1, head_dim), np.float32)
 
     @staticmethod
-    def providers(ort: Any, shape: tuple[int, int, int, int], slots: int, tensorrt: bool = False) -> list[Any]:
+    def providers(ort: Any, shape: CacheShape, slots: int, tensorrt: bool = False) -> list[Any]:
         """TensorRT (where asked: ``serve.generate.tensorrt``), then CUDA where this onnxruntime has
         them (the GPU serving image), else the CPU. TensorRT builds its engine from the same
         decoder.onnx, FP16, with one optimization profile over the batch (1 prefill .. ``slots``
@@ -277,7 +304,7 @@ class KVDecoder:
         available = ort.get_available_providers()
         chosen: list[Any] = []
         if tensorrt and "TensorrtExecutionProvider" in available and tensorrt_runtime_present():
-            layers, heads, head_dim, context = shape
+            layers, heads, head_dim, context = shape.layers, shape.kv_heads, shape.head_dim, shape.context
 
             def shapes(batch: int, tokens: int, past: int) -> str:
                 kv = f"{layers}x{batch}x{heads}x{past}x{head_dim}"
@@ -481,17 +508,29 @@ class Stats:
     itl_s: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """How much the engine takes on (``serve.generate``): ``slots`` sequences decoding at once,
+    ``max_queue`` requests waiting for a slot (more: :class:`Overloaded`), each ending within
+    ``request_timeout_s`` of its submission; a request without ``max_tokens`` gets
+    ``default_max_tokens`` (within the context left)."""
+
+    slots: int
+    max_queue: int
+    default_max_tokens: int
+    request_timeout_s: float
+
+
 class Engine:
     """The scheduler: a bounded admission queue, ``slots`` running sequences, one thread."""
 
-    def __init__(self, decoder: KVDecoder, tokenizer: Any, context: int, slots: int, max_queue: int,
-                 default_max_tokens: int, request_timeout_s: float, eos_ids: Iterable[int] = (),
-                 bos_id: int | None = None) -> None:
+    def __init__(self, decoder: KVDecoder, tokenizer: Any, context: int, limits: EngineLimits,
+                 eos_ids: Iterable[int] = (), bos_id: int | None = None) -> None:
         """``eos_ids``: the ids generation ends at (a checkpoint's; none given: the pipeline's
         ``<|endoftext|>``); ``bos_id``: opens every prompt, for models trained so."""
         self.decoder, self.tokenizer, self.context = decoder, tokenizer, context
-        self.slots, self.max_queue = slots, max_queue
-        self.default_max_tokens, self.request_timeout_s = default_max_tokens, request_timeout_s
+        self.slots, self.max_queue = limits.slots, limits.max_queue
+        self.default_max_tokens, self.request_timeout_s = limits.default_max_tokens, limits.request_timeout_s
         stops = list(eos_ids) or [tokenizer.token_to_id(EOS)]
         if stops[0] is None:
             raise ValueError(f"the tokenizer has no {EOS} token, and no eos_ids were given")
@@ -500,7 +539,7 @@ class Engine:
         self.prefix = [] if bos_id is None else [bos_id]
         self.queue: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}
-        self.free = list(range(slots - 1, -1, -1))
+        self.free = list(range(limits.slots - 1, -1, -1))
         self.wake = threading.Condition()
         self.stopping = False
         self.stats = Stats()
@@ -508,21 +547,17 @@ class Engine:
         self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
 
     @classmethod
-    def from_folder(cls, folder: str, slots: int, max_queue: int, default_max_tokens: int, request_timeout_s: float,
-                    threads: int = 0, tensorrt: bool = False) -> Engine:
+    def from_folder(cls, folder: str, limits: EngineLimits, threads: int = 0, tensorrt: bool = False) -> Engine:
         """An exported version's folder: decoder.onnx, tokenizer.json, generation.json."""
         from tokenizers import Tokenizer
 
         with open(os.path.join(folder, "generation.json")) as fh:
             shape = json.load(fh)
-        # the cache holds the key/value heads (exports before grouped-query attention: n_heads)
-        kv_heads = shape.get("n_kv_heads", shape["n_heads"])
-        decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), shape["n_layers"], kv_heads,
-                                 shape["head_dim"], shape["seq_len"], slots, threads, tensorrt)
+        decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), CacheShape.of_generation(shape), limits.slots,
+                                 threads, tensorrt)
         tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         # a checkpoint's special tokens (exports before them: <|endoftext|>, no BOS)
-        return cls(decoder, tokenizer, int(shape["seq_len"]), slots, max_queue, default_max_tokens, request_timeout_s,
-                   shape.get("eos_ids") or (), shape.get("bos_id"))
+        return cls(decoder, tokenizer, int(shape["seq_len"]), limits, shape.get("eos_ids") or (), shape.get("bos_id"))
 
     # -- requests -------------------------------------------------------------------------------
 

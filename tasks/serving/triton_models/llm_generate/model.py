@@ -28,7 +28,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import Engine, Overloaded, RequestError, Sequence, check_sampling
+from engine import Engine, EngineLimits, Overloaded, RequestError, SamplingRequest, Sequence, check_sampling
 
 CHAT_CONFIG = "tokenizer_config.json"  # a base's, exported beside the engine: its chat template
 
@@ -148,11 +148,11 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("llm_generate must be decoupled (model_transaction_policy)")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.engine = Engine.from_folder(
-            folder, slots=int(params["max_slots"]), max_queue=int(params["max_queue"]),
-            default_max_tokens=int(params["default_max_tokens"]),
-            request_timeout_s=float(params["request_timeout_s"]), threads=int(params.get("intra_op_thread_count", "0")),
-            tensorrt=params.get("tensorrt") == "true")
+        limits = EngineLimits(slots=int(params["max_slots"]), max_queue=int(params["max_queue"]),
+                              default_max_tokens=int(params["default_max_tokens"]),
+                              request_timeout_s=float(params["request_timeout_s"]))
+        self.engine = Engine.from_folder(folder, limits, threads=int(params.get("intra_op_thread_count", "0")),
+                                         tensorrt=params.get("tensorrt") == "true")
         # the engine's timings go out only where the configuration declares them (a version's
         # model.py may run under a configuration an older export wrote)
         outputs = {output["name"] for output in config.get("output", [])}
@@ -230,9 +230,9 @@ class TritonPythonModel:
                 settings[name] = None if value is None else kind(value)
             except (TypeError, ValueError):
                 raise RequestError(f"{name} {value!r}: expected a number") from None
-        params = check_sampling(default_max_tokens=self.engine.default_max_tokens, prompt_tokens=len(prompt_ids),
-                                context=self.engine.context, stop=stops,
-                                ignore_eos=bool(scalar(request, "ignore_eos")), **settings)
+        asked = SamplingRequest(stop=stops, ignore_eos=bool(scalar(request, "ignore_eos")), **settings)
+        params = check_sampling(asked, default_max_tokens=self.engine.default_max_tokens,
+                                prompt_tokens=len(prompt_ids), context=self.engine.context)
         return prompt_ids, params, bool(scalar(request, "stream"))
 
     def emitter(self, sender: Any, stream: bool, prompt_tokens: int) -> Any:
