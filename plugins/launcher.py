@@ -38,7 +38,7 @@ from airflow.sdk import BaseOperator
 from cluster import DEPLOY_MODULE, DEPLOYER_LABEL, STEP_LABEL, pinned_image
 from step_exit import step_outcome
 
-from pipeline_params import REPO_ROOT, pipeline_params
+from pipeline_params import REPO_ROOT, line_env, pipeline_params
 from tasks.contract import (
     GATE_REJECTED_EXIT_CODE,
     RESULT_PATH_ENV,
@@ -365,8 +365,9 @@ def scheduling(task_id: str) -> dict[str, Any]:
 
 
 def step_env(env_vars: dict[str, str] | None) -> dict[str, str]:
-    """The environment every step gets on top of its own: unbuffered output, for live logs."""
-    return {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
+    """The environment every step gets on top of its own: unbuffered output, for live logs, and
+    the model line whose DAG it is in (``PIPELINE_LINE``), so it reads that line's settings."""
+    return {"PYTHONUNBUFFERED": "1", **line_env(), **(env_vars or {})}
 
 
 def _operator(task_id: str, module: str, kind: str, env_vars: dict[str, str] | None, **extra: Any) -> tuple[type[BaseOperator], dict[str, Any]]:

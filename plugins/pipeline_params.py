@@ -1,30 +1,80 @@
 """params.yaml as the DAGs see it: ``tasks.config``'s typed settings, read and checked once at
-parse time (a small YAML file, no network)."""
+parse time (a small YAML file, no network); per model line, the line's (``tasks.config.lines``).
+
+A DAG file builds one DAG per line inside :func:`building`: while it builds a line's DAG, the
+launcher, the alerts' defaults and :func:`raw_data_asset` read that line's settings, and every
+step of the DAG gets ``PIPELINE_LINE`` (:func:`line_env`), so it reads them too. Outside it (the
+drift and ingest DAGs, the cluster's rendering) they read the demo line's: the Airflow side never
+takes its line from its own environment.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Airflow's processes have the repository root (/opt/airflow in the image) on PYTHONPATH; a
 # plugin run as a script (`python plugins/cluster.py base`) has only its own folder
 if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from tasks.config import REPO_ROOT, Settings, load, params_path
+from tasks.config import DEMO, LINE_ENV, REPO_ROOT, Settings, every_line, line_dag_id, load, params_path
+from tasks.config.lines import BUILDING
 
-__all__ = ["REPO_ROOT", "SettingParam", "Settings", "params_path", "pipeline_params", "raw_data_asset",
-           "served_traffic_asset", "set_arguments"]
+if TYPE_CHECKING:
+    from airflow.sdk import DAG
+
+__all__ = ["DEMO", "REPO_ROOT", "SettingParam", "Settings", "building", "dags_per_line", "line_dag_id", "line_env",
+           "params_path", "pipeline_lines", "pipeline_params", "raw_data_asset", "served_traffic_asset", "set_arguments"]
+
+# the line whose DAG is being built (building()); the demo line's otherwise
+_building = BUILDING
 
 
-def pipeline_params() -> Settings:
-    """The settings of params.yaml (``PIPELINE_PARAMS``), typed: cached per file."""
-    return load()
+def pipeline_params(line: str | None = None) -> Settings:
+    """The typed settings of ``line`` (None: the line being built, else the demo line's
+    params.yaml, ``PIPELINE_PARAMS``): cached per file."""
+    return load(line=_building.get() if line is None else line)
+
+
+def pipeline_lines() -> list[str]:
+    """The model lines a DAG file builds its DAGs for, the demo line first: each checked, and
+    checked apart from the others (``tasks.config.every_line``)."""
+    return list(every_line())
+
+
+@contextlib.contextmanager
+def building(line: str) -> Iterator[Settings]:
+    """Build ``line``'s DAG in this block: it yields the line's settings, which the launcher reads too."""
+    token = _building.set(line)
+    try:
+        yield pipeline_params(line)
+    finally:
+        _building.reset(token)
+
+
+def dags_per_line(builder: Callable[[str, Settings], DAG]) -> dict[str, DAG]:
+    """``builder(line, its settings)`` for every model line, each inside :func:`building`: the
+    DAGs it returns by their ids, the demo line's first (a DAG file assigns them as its globals)."""
+    built: dict[str, DAG] = {}
+    for line in pipeline_lines():
+        with building(line) as settings:
+            dag = builder(line, settings)
+        built[dag.dag_id] = dag
+    return built
+
+
+def line_env() -> dict[str, str]:
+    """What a step of the line being built needs in its environment to read that line's settings:
+    ``PIPELINE_LINE``, empty for the demo line's (a local step inherits the worker's environment,
+    whose own PIPELINE_LINE must not reach it)."""
+    return {LINE_ENV: _building.get()}
 
 
 def raw_data_asset() -> Any:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from stack.credentials import secret, steps_env
 from stack.state import REPO_ROOT, ports, state_dir
 from stack.supervise import Server
-from tasks.config import load
+from tasks.config import every_line
 
 
 def airflow_env() -> dict[str, str]:
@@ -63,9 +63,10 @@ AIRFLOW_SERVERS = tuple(_airflow_component(c) for c in ("api-server", "scheduler
 
 
 def create_airflow_pools(airflow: str | None = None, env: Mapping[str, str] | None = None) -> None:
-    """The pools the retrain DAG's steps queue in (params.yaml ``pipeline.pools``), created or
-    resized before the scheduler starts: the scheduler never runs a task of a missing pool."""
-    pools = load().pipeline.pools
+    """The pools the retrain DAGs' steps queue in (params.yaml ``pipeline.pools``, and a model
+    line's own), created or resized before the scheduler starts: the scheduler never runs a task
+    of a missing pool. A pool two lines name is one pool (every_line checks they define it alike)."""
+    pools = {name: pool for settings in every_line().values() for name, pool in settings.pipeline.pools.items()}
     spec = {name: {"slots": pool.slots, "description": pool.description, "include_deferred": False}
             for name, pool in pools.items()}
     path = state_dir() / "airflow-pools.json"

@@ -40,6 +40,9 @@ TORCHRUN_MODULE = "tasks.lib.torchrun"
 
 # XCom key of a failed step's one-line error (a failed task returns no result): the run report quotes it
 ERROR_XCOM_KEY = "error"
+# the replay DAG's id (a model line's: tasks.config.line_dag_id): tasks.replay show reads its
+# comparisons below {artifact_root}/{this id}/
+REPLAY_DAG = "llm_replay"
 # the retrain DAG's tasks whose results the run report gathers (tasks.report's --result options)
 REPORTED_STEPS = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export",
                   "deploy", "deploy_finish")

@@ -29,14 +29,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tasks.config import Settings
+from tasks.config import Settings, current_line, line_dag_id
+from tasks.contract import REPLAY_DAG
 from tasks.lib import storage, tokens
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.provenance import differences, git_commit
 from tasks.lib.step import log, run_step, step_parser
-
-REPLAY_DAG = "llm_replay"
 
 
 def version_number(raw: str) -> str:
@@ -198,7 +197,8 @@ def first_error(log_path: str) -> str | None:
 
 def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     number = version_number(args.model_version)
-    newest = storage.newest_json(storage.join(settings.pipeline.artifact_root, REPLAY_DAG), "/compare/report.json",
+    runs = storage.join(settings.pipeline.artifact_root, line_dag_id(REPLAY_DAG, current_line()))  # the line's replay DAG
+    newest = storage.newest_json(runs, "/compare/report.json",
                                  lambda r: r.get("model_version") == number and r.get("written_at", "") >= args.since)
     if newest is None:
         why = first_error(args.log) or "no comparison was written (see the run's log)"

@@ -17,8 +17,9 @@ generated from them (``python -m tasks.config --markdown``), so it cannot drift.
 One module per concern, their public names re-exported here (``from tasks.config import X``):
 the sections (``pipeline``, ``data``, ``training``, ``evaluation``, ``serving``, ``canary``,
 ``drift``; ``settings``: the whole file), what they share (``base``), building them from YAML
-(``coerce``), reading params.yaml with a step's overrides (``load``), the reference
-(``reference``) and the command line (``__main__``).
+(``coerce``), model lines (``lines``: a line's file over params.yaml), reading params.yaml with
+a line and a step's overrides (``load``), the reference (``reference``) and the command line
+(``__main__``).
 """
 
 from tasks.config.base import REPO_ROOT, SettingsError
@@ -27,7 +28,8 @@ from tasks.config.coerce import build, choices, describe
 from tasks.config.data import ReproSettings, SeedSettings, SnapshotSettings, TokenizeSettings, ValidateSettings
 from tasks.config.drift import DriftSettings
 from tasks.config.evaluation import EvaluateSettings, GateLimits, SuiteSettings, TaskGate
-from tasks.config.load import apply_overrides, load, params_path, read_yaml
+from tasks.config.lines import DEMO, LINE_ENV, LINES_DIR_ENV, current_line, line_dag_id, line_path, lines, lines_dir
+from tasks.config.load import apply_overrides, every_line, load, params_path, read_yaml
 from tasks.config.pipeline import (
     IngestSettings,
     KubernetesLauncher,
@@ -60,12 +62,12 @@ from tasks.config.settings import Settings
 from tasks.config.training import Engine, InitFrom, Precision, Preset, Switch, TrainSettings
 
 __all__ = [
-    "REPO_ROOT", "Approval", "Backend", "CanarySettings", "Capture", "DriftSettings", "Engine", "EvaluateSettings",
+    "DEMO", "LINES_DIR_ENV", "LINE_ENV", "REPO_ROOT", "Approval", "Backend", "CanarySettings", "Capture", "DriftSettings", "Engine", "EvaluateSettings",
     "ExportSettings", "GateLimits", "Gateway", "Generate", "IngestSettings", "InitFrom", "KubernetesLauncher",
     "LauncherMode", "LauncherSettings", "Network", "PipelineSettings", "PodKind", "Pool", "Precision", "Preset",
     "Queue", "Range", "RemoteLogs", "ReproSettings", "Router", "SeedSettings", "ServeKubernetes", "ServeSettings",
     "Settings", "SettingsError", "SnapshotSettings", "StackSettings", "SuiteSettings", "Switch", "TaskGate",
     "TaskSettings", "TensorRT", "TokenizeSettings", "TrainSettings", "TrainingJob", "ValidateSettings",
-    "apply_overrides", "build", "choices", "describe", "load", "params_path", "read_yaml", "reference",
-    "with_reference",
+    "apply_overrides", "build", "choices", "current_line", "describe", "every_line", "line_dag_id", "line_path",
+    "lines", "lines_dir", "load", "params_path", "read_yaml", "reference", "with_reference",
 ]

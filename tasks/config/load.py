@@ -1,5 +1,6 @@
-"""Reading ``params.yaml``: the file found (``PIPELINE_PARAMS``), a step's ``--set key=value``
-overrides applied to its section, the whole built and checked once per process."""
+"""Reading ``params.yaml``: the file found (``PIPELINE_PARAMS``), the model line's file merged over
+it (``PIPELINE_LINE``: ``tasks.config.lines``), a step's ``--set key=value`` overrides applied to
+its section, the whole built and checked once per process."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from tasks.config.base import REPO_ROOT, SettingsError
 from tasks.config.coerce import build
+from tasks.config.lines import APART, DEMO, apart_defaults, current_line, line_path, lines, lines_dir, merged, read_line
 from tasks.config.settings import Settings
 
 
@@ -55,20 +57,64 @@ def apply_overrides(section: Mapping[str, Any], overrides: Sequence[str], where:
     return merged
 
 
-def load(path: Path | None = None, section: str | None = None, overrides: Sequence[str] = ()) -> Settings:
-    """params.yaml as :class:`Settings`, with a step's ``--set`` overrides applied to its
-    ``section``. Cached: a process reads and checks the file once."""
-    return _load(path or params_path(), section, tuple(overrides))
+def load(path: Path | None = None, section: str | None = None, overrides: Sequence[str] = (),
+         line: str | None = None) -> Settings:
+    """params.yaml as :class:`Settings`, the model ``line``'s file merged over it (None: the line
+    ``PIPELINE_LINE`` names; ``DEMO``: params.yaml alone), with a step's ``--set`` overrides
+    applied to its ``section``. Cached: a process reads and checks the files once."""
+    line = current_line() if line is None else line
+    return _load(path or params_path(), section, tuple(overrides), line, None if line == DEMO else lines_dir())
 
 
-@functools.lru_cache(maxsize=16)
-def _load(path: Path, section: str | None, overrides: tuple[str, ...]) -> Settings:
-    raw = read_yaml(path)
+@functools.lru_cache(maxsize=128)  # (path, section, overrides, line): a DAG file reads every line
+def _load(path: Path, section: str | None, overrides: tuple[str, ...], line: str, folder: Path | None) -> Settings:
+    raw, source = read_yaml(path), path
+    if folder is not None:
+        demo = _load(path, None, (), DEMO, None)  # params.yaml checked first: its errors name it
+        source = line_path(line, folder)
+        line_overrides = read_line(source)  # its errors name the file
+        try:
+            raw = merged(Settings, merged(Settings, raw, apart_defaults(demo, line)), line_overrides)
+        except SettingsError as exc:
+            raise SettingsError(f"{source}: {exc}") from None
     if section is not None:
         if section not in raw:
-            raise SettingsError(f"{path}: no {section!r} section")
+            raise SettingsError(f"{source}: no {section!r} section")
         raw = {**raw, section: apply_overrides(raw[section], overrides, section)}
     try:
         return build(Settings, raw)
     except SettingsError as exc:
-        raise SettingsError(f"{path}: {exc}") from None
+        raise SettingsError(f"{source}: {exc}") from None
+
+
+def every_line(path: Path | None = None) -> dict[str, Settings]:
+    """The settings of every line, the demo line's first, checked together: no two lines share
+    what keeps their runs apart (``lines.APART``), and a pool two lines name is one pool, defined
+    once (the same slots and description)."""
+    settings = {line: load(path, line=line) for line in [DEMO, *lines()]}
+    owners: dict[tuple[str, Any], str] = {}
+    pools: dict[str, tuple[str, Any]] = {}
+    for line, each in settings.items():
+        for key in APART:
+            value = _setting(each, key)
+            owner = owners.setdefault((key, value), line)
+            if owner != line:
+                raise SettingsError(f"{line_path(line)}: {key} {value!r} is {_named(owner)}'s too: each line needs "
+                                    "its own")
+        for name, pool in each.pipeline.pools.items():
+            owner, first = pools.setdefault(name, (line, pool))
+            if first != pool:
+                raise SettingsError(f"{line_path(line)}: pipeline.pools.{name} differs from {_named(owner)}'s: one "
+                                    "pool, one definition")
+    return settings
+
+
+def _setting(settings: Settings, key: str) -> Any:
+    value: Any = settings
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _named(line: str) -> str:
+    return "the demo line (params.yaml)" if line == DEMO else f"line {line!r} ({line_path(line)})"
