@@ -48,6 +48,7 @@ from tasks.contract import (
     record_error,
     torchrun_args,
 )
+from tasks.results import check_path, step_result_type
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
@@ -90,11 +91,37 @@ class StepResult(str):
 
 def result(task: BaseOperator, *keys: str, xcom_key: str | None = None) -> StepResult:
     """A field (``keys``: its path) of ``task``'s result, or its XCom ``xcom_key``, as JSON when
-    the key is given (the run report's inputs)."""
+    the key is given (the run report's inputs). The path is checked against the step's result
+    type (``tasks.results.STEP_RESULTS``) here, as the DAG is parsed: a misspelt or renamed
+    field fails the DAG's import, naming the task, the key and the fields there are."""
     if xcom_key is not None:
         return StepResult(f"{{{{ ti.xcom_pull(task_ids='{task.task_id}', key='{xcom_key}') | tojson }}}}", (task,))
+    module, arguments = step_command(task)
+    try:
+        check_path(step_result_type(module, arguments), keys)
+    except ValueError as exc:
+        raise ValueError(f"launcher.result({task.task_id}, {', '.join(map(repr, keys))}): {exc}") from None
     path = "".join(f"['{key}']" for key in keys)
     return StepResult(f"{{{{ ti.xcom_pull(task_ids='{task.task_id}'){path} }}}}", (task,))
+
+
+def step_command(task: Any) -> tuple[str, list[Any]]:
+    """The module and arguments a step's operator runs (``python -m MODULE ARGUMENTS``): a local
+    process's or torchrun's ``module``, a pod's ``cmds``; a mapped task's from its partial and
+    expanded arguments (an expansion only known at run time: no arguments)."""
+    names = ("module", "cmds", "arguments")
+    settings = {name: getattr(task, name, None) for name in names}
+    if isinstance(getattr(task, "partial_kwargs", None), dict):  # a mapped operator
+        expanded = getattr(getattr(task, "expand_input", None), "value", None) or {}
+        settings = {name: task.partial_kwargs.get(name, expanded.get(name)) for name in names}
+    module = settings.get("module")
+    cmds = settings.get("cmds") or []
+    if module is None and list(cmds[:2]) == ["python", "-m"] and len(cmds) > 2:
+        module = cmds[2]
+    if not isinstance(module, str):
+        raise ValueError(f"launcher.result({getattr(task, 'task_id', task)}): not a step's task (no module it runs)")
+    arguments = settings.get("arguments")
+    return module, list(arguments) if isinstance(arguments, list) else []
 
 
 def answer(task: BaseOperator) -> StepResult:

@@ -8,7 +8,8 @@ A step runs as ``python -m tasks.<step> ARGS`` (a multi-process one under
 these exit codes:
 
 ====  ==========================================================================================
- 0    done; its result (small JSON) is at ``STEP_RESULT_PATH`` or :data:`POD_RESULT_PATH`
+ 0    done; its result (small JSON: :func:`to_json` of its :mod:`tasks.results` dataclass) is at
+      ``STEP_RESULT_PATH`` or :data:`POD_RESULT_PATH`
  1    a bug or a lost dependency: a traceback; retried
  2    bad input (:data:`BAD_INPUT_EXIT_CODE`): one ``ERROR`` line naming the input; not retried
  99   a gate said no (:data:`GATE_REJECTED_EXIT_CODE`): downstream tasks are skipped, not failed
@@ -19,11 +20,12 @@ these exit codes:
 from __future__ import annotations
 
 import signal
-from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import StrEnum
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 BAD_INPUT_EXIT_CODE = 2
 GATE_REJECTED_EXIT_CODE = 99  # KubernetesPodOperator skip_on_exit_code / LocalStepOperator: skip downstream
@@ -105,3 +107,77 @@ def record_error(context: Any, error_line: str | None) -> None:
     (the task's last try keeps it: a retry starts with its XComs cleared)."""
     if error_line and context and "ti" in context:
         context["ti"].xcom_push(key=ERROR_XCOM_KEY, value=error_line.splitlines()[0][:500])
+
+
+# -- a result as JSON ---------------------------------------------------------------------------
+# A step's result is a frozen dataclass (tasks/results.py); these two functions are the only places
+# one becomes JSON (the step's XCom, a report file) or is read back.
+
+T = TypeVar("T")
+
+# field metadata: how a None is written (where the JSON always left such keys out, or wrote {})
+OMIT_IF_NONE: Mapping[str, Any] = {"omit_if_none": True}
+EMPTY_IF_NONE: Mapping[str, Any] = {"empty_if_none": True}
+
+
+def omit_unless(other: str) -> Mapping[str, Any]:
+    """Left out of the JSON while field ``other`` is None (written, null or not, once it is set)."""
+    return {"omit_unless": other}
+
+
+def to_json(value: Any) -> Any:
+    """A step's result (a frozen dataclass of :mod:`tasks.results`, nested ones included), a
+    canary report, or lists and dicts of them, as JSON values: each field by its name, tuples as
+    lists, enums as their values, a None left out where the field's metadata says so."""
+    if is_dataclass(value) and not isinstance(value, type):
+        out: dict[str, Any] = {}
+        for f in fields(value):
+            item = getattr(value, f.name)
+            if item is None and f.metadata.get("omit_if_none"):
+                continue
+            if "omit_unless" in f.metadata and getattr(value, f.metadata["omit_unless"]) is None:
+                continue
+            out[f.name] = {} if item is None and f.metadata.get("empty_if_none") else to_json(item)
+        return out
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    return value
+
+
+def from_json(kind: type[T], data: Any) -> T:
+    """``data`` (JSON values, as :func:`to_json` wrote them) as a ``kind``; keys it does not know
+    are ignored, fields it lacks take their defaults."""
+    return _decode(kind, data)  # type: ignore[no-any-return]
+
+
+def _decode(kind: Any, data: Any) -> Any:
+    origin, args = get_origin(kind), get_args(kind)
+    if origin in (Union, types.UnionType):
+        if data is None:
+            return None
+        return _decode(next(a for a in args if a is not type(None)), data)
+    if isinstance(kind, type) and is_dataclass(kind):
+        hints = get_type_hints(kind)
+        given = {}
+        for f in fields(kind):
+            if not f.init or f.name not in data:
+                continue
+            item = data[f.name]
+            if item is None and (f.default is not MISSING or f.default_factory is not MISSING):
+                continue  # (null where a default stands: a section written with every key, known or not)
+            empty = f.metadata.get("empty_if_none") and item == {}
+            given[f.name] = None if empty else _decode(hints[f.name], item)
+        return kind(**given)
+    if origin is tuple:
+        return tuple(_decode(args[0], v) for v in data)
+    if origin is list:
+        return [_decode(args[0], v) for v in data]
+    if origin is dict:
+        return {k: _decode(args[1], v) for k, v in data.items()}
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return kind(data)
+    return data

@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from tasks.config import CanarySettings, Settings
-from tasks.contract import DECISIONS, EXTEND, PROMOTE, ROLL_BACK, RolloutVerdict
+from tasks.contract import DECISIONS, EXTEND, PROMOTE, ROLL_BACK, RolloutVerdict, from_json, to_json
 from tasks.lib import storage, triton
 from tasks.lib.errors import GateRejected, StepError, Terminated, absent, first_line, registry_error
 from tasks.lib.params import load_settings
@@ -75,6 +75,7 @@ from tasks.lib.polling import wait_until
 from tasks.lib.registry import CHAMPION, PREVIOUS, alias_version, data_end, promote_version
 from tasks.lib.step import log, raise_on_sigterm, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
+from tasks.results import ReleaseResult, RollbackResult, StageResult
 from tasks.serving import plots
 from tasks.serving.analysis import StepScope, judge_shadow, judge_step
 from tasks.serving.canary import (
@@ -85,8 +86,6 @@ from tasks.serving.canary import (
     ShadowResult,
     StepResult,
     Verdict,
-    from_json,
-    to_json,
     why_not,
 )
 from tasks.serving.platforms import PromotionFailed, Serving, serving_platform, stage_version
@@ -640,7 +639,7 @@ def older_than_champion(name: str, version: str) -> str | None:
     return None
 
 
-def canary_main(args: argparse.Namespace) -> dict[str, Any]:
+def canary_main(args: argparse.Namespace) -> RolloutSummary:
     # canary.steps (rising, ending at 100: promotion follows the last one), deploy_older_data and
     # max_analyses are checked as the settings are read, before any traffic moves
     settings = load_settings("canary", args.overrides)
@@ -658,8 +657,8 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
         why = None if params.deploy_older_data else older_than_champion(name, str(args.model_version))
         if why:
             raise GateRejected(f"{why}: not deployed (the run's deploy_older_data Param deploys it)",
-                               to_json(RolloutSummary(verdict=RolloutVerdict.NOT_DEPLOYED,
-                                                      canary=int(args.model_version), reason=why)))
+                               RolloutSummary(verdict=RolloutVerdict.NOT_DEPLOYED, canary=int(args.model_version),
+                                              reason=why))
         report = run_canary(args, settings, serving, scratch)
         try:
             return conclude(report, args, name, settings.train.experiment)
@@ -672,7 +671,7 @@ def canary_main(args: argparse.Namespace) -> dict[str, Any]:
             raise outcome from exc
 
 
-def conclude(report: CanaryReport, args: argparse.Namespace, name: str, experiment: str) -> dict[str, Any]:
+def conclude(report: CanaryReport, args: argparse.Namespace, name: str, experiment: str) -> RolloutSummary:
     """Promote in the registry, save the report; the step's result, or its one-line error."""
     if report.verdict == RolloutVerdict.PROMOTED:
         report = replace(report, aliases=promote_version(name, str(args.model_version)) if args.promote else {})
@@ -683,7 +682,7 @@ def conclude(report: CanaryReport, args: argparse.Namespace, name: str, experime
     if report.verdict == RolloutVerdict.HELD:
         log.info("version %s holds at %g%% (%s): waiting for a person's decision", args.model_version,
                  report.held_at, report.reason)
-        return dict(to_json(replace(summary, approval_text=approval_text(report, str(summary.report_uri)))))
+        return replace(summary, approval_text=approval_text(report, str(summary.report_uri)))
     if report.verdict != RolloutVerdict.PROMOTED:
         decision = report.approval or Approval()
         where = f"at {report.failed_at:g}%" if report.failed_at else "before any user reached it"
@@ -691,9 +690,9 @@ def conclude(report: CanaryReport, args: argparse.Namespace, name: str, experime
                  else "nothing serves (it was the first model)")
         line = f"canary of version {args.model_version} rolled back {where}: {report.reason}; {stays}"
         if decision.decision == ROLL_BACK and decision.by:
-            raise GateRejected(line, to_json(summary))  # a person's choice: the run ends cleanly, the report says who
+            raise GateRejected(line, summary)  # a person's choice: the run ends cleanly, the report says who
         raise StepError(line)
-    return dict(to_json(summary))
+    return summary
 
 
 def approval_text(report: CanaryReport, report_uri: str) -> str:
@@ -759,7 +758,7 @@ def read_held(held: str) -> CanaryReport:
         raise StepError(f"--held {held}: not a canary report ({first_line(exc)})") from None
 
 
-def finish_main(args: argparse.Namespace) -> dict[str, Any]:
+def finish_main(args: argparse.Namespace) -> RolloutSummary:
     """Carry out a person's decision on a rollout that ``canary`` left held."""
     settings = load_settings("canary", args.overrides)
     params, name = settings.canary, settings.pipeline.model_name
@@ -798,29 +797,29 @@ def finish_main(args: argparse.Namespace) -> dict[str, Any]:
         return conclude(report, args, name, settings.train.experiment)
 
 
-def release_main(args: argparse.Namespace) -> dict[str, Any]:
+def release_main(args: argparse.Namespace) -> ReleaseResult:
     """The run's clean-up (a teardown), however its approval ended: a rollout this run's deploy
     left held and still holding (no decision was carried out: the approval task failed or was
     marked failed) is rolled back; anything else is left as it is (a finish always moves the
     route: promoted, rolled back, or it found the hold gone)."""
     settings = load_settings("canary", args.overrides)
     if not storage.exists(storage.join(args.held, "report.json")):
-        return {"released": None}
+        return ReleaseResult(released=None)
     held = read_held(args.held)
     if held.verdict != RolloutVerdict.HELD:
-        return {"released": None}
+        return ReleaseResult(released=None)
     serving = serving_platform(settings)
     with serving.lock():
         live = serving.live()
         if live.canary != held.canary or live.stable != held.stable:
-            return {"released": None}  # superseded, rolled back or promoted meanwhile
+            return ReleaseResult(released=None)  # superseded, rolled back or promoted meanwhile
         log.warning("the run ends with version %s held at %g%% and no decision carried out: rolled back to %s",
                     held.canary, live.canary_weight, held.stable)
         serving.roll_back(held.stable)
-    return {"released": held.canary, "stable": held.stable}
+    return ReleaseResult(released=held.canary, stable=held.stable)
 
 
-def rollback_main(args: argparse.Namespace) -> dict[str, Any]:
+def rollback_main(args: argparse.Namespace) -> RollbackResult:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
@@ -850,10 +849,10 @@ def rollback_main(args: argparse.Namespace) -> dict[str, Any]:
         serving.promote(version)
         aliases = promote_version(name, str(version))
     log.info("rolled back: version %d serves all traffic and is %s", version, "champion")
-    return {"serving": version, "replaced": live.versions(), "aliases": aliases, "export_uri": export_uri}
+    return RollbackResult(serving=version, replaced=tuple(live.versions()), aliases=aliases, export_uri=export_uri)
 
 
-def stage_main(args: argparse.Namespace) -> dict[str, Any]:
+def stage_main(args: argparse.Namespace) -> StageResult:
     """The init container of a cluster track: one exported version into the pod's repository."""
     if not str(args.model_version).isdigit():
         raise StepError(f"--model-version {args.model_version!r}: expected a registry version number "
@@ -862,7 +861,7 @@ def stage_main(args: argparse.Namespace) -> dict[str, Any]:
     with storage.scratch() as scratch:
         stage_version(args.export, int(args.model_version), Path(args.repository), serve, scratch,
                       args.config_variant)
-    return {"staged": int(args.model_version), "repository": args.repository, "config_variant": args.config_variant}
+    return StageResult(staged=int(args.model_version), repository=args.repository, config_variant=args.config_variant)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -897,8 +896,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
-    commands = {"canary": canary_main, "finish": finish_main, "release": release_main, "rollback": rollback_main,
+def main(args: argparse.Namespace) -> RolloutSummary | ReleaseResult | RollbackResult | StageResult:
+    commands: dict[str, Callable[[argparse.Namespace], RolloutSummary | ReleaseResult | RollbackResult | StageResult]] = {"canary": canary_main, "finish": finish_main, "release": release_main, "rollback": rollback_main,
                 "stage": stage_main}
     if args.command != "stage":
         raise_on_sigterm()  # a killed deploy moves traffic back to stable before it goes

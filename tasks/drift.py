@@ -44,6 +44,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from tasks.lib import metrics, storage, tokens
 from tasks.lib.errors import GateRejected, StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
+from tasks.results import DriftCheck, DriftClients, DriftClosed, DriftShown, DriftWindow, TopClient
 
 DRIFT, NO_DRIFT, NO_VERDICT = "drift", "no drift", "no verdict"
 FEW_CLIENTS = "drift from too few clients"  # bounds crossed, but by the prompts of fewer than min_clients clients
@@ -607,7 +609,7 @@ def render_html(report: dict[str, Any], png: str | None) -> str:
 # -- the sub-commands ---------------------------------------------------------------------------
 
 
-def check(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def check(args: argparse.Namespace, settings: Settings) -> DriftCheck:
     drift = settings.drift
     end = dt.datetime.fromisoformat(args.end) if args.end else dt.datetime.now(dt.UTC)
     end = end if end.tzinfo else end.replace(tzinfo=dt.UTC)
@@ -682,7 +684,16 @@ def client_summary(clients: dict[str, Any]) -> dict[str, Any]:
     return {k: clients[k] for k in ("distinct", "min_clients", "seen_from_enough", "driven_by", "top") if k in clients}
 
 
-def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any], png: str | None) -> dict[str, Any]:
+def drift_clients(clients: dict[str, Any]) -> DriftClients | None:
+    """:func:`client_summary` typed (None: nothing was judged, no clients counted)."""
+    summary = client_summary(clients)
+    if not summary:
+        return None
+    top = summary.pop("top", None)
+    return DriftClients(**summary, top=None if top is None else tuple(TopClient(**client) for client in top))
+
+
+def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any], png: str | None) -> DriftCheck:
     report["written_at"] = dt.datetime.now(dt.UTC).isoformat()
     report["heading"] = heading(report)
     with storage.staged_output(args.output) as out:
@@ -701,14 +712,14 @@ def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any
                                             "llm_drift_too_few_clients": float(report["verdict"] == FEW_CLIENTS),
                                             "llm_drift_retrain_requested": float(report["request_retrain"])}, FIGURE_HELP)
     log.info("drift check: %s (%s); report %s", report["heading"], report["outcome"], report_uri)
-    return {"verdict": report["verdict"], "heading": report["heading"], "outcome": report["outcome"],
-            "request_retrain": report["request_retrain"], "window": report["window"],
-            "reasons": report["reasons"], "clients": client_summary(report["clients"]),
-            "champion": report["champion"], "report_uri": report_uri,
-            "figures": {k: v for k, v in figures.items() if isinstance(v, int | float)}}
+    return DriftCheck(verdict=report["verdict"], heading=report["heading"], outcome=report["outcome"],
+                      request_retrain=report["request_retrain"], window=DriftWindow(**report["window"]),
+                      reasons=tuple(report["reasons"]), clients=drift_clients(report["clients"]),
+                      champion=report["champion"], report_uri=report_uri,
+                      figures={k: v for k, v in figures.items() if isinstance(v, int | float)})
 
 
-def close(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def close(args: argparse.Namespace, settings: Settings) -> DriftClosed:
     day = dt.date.fromisoformat(args.date)
     over = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC)
     if over > dt.datetime.now(dt.UTC):
@@ -719,17 +730,17 @@ def close(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
         time.sleep((settled - dt.datetime.now(dt.UTC)).total_seconds())
     partition = storage.join(args.served_uri or settings.serve.capture.uri, f"date={day.isoformat()}")
     parts = [u for u in storage.list_files(partition) if u.endswith(".jsonl")]
-    result = {"partition": partition, "parts": len(parts)}
     if not parts:
-        raise GateRejected(f"{partition}: no traffic captured that day: nothing to close", {**result, "records": 0})
+        raise GateRejected(f"{partition}: no traffic captured that day: nothing to close",
+                           DriftClosed(partition=partition, parts=0, records=0))
     records = sum(storage.read_bytes(u).count(b"\n") for u in parts)
     storage.write_bytes(storage.join(partition, storage.SUCCESS_MARKER),
                         json.dumps({"parts": len(parts), "records": records}).encode())
     log.info("closed %s: %d records in %d parts", partition, records, len(parts))
-    return {**result, "records": records}
+    return DriftClosed(partition=partition, parts=len(parts), records=records)
 
 
-def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def show(args: argparse.Namespace, settings: Settings) -> DriftShown:
     """The newest drift check's verdict, figures and report (``make drift`` ends with it)."""
     root = storage.join(settings.pipeline.artifact_root, settings.drift.dag_id)
     newest = storage.newest_json(root, "/drift/report.json")
@@ -752,14 +763,16 @@ def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     for reason in report["reasons"]:
         print(f"  drift       {reason}")
     print(f"  report      {storage.sibling(uri, 'report.html')}")
-    return {"verdict": report["verdict"], "request_retrain": report["request_retrain"]}
+    return DriftShown(verdict=report["verdict"], request_retrain=report["request_retrain"])
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> DriftCheck | DriftClosed | DriftShown:
     settings = load_settings()
     if args.overrides:
         raise StepError(f"--set {' '.join(args.overrides)}: use the DAG's Params or params.yaml's drift section")
-    return {"check": check, "close": close, "show": show}[args.command](args, settings)
+    commands: dict[str, Callable[[argparse.Namespace, Settings], DriftCheck | DriftClosed | DriftShown]] = {
+        "check": check, "close": close, "show": show}
+    return commands[args.command](args, settings)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from tasks.config import EvaluateSettings, SuiteSettings
+from tasks.contract import to_json
 from tasks.lib import storage, tokens
 from tasks.lib.data import open_split
 from tasks.lib.errors import GateRejected, StepError
@@ -40,6 +42,7 @@ from tasks.lib.params import load_settings
 from tasks.lib.registry import CHAMPION
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
+from tasks.results import EvaluateResult, GateBounds, ModelFigures, PairedDifferenceFigures, TaskFigures
 
 
 @torch.no_grad()
@@ -111,6 +114,11 @@ def measure(loaded: LoadedModel, val: np.ndarray[Any, Any] | None, eval_set: Pat
     return out
 
 
+def model_figures(measured: dict[str, Any]) -> ModelFigures:
+    """:func:`measure`'s figures (by name: one it does not know fails here), less the samples."""
+    return ModelFigures(**{k: v for k, v in measured.items() if k != "samples"})
+
+
 def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: EvaluateSettings) -> list[str]:
     """Reasons to reject the challenger (empty: it passes). A non-finite figure is a reason by
     itself: every comparison with NaN is false, so it would pass every bound."""
@@ -155,11 +163,11 @@ def suite_scores(loaded: LoadedModel, suite: SuiteSettings, manager: Any, folder
 
 
 def judge_tasks(challenger: dict[str, TaskScore], champion: dict[str, TaskScore] | None,
-                suite: SuiteSettings) -> tuple[list[str], dict[str, Any]]:
+                suite: SuiteSettings) -> tuple[list[str], dict[str, TaskFigures]]:
     """Reasons to reject the challenger on its tasks (below a task's min; worse than the champion
     beyond the noise), and each task's figures for the report."""
     reasons: list[str] = []
-    figures: dict[str, Any] = {}
+    figures: dict[str, TaskFigures] = {}
     for name, gate in suite.tasks.items():
         mine, theirs = challenger[name], champion[name] if champion else None
         difference = paired_difference(mine.per_example, theirs.per_example, suite.bootstrap_samples,
@@ -170,14 +178,16 @@ def judge_tasks(challenger: dict[str, TaskScore], champion: dict[str, TaskScore]
             reasons.append(f"task {name}: {gate.metric} {mine.score:.3f} is below the champion's {theirs.score:.3f} "
                            f"beyond the noise ({suite.confidence:.0%} paired bootstrap interval of the difference "
                            f"[{difference.low:+.3f}, {difference.high:+.3f}] over {difference.examples} examples)")
-        figures[name] = {"metric": gate.metric, "min": gate.min, "challenger": mine.score,
-                         "examples": len(mine.per_example), "champion": theirs.score if theirs else None,
-                         "difference": difference.to_dict() if difference else None}
+        figures[name] = TaskFigures(
+            metric=gate.metric, min=gate.min, challenger=mine.score, examples=len(mine.per_example),
+            champion=theirs.score if theirs else None,
+            difference=PairedDifferenceFigures(difference.mean, difference.low, difference.high, difference.examples)
+            if difference else None)
     return reasons, figures
 
 
 def evaluate_tasks(challenger: LoadedModel, champion: LoadedModel | None, suite: SuiteSettings,
-                   scratch: Path) -> tuple[list[str], dict[str, Any] | None]:
+                   scratch: Path) -> tuple[list[str], dict[str, TaskFigures] | None]:
     """The task suite's reasons and figures (None: no suite configured)."""
     if suite.folder is None:
         return [], None
@@ -189,8 +199,8 @@ def evaluate_tasks(challenger: LoadedModel, champion: LoadedModel | None, suite:
     theirs = suite_scores(champion, suite, manager, scratch / "suite-champion") if champion is not None else None
     reasons, figures = judge_tasks(mine, theirs, suite)
     log.info("task suite: %s", "; ".join(
-        f"{name} {f['metric']} {f['challenger']:.3f}" + (f" (champion {f['champion']:.3f})" if f["champion"] is not None
-                                                          else "") for name, f in figures.items()))
+        f"{name} {f.metric} {f.challenger:.3f}" + (f" (champion {f.champion:.3f})" if f.champion is not None
+                                                    else "") for name, f in figures.items()))
     return reasons, figures
 
 
@@ -212,7 +222,7 @@ def log_to_mlflow(dag_run_tag: str, report: dict[str, Any], output: str, experim
         mlflow.set_tag("evaluation.passed", str(report["passed"]).lower())
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> EvaluateResult:
     settings = load_settings("evaluate", args.overrides)
     params, model_name = settings.evaluate, settings.pipeline.model_name
     eval_uri = args.eval_set or params.eval_set_uri
@@ -235,22 +245,23 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         reasons = judge(challenger, champion, params)
         task_reasons, task_figures = evaluate_tasks(challenger_model, champion_model, params.suite, scratch)
         reasons += task_reasons
-        report = {
-            "passed": not reasons,
-            "reasons": reasons,
-            "model_uri": args.model,
-            "eval_set_uri": eval_uri,
-            "eval_set_sha256": eval_sha,
-            "challenger": {k: v for k, v in challenger.items() if k != "samples"},
-            "champion": None if champion is None else {k: v for k, v in champion.items() if k != "samples"},
-            "tasks": task_figures,
-            "gate": {k: getattr(params, k) for k in ("max_eval_perplexity", "min_eval_accuracy", "max_regression")},
-        }
+        judged = EvaluateResult(
+            passed=not reasons,
+            reasons=tuple(reasons),
+            model_uri=args.model,
+            eval_set_uri=eval_uri,
+            eval_set_sha256=eval_sha,
+            challenger=model_figures(challenger),
+            champion=None if champion is None else model_figures(champion),
+            tasks=task_figures,
+            gate=GateBounds(params.max_eval_perplexity, params.min_eval_accuracy, params.max_regression),
+        )
+        report = to_json(judged)  # report.json: the result less its URIs
         (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
         samples = {"challenger": challenger["samples"], "champion": champion["samples"] if champion else None}
         (out / "samples.json").write_text(json.dumps(samples, indent=1, ensure_ascii=False))
-    result = {**report, "report_uri": storage.join(args.output, "report.json"),
-              "samples_uri": storage.join(args.output, "samples.json")}
+    result = replace(judged, report_uri=storage.join(args.output, "report.json"),
+                     samples_uri=storage.join(args.output, "samples.json"))
     log_to_mlflow(args.mlflow_run_tag, report, args.output, settings.train.experiment)
     log.info("challenger %s; champion %s", json.dumps(report["challenger"]), json.dumps(report["champion"]))
     if reasons:

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from tasks.config import REPO_ROOT, ExportSettings, ServeSettings, Settings, TensorRT
+from tasks.contract import from_json, to_json
 from tasks.lib import hf_checkpoint, storage, tokens, triton
 from tasks.lib.errors import StepError, first_line
 from tasks.lib.model import GPT, empty_cache, generate_greedy
@@ -62,6 +63,7 @@ from tasks.lib.model_store import load_version
 from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
+from tasks.results import DecoderParity, ExportParity, ExportResult, HfCheckpointParity
 
 TRITON_MODELS = REPO_ROOT / "tasks" / "serving" / "triton_models"
 ONNX_INPUTS, ONNX_OUTPUTS = ["input_ids"], ["logits", "next_token"]
@@ -401,7 +403,7 @@ def write_hf_checkpoint(model: GPT, vocabulary: tokens.Vocabulary, folder: Path,
 RESULT_FILE = "export.json"  # the step's result, kept in the output: a repeated export returns it
 
 
-def kept_export(output: str, name: str, version: str) -> dict[str, Any] | None:
+def kept_export(output: str, name: str, version: str) -> ExportResult | None:
     """The recorded result of a complete export of ``name`` version ``version`` at ``output``
     (kept: it may be serving); None when nothing complete is there. Anything else complete there
     is refused: an export never replaces another."""
@@ -414,10 +416,20 @@ def kept_export(output: str, name: str, version: str) -> dict[str, Any] | None:
             f"the export of {result.get('model_name')} version {result.get('version')}"
         raise StepError(f"--output {output}: already holds {held}, which an export never replaces "
                         f"(it may be serving): export version {version} to another folder")
-    return result
+    return from_json(ExportResult, result)
 
 
-def log_to_registry(version: str, dag_run_tag: str, output: str, out: Path | None, result: dict[str, Any],
+def export_parity(parity: dict[str, Any]) -> ExportParity:
+    """The parity figures of the step's result (parity.json: these, the expected tokens and the reference)."""
+    decoder = parity["decoder"]
+    return ExportParity(max_abs_logit_diff=parity["max_abs_logit_diff"], tolerance=parity["tolerance"],
+                        inputs=parity["inputs"], sequences=parity["sequences"],
+                        decoder=DecoderParity(decoder["max_abs_logit_diff"], decoder["windows"],
+                                              decoder["greedy_tokens_compared"]),
+                        hf_checkpoint=HfCheckpointParity(**parity["hf_checkpoint"]))
+
+
+def log_to_registry(version: str, dag_run_tag: str, output: str, out: Path | None, result: ExportResult,
                     settings: Settings) -> None:
     """The ONNX file and configs into the DAG run's MLflow run (``out``: the export's files; None
     when they were logged by the export that wrote them), the export's figures as tags of the
@@ -426,11 +438,12 @@ def log_to_registry(version: str, dag_run_tag: str, output: str, out: Path | Non
     from mlflow import MlflowClient
 
     client, name = MlflowClient(), settings.pipeline.model_name
-    tags = {"export.uri": output, "export.onnx_sha256": result["onnx_sha256"], "export.opset": str(result["opset"]),
-            "export.backend": result["backend"], "export.tensorrt": result["tensorrt"],
-            "export.parity_max_abs_logit_diff": f"{result['parity']['max_abs_logit_diff']:.3g}",
-            "export.decoder_max_abs_logit_diff": f"{result['parity']['decoder']['max_abs_logit_diff']:.3g}",
-            "export.hf_checkpoint": "skipped" if "skipped" in result["parity"]["hf_checkpoint"] else "LlamaForCausalLM"}
+    parity = result.parity
+    tags = {"export.uri": output, "export.onnx_sha256": result.onnx_sha256, "export.opset": str(result.opset),
+            "export.backend": result.backend, "export.tensorrt": result.tensorrt,
+            "export.parity_max_abs_logit_diff": f"{parity.max_abs_logit_diff:.3g}",
+            "export.decoder_max_abs_logit_diff": f"{parity.decoder.max_abs_logit_diff:.3g}",
+            "export.hf_checkpoint": "skipped" if parity.hf_checkpoint.skipped is not None else "LlamaForCausalLM"}
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
     if out is None:
@@ -446,10 +459,10 @@ def log_to_registry(version: str, dag_run_tag: str, output: str, out: Path | Non
         mlflow.log_artifact(str(out / "triton" / logits_model / version / "model.onnx"), "export")
         generate_model = settings.serve.generate_model
         mlflow.log_artifact(str(out / "triton" / generate_model / version / "decoder.onnx"), "export")
-        mlflow.log_metric("export.parity_max_abs_logit_diff", result["parity"]["max_abs_logit_diff"])
+        mlflow.log_metric("export.parity_max_abs_logit_diff", parity.max_abs_logit_diff)
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> ExportResult:
     settings = load_settings("export", args.overrides)
     params, serve, name = settings.export, settings.serve, settings.pipeline.model_name
     version = str(args.model_version)
@@ -494,10 +507,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         reference = {"inputs": [ids.tolist() for ids in inputs], "next_tokens": parity.pop("expected_next_tokens"),
                      "tokenizer_hash": loaded.description["tokenizer_hash"], "generations": generations}
         (out / "parity.json").write_text(json.dumps({**parity, "reference": reference}))
-        result = {"model_name": name, "version": version, "export_uri": args.output, "opset": params.opset,
-                  "onnx_sha256": storage.sha256_file(onnx_path), "onnx_bytes": onnx_path.stat().st_size,
-                  "backend": serve.backend, "tensorrt": tensorrt, "parity": parity}
-        (out / RESULT_FILE).write_text(json.dumps(result))
+        result = ExportResult(model_name=name, version=version, export_uri=args.output, opset=params.opset,
+                              onnx_sha256=storage.sha256_file(onnx_path), onnx_bytes=onnx_path.stat().st_size,
+                              backend=serve.backend, tensorrt=tensorrt, parity=export_parity(parity))
+        (out / RESULT_FILE).write_text(json.dumps(to_json(result)))
         if args.mlflow:
             log_to_registry(version, args.mlflow_run_tag, args.output, out, result, settings)
     return result

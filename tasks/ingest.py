@@ -53,6 +53,7 @@ from tasks.lib import records, storage
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
+from tasks.results import IngestResult
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -499,7 +500,7 @@ def land(days: DayFiles, to: str, key: str) -> dict[str, list[str]]:
     return landed
 
 
-def import_main(args: argparse.Namespace) -> dict[str, Any]:
+def import_main(args: argparse.Namespace) -> IngestResult:
     started = time.monotonic()
     settings = load_settings("ingest", args.overrides)
     source = Path(args.source)
@@ -549,13 +550,13 @@ def import_main(args: argparse.Namespace) -> dict[str, Any]:
              source, kind, len(days.counts), args.to, len(landed["added"]), len(landed["present"]), tally.bad,
              f" (quarantined at {quarantine_uri}: " + "; ".join(f"{r} ({n})" for r, n in tally.reasons.most_common(3))
              + ")" if tally.bad else "", seconds, tally.rows / max(seconds, 1e-9), peak_mb)
-    return {"source": str(source), "format": kind, "to": args.to, "key": key, "rows": tally.rows,
-            "imported": tally.rows - tally.bad - tally.heldout, "bad": tally.bad, "bad_reasons": dict(tally.reasons),
-            "heldout": tally.heldout, "heldout_uri": heldout_uri,
-            "quarantine_uri": quarantine_uri if tally.bad else None,
-            "days": {d.isoformat(): n for d, n in sorted(days.counts.items())},
-            "days_added": landed["added"], "days_already_there": landed["present"],
-            "seconds": round(seconds, 2), "peak_rss_mb": round(peak_mb, 1)}
+    return IngestResult(source=str(source), format=kind, to=args.to, key=key, rows=tally.rows,
+                        imported=tally.rows - tally.bad - tally.heldout, bad=tally.bad, bad_reasons=dict(tally.reasons),
+                        heldout=tally.heldout, heldout_uri=heldout_uri,
+                        quarantine_uri=quarantine_uri if tally.bad else None,
+                        days={d.isoformat(): n for d, n in sorted(days.counts.items())},
+                        days_added=tuple(landed["added"]), days_already_there=tuple(landed["present"]),
+                        seconds=round(seconds, 2), peak_rss_mb=round(peak_mb, 1))
 
 
 def peak_rss_mb() -> float:
@@ -587,7 +588,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> IngestResult:
     return import_main(args)
 
 

@@ -28,6 +28,7 @@ from tasks.lib.provenance import git_commit
 from tasks.lib.registry import CHALLENGER
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
+from tasks.results import RegisterResult
 
 LINEAGE_KEYS = ("data_version", "data_content_hash", "data_end", "dag_id", "dag_run_id", "logical_date")
 MAX_ALIAS_ATTEMPTS = 5
@@ -123,7 +124,7 @@ def training_tags(training: dict[str, Any]) -> dict[str, str]:
             **{f"runtime.{k}": str(runtime[k]) for k in ("torch", "packages_sha256", "cpu", "accelerator") if k in runtime}}
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> RegisterResult:
     if args.overrides:
         raise StepError(f"--set {' '.join(args.overrides)}: the register step has no settings")
     settings = load_settings()
@@ -138,8 +139,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     existing = find_version(client, name, args.mlflow_run_tag)
     if existing is not None:
         log.info("models:/%s version %s is already registered for %s: reusing it", name, existing.version, args.mlflow_run_tag)
-        return {"model_name": name, "version": str(existing.version), "challenger": move_challenger(client, name),
-                "new": False, "model_uri": f"models:/{name}/{existing.version}"}
+        return RegisterResult(model_name=name, version=str(existing.version), challenger=move_challenger(client, name),
+                              new=False, model_uri=f"models:/{name}/{existing.version}")
 
     report = storage.read_json(args.evaluation)
     if not report.get("passed"):
@@ -153,8 +154,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     challenger = move_challenger(client, name)
     log.info("registered models:/%s version %s (run %s); %s: version %s", name, version.version, run_id,
              CHALLENGER, challenger)
-    return {"model_name": name, "version": str(version.version), "challenger": challenger, "new": True,
-            "model_uri": f"models:/{name}/{version.version}", "run_id": run_id}
+    return RegisterResult(model_name=name, version=str(version.version), challenger=challenger, new=True,
+                          model_uri=f"models:/{name}/{version.version}", run_id=run_id)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ import argparse
 import datetime as dt
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.provenance import differences, git_commit
 from tasks.lib.step import log, run_step, step_parser
+from tasks.results import ReplayComparison, ReplayPlan, ReplayShown
 
 
 def version_number(raw: str) -> str:
@@ -86,7 +88,7 @@ def check_start(initialized_from: str, uri: str) -> str:
     return initialized_from
 
 
-def plan(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def plan(args: argparse.Namespace, settings: Settings) -> ReplayPlan:
     from tasks.lib.registry import registered_version
 
     name, number = settings.pipeline.model_name, version_number(args.model_version)
@@ -113,10 +115,10 @@ def plan(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
         (out / "settings.json").write_text(json.dumps(training["settings"], indent=1, sort_keys=True))
     log.info("replaying %s: data %s, tokenizer %s, from %s, %d node(s) x %d process(es)", uri, tags["data_version"],
              tags["tokenizer_hash"][:12], init_from or "scratch", layout["nodes"], layout["procs_per_node"])
-    return {"model_version": number, "data_version": tags["data_version"], "tokenizer_uri": tags["tokenizer_uri"],
-            "val_fraction": dataset["val_fraction"],
-            "init_from": init_from, "settings_uri": storage.join(args.output, "settings.json"),
-            "nodes": layout["nodes"], "procs_per_node": layout["procs_per_node"]}
+    return ReplayPlan(model_version=number, data_version=tags["data_version"], tokenizer_uri=tags["tokenizer_uri"],
+                      val_fraction=dataset["val_fraction"], init_from=init_from,
+                      settings_uri=storage.join(args.output, "settings.json"), nodes=layout["nodes"],
+                      procs_per_node=layout["procs_per_node"])
 
 
 def compare_weights(registered: dict[str, Any], replayed: dict[str, Any]) -> dict[str, Any]:
@@ -146,7 +148,7 @@ def compare_weights(registered: dict[str, Any], replayed: dict[str, Any]) -> dic
     return {"tensors": len(registered), "identical": first is None, "identical_tensors": same, "first_difference": first}
 
 
-def compare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def compare(args: argparse.Namespace, settings: Settings) -> ReplayComparison:
     from tasks.lib.model_store import load_model_dir, load_version
     from tasks.lib.registry import model_version
 
@@ -176,7 +178,8 @@ def compare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
                         f"the first differing is {first['tensor']} ({by}); differences: {why}; report {report_uri}")
     log.info("%s reproduced bit for bit: %d of %d tensors identical%s", uri, weights["tensors"], weights["tensors"],
              f" (differences that did not matter: {'; '.join(reasons)})" if reasons else "")
-    return {**{k: report[k] for k in ("model_version", "identical", "tensors", "differences")}, "report_uri": report_uri}
+    return ReplayComparison(model_version=number, identical=weights["identical"], tensors=weights["tensors"],
+                            differences=tuple(reasons), report_uri=report_uri)
 
 
 def first_error(log_path: str) -> str | None:
@@ -195,7 +198,7 @@ def first_error(log_path: str) -> str | None:
     return None
 
 
-def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def show(args: argparse.Namespace, settings: Settings) -> ReplayShown:
     number = version_number(args.model_version)
     runs = storage.join(settings.pipeline.artifact_root, line_dag_id(REPLAY_DAG, current_line()))  # the line's replay DAG
     newest = storage.newest_json(runs, "/compare/report.json",
@@ -217,14 +220,16 @@ def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     print(f"  report      {uri}")
     if not report["identical"]:
         raise StepError(f"models:/{settings.pipeline.model_name}/{number} not reproduced")
-    return {"report_uri": uri, "identical": True}
+    return ReplayShown(report_uri=uri, identical=True)
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> ReplayPlan | ReplayComparison | ReplayShown:
     settings = load_settings()
     if args.overrides:
         raise StepError(f"--set {' '.join(args.overrides)}: the replay takes its settings from the version")
-    return {"plan": plan, "compare": compare, "show": show}[args.command](args, settings)
+    commands: dict[str, Callable[[argparse.Namespace, Settings], ReplayPlan | ReplayComparison | ReplayShown]] = {
+        "plan": plan, "compare": compare, "show": show}
+    return commands[args.command](args, settings)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import ServeSettings, Settings
-from tasks.contract import REPORTED_STEPS, RolloutVerdict
+from tasks.contract import REPORTED_STEPS, RolloutVerdict, from_json, to_json
 from tasks.lib import metrics, storage
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
-from tasks.serving.canary import Approval, CanaryReport, RolloutSummary, from_json, to_json
+from tasks.results import ReportResult, ReportShown
+from tasks.serving.canary import Approval, CanaryReport, RolloutSummary
 
 STEPS = REPORTED_STEPS  # the retrain DAG's, in its order
 
@@ -324,7 +325,7 @@ def optional_file(uri: str | None, scratch: Path, name: str) -> Path | None:
     return storage.download(uri, scratch / name)
 
 
-def write(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def write(args: argparse.Namespace, settings: Settings) -> ReportResult:
     states, results, errors = run_states(args.states), parse_results(args.result), parse_errors(args.error)
     # a rolled-back canary fails its task (no XCom): its report is in the step's output, summed up as its result is
     outputs = {"deploy": args.deploy_output, "deploy_finish": args.finish_output}
@@ -359,8 +360,9 @@ def write(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     for line in lines:
         log.info("%s", line)
     log.info("run report: %s", storage.join(args.output, "report.html"))
-    return {"verdict": report["verdict"], "outcome": report["outcome"], "report_uri": storage.join(args.output, "report.html"),
-            "summary_uri": storage.join(args.output, "summary.txt"), "mlflow_run": mlflow_url}
+    return ReportResult(verdict=report["verdict"], outcome=report["outcome"],
+                        report_uri=storage.join(args.output, "report.html"),
+                        summary_uri=storage.join(args.output, "summary.txt"), mlflow_run=mlflow_url)
 
 
 # what Prometheus gets of a run (observability/alerts.yml and the Grafana dashboard read these)
@@ -413,7 +415,7 @@ def log_to_mlflow(run_id: str, out: Path, report: dict[str, Any], scratch: Path)
                 mlflow.log_artifacts(str(local), "validation")
 
 
-def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def show(args: argparse.Namespace, settings: Settings) -> ReportShown:
     pipeline = settings.pipeline
     root = args.root or storage.join(pipeline.artifact_root, pipeline.dag_id)
     newest = storage.newest_json(root, "/report/report.json")
@@ -424,10 +426,10 @@ def show(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
     print(f"  report      {storage.sibling(uri, 'report.html')}")
     if report.get("mlflow_run"):
         print(f"  MLflow      {report['mlflow_run']}")
-    return {"report_uri": uri, "verdict": report["verdict"]}
+    return ReportShown(report_uri=uri, verdict=report["verdict"])
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> ReportResult | ReportShown:
     settings = load_settings()
     return write(args, settings) if args.command == "write" else show(args, settings)
 

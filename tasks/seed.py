@@ -22,12 +22,14 @@ import json
 import sysconfig
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tasks.lib import records, storage
 from tasks.lib.params import load_settings
 from tasks.lib.step import Progress, log, run_step, step_parser
+from tasks.results import SeedResult
 
 MIN_DOC_CHARS = 80
 HELDOUT_FILE = "eval.jsonl"
@@ -126,7 +128,7 @@ def write_jsonl(uri: str, name: str, rows: list[dict[str, Any]]) -> None:
         (scratch / name).write_text(lines, encoding="utf-8")
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> SeedResult:
     params = load_settings("seed", args.overrides).seed
     output = args.output or params.output
     end = dt.date.fromisoformat(args.end_date or params.end_date)
@@ -134,10 +136,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     heldout_uri = args.heldout_output or params.heldout_output
     existing = [day for day in days if storage.exists(storage.join(records.partition_uri(output, day), storage.SUCCESS_MARKER))]
     heldout_exists = storage.exists(storage.join(heldout_uri, storage.SUCCESS_MARKER))
-    result = {"output_uri": output, "days": [d.isoformat() for d in days], "heldout_uri": storage.join(heldout_uri, HELDOUT_FILE)}
+    result = SeedResult(output_uri=output, days=tuple(d.isoformat() for d in days),
+                        heldout_uri=storage.join(heldout_uri, HELDOUT_FILE), written=0)
     if len(existing) == len(days) and heldout_exists:
         log.info("all %d partitions and the held-out set exist: raw data is immutable, nothing written", len(days))
-        return {**result, "written": 0}
+        return result
     anchor = dt.date.fromisoformat(params.end_date)
     blocks = {block_of(day, anchor, params.days) for day in days if day not in existing} | (set() if heldout_exists else {0})
     by_day: dict[dt.date, list[dict[str, Any]]] = {day: [] for day in days}
@@ -161,7 +164,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         write_jsonl(heldout_uri, HELDOUT_FILE, heldout)
     log.info("seeded %d documents into %d partitions under %s; %d held out for evaluation at %s",
              written, len(days) - len(existing), output, len(heldout), heldout_uri)
-    return {**result, "written": written}
+    return replace(result, written=written)
 
 
 def parser() -> argparse.ArgumentParser:

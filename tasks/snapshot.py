@@ -26,10 +26,11 @@ import numpy as np
 
 from tasks.config import REPO_ROOT, SnapshotSettings
 from tasks.lib import records, storage
-from tasks.lib.dvc_registry import Registry
+from tasks.lib.dvc_registry import DataVersion, Registry
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import Progress, log, run_step, step_parser
+from tasks.results import DataVersionResult, SnapshotResult
 
 RUN_ID_FILE = "_RUN_ID"  # in the DAG run's storage folder: the run id it belongs to
 
@@ -138,7 +139,7 @@ def index_snapshot(path: Path) -> tuple[str, int, np.ndarray]:
     return digest.hexdigest(), len(offsets) - 1, np.asarray(offsets, dtype=np.int64)
 
 
-def restore(args: argparse.Namespace, params: SnapshotSettings) -> dict[str, Any]:
+def restore(args: argparse.Namespace, params: SnapshotSettings) -> SnapshotResult:
     """The snapshot of an existing data version (a replay), byte for byte, as the step wrote it."""
     with storage.staged_output(args.output) as out_dir:
         path = out_dir / "snapshot.jsonl"
@@ -153,20 +154,14 @@ def restore(args: argparse.Namespace, params: SnapshotSettings) -> dict[str, Any
     return snapshot_result(args.output, version, int(stats.get("duplicates_removed", 0)))  # type: ignore[call-overload]
 
 
-def snapshot_result(output: str, version: Any, duplicates_removed: int) -> dict[str, Any]:
-    return {
-        "snapshot_uri": storage.join(output, "snapshot.jsonl"),
-        "stats_uri": storage.join(output, "stats.json"),
-        "data_version": {
-            "tag": version.tag,
-            "content_hash": version.content_hash,
-            "records": version.records,
-            "bytes": version.bytes,
-            "commit": version.commit,
-            "new": version.created,
-        },
-        "duplicates_removed": duplicates_removed,
-    }
+def snapshot_result(output: str, version: DataVersion, duplicates_removed: int) -> SnapshotResult:
+    return SnapshotResult(
+        snapshot_uri=storage.join(output, "snapshot.jsonl"),
+        stats_uri=storage.join(output, "stats.json"),
+        data_version=DataVersionResult(tag=version.tag, content_hash=version.content_hash, records=version.records,
+                                       bytes=version.bytes, commit=version.commit, new=version.created),
+        duplicates_removed=duplicates_removed,
+    )
 
 
 def check_a_drift_retrain_has_new_data(trigger: dict[str, Any], source: str, days: list[dt.date],
@@ -191,7 +186,7 @@ def check_a_drift_retrain_has_new_data(trigger: dict[str, Any], source: str, day
                         "new to learn from (land data of the drifted domain, e.g. make import, then retrain)")
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> SnapshotResult:
     if args.run_id:
         claim_run_folder(args.output, args.run_id)
     settings = load_settings("snapshot", args.overrides)

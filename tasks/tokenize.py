@@ -37,10 +37,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tasks.config import Settings, TokenizeSettings
+from tasks.contract import to_json
 from tasks.lib import storage, tokens
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import Progress, log, run_step, step_parser
+from tasks.results import BaseRecord, DatasetResult, ShardResult, TokenizerResult
 
 if TYPE_CHECKING:  # base_model imports torch: only a prepare with a base pays for it, not every encode
     from tasks.lib.base_model import BaseModel
@@ -96,7 +98,7 @@ def start_point(args: argparse.Namespace, settings: Settings, production: Produc
     return "", "trained", None
 
 
-def prepare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+def prepare(args: argparse.Namespace, settings: Settings) -> TokenizerResult:
     params = settings.tokenize
     if args.preset not in settings.train.presets:
         raise StepError(f"--preset {args.preset!r}: expected one of {', '.join(settings.train.presets)}")
@@ -124,24 +126,24 @@ def prepare(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
             companions = {}
             uri, digest = tokens.store_vocabulary(tokenizer, params.tokenizer_store)
         production_uri = production.model_uri if production else ""
-        info = {
-            "tokenizer_uri": uri,
-            "tokenizer_hash": digest,
-            "tokenizer_source": source,
-            "champion_model_uri": production_uri,
+        info = TokenizerResult(
+            tokenizer_uri=uri,
+            tokenizer_hash=digest,
+            tokenizer_source=source,
+            champion_model_uri=production_uri,
             # what training starts from (train.init_from: champion): the imported base, else the
             # champion (training checks its architecture and vocabulary are the run's)
-            "init_model_uri": base.model_uri if base else production_uri,
-            "base": base.record if base else None,
-            "vocab_size": tokenizer.get_vocab_size(),
-            "dtype": tokens.token_dtype(tokenizer.get_vocab_size()).name,
-        }
+            init_model_uri=base.model_uri if base else production_uri,
+            base=BaseRecord(base.uri, base.identity) if base else None,
+            vocab_size=tokenizer.get_vocab_size(),
+            dtype=tokens.token_dtype(tokenizer.get_vocab_size()).name,
+        )
         # the tokenizer itself (with a base's special tokens and tokenizer_config.json) beside its
         # description, so dvc.yaml stages can point at a path
         (out / tokens.TOKENIZER_FILE).write_text(tokenizer.to_str(), encoding="utf-8")
         for name, text in companions.items():
             (out / name).write_text(text, encoding="utf-8")
-        (out / "info.json").write_text(json.dumps(info, indent=1))
+        (out / "info.json").write_text(json.dumps(to_json(info), indent=1))
     return info
 
 
@@ -177,7 +179,7 @@ def encoded_batches(tokenizer: Any, batches: Iterator[list[dict[str, Any]]]) -> 
             yield records, encoding.result()
 
 
-def encode(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]:
+def encode(args: argparse.Namespace, params: TokenizeSettings) -> ShardResult:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         vocabulary = tokens.load_vocabulary(args.tokenizer, scratch)
         tokenizer, frame = vocabulary.tokenizer, vocabulary.special.frame
@@ -220,10 +222,11 @@ def encode(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]
         (out / "stats.json").write_text(json.dumps(stats))
     log.info("shard %d/%d: %d documents, %d tokens, %.0f tokens/s", args.shard_index, args.num_shards,
              end - start, total, stats["tokens_per_s"])
-    return {"shard_uri": args.output, **stats}
+    return ShardResult(shard_uri=args.output, shard_index=args.shard_index, num_shards=args.num_shards,
+                       records=(start, end), tokens=total, seconds=stats["seconds"], tokens_per_s=stats["tokens_per_s"])
 
 
-def merge(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]:
+def merge(args: argparse.Namespace, params: TokenizeSettings) -> DatasetResult:
     shard_uris = [storage.join(args.shards, f"{i:05d}") for i in range(args.num_shards)]
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         local = [storage.download_tree(uri, scratch / f"{i:05d}") for i, uri in enumerate(shard_uris)]
@@ -266,20 +269,20 @@ def merge(args: argparse.Namespace, params: TokenizeSettings) -> dict[str, Any]:
         (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
     total = sum(s["tokens"] for s in shard_stats)
     busiest = max(s["seconds"] for s in shard_stats)
-    return {
-        "dataset_uri": args.output,
-        "index_uri": storage.join(args.output, "index.json"),
-        "tokens": {split: splits[split]["tokens"] for split in tokens.SPLITS},
-        "documents": {split: splits[split]["documents"] for split in tokens.SPLITS},
-        "dtype": dtype.name,
-        "tokenizer_hash": index["tokenizer_hash"],
+    return DatasetResult(
+        dataset_uri=args.output,
+        index_uri=storage.join(args.output, "index.json"),
+        tokens={split: splits[split]["tokens"] for split in tokens.SPLITS},
+        documents={split: splits[split]["documents"] for split in tokens.SPLITS},
+        dtype=dtype.name,
+        tokenizer_hash=vocabulary.hash,
         # shards run in parallel: the slowest one bounds the step
-        "tokens_per_s": round(total / max(busiest, 1e-9)),
-        "tokens_per_s_per_worker": [s["tokens_per_s"] for s in shard_stats],
-    }
+        tokens_per_s=round(total / max(busiest, 1e-9)),
+        tokens_per_s_per_worker=tuple(s["tokens_per_s"] for s in shard_stats),
+    )
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> TokenizerResult | ShardResult | DatasetResult:
     settings = load_settings("tokenize", args.overrides)
     if args.command == "prepare":  # their defaults: params.yaml's
         args.base = settings.train.base if args.base is None else args.base
@@ -288,9 +291,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise StepError(f"{args.snapshot}: snapshot not found")
     if args.command == "prepare":
         return prepare(args, settings)
-    handler = {"encode": encode, "merge": merge}[args.command]
-    result: dict[str, Any] = handler(args, settings.tokenize)
-    return result
+    if args.command == "encode":
+        return encode(args, settings.tokenize)
+    return merge(args, settings.tokenize)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.records import EMAIL_RE
 from tasks.lib.step import log, run_step, step_parser
+from tasks.results import ValidateResult
 
 SNAPSHOT_COLUMNS = ["id", "text", "source", "created_at", "content_hash", "copies"]
 # U+FFFD means text was decoded lossily upstream; C0 controls should be gone after normalization.
@@ -226,7 +227,7 @@ def load_snapshot(uri: str, scratch: Path) -> tuple[Path, int]:
     return database, rows
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> ValidateResult:
     params = load_settings("validate", args.overrides).validate
     with storage.staged_output(args.output) as out_dir, storage.scratch() as scratch:
         database, records = load_snapshot(args.snapshot, scratch)
@@ -254,13 +255,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             f"{failure_line(failed)} (report: {report_uri})"
         )
     log.info("validation passed: %d expectations on %d records; report %s", len(results), records, report_uri)
-    return {
-        "success": True,
-        "report_uri": report_uri,
-        "summary_uri": storage.join(args.output, "summary.json"),
-        "evaluated": len(results),
-        "records": records,
-    }
+    return ValidateResult(success=True, report_uri=report_uri, summary_uri=storage.join(args.output, "summary.json"),
+                          evaluated=len(results), records=records)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 class StepError(Exception):
@@ -11,9 +14,10 @@ class StepError(Exception):
 
 class GateRejected(Exception):
     """A quality gate said no: the step reports its result and exits 99, the orchestrator
-    skips everything downstream (the run ends cleanly, nothing is deployed)."""
+    skips everything downstream (the run ends cleanly, nothing is deployed). ``result``: the
+    step's result (:mod:`tasks.results`), written as a passing one is."""
 
-    def __init__(self, message: str, result: dict[str, Any]) -> None:
+    def __init__(self, message: str, result: DataclassInstance) -> None:
         super().__init__(message)
         self.result = result
 

@@ -1,8 +1,9 @@
 """What every step shares: the CLI skeleton, logging, progress lines and the result JSON.
 
-A step is ``main(args) -> dict``; :func:`run_step` turns it into a process that keeps the step
-contract (``tasks/contract.py``): exit 0 and a small JSON result, or exit 2 with one ``ERROR``
-line naming the bad input (exit 1 with a traceback for bugs).
+A step is ``main(args) -> result``, its result a frozen dataclass of :mod:`tasks.results`;
+:func:`run_step` turns it into a process that keeps the step contract (``tasks/contract.py``):
+exit 0 and the result as small JSON, or exit 2 with one ``ERROR`` line naming the bad input
+(exit 1 with a traceback for bugs).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from tasks.contract import (
     BAD_INPUT_EXIT_CODE,
@@ -27,8 +28,12 @@ from tasks.contract import (
     POD_RESULT_PATH,
     RESULT_PATH_ENV,
     TERMINATED_EXIT_CODE,
+    to_json,
 )
 from tasks.lib.errors import GateRejected, StepError, Terminated, first_line
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 log = logging.getLogger("tasks")
 
@@ -61,9 +66,9 @@ def result_path() -> Path | None:
     return POD_RESULT_PATH if POD_RESULT_PATH.parent.is_dir() else None
 
 
-def write_result(result: dict[str, Any]) -> None:
-    """Hand the result to the orchestrator (XCom) and show it in the log."""
-    text = json.dumps(result, sort_keys=True)
+def write_result(result: DataclassInstance) -> None:
+    """Hand the result to the orchestrator (XCom) as JSON and show it in the log."""
+    text = json.dumps(to_json(result), sort_keys=True)
     log.info("result %s", text)
     path = result_path()
     if path is not None:
@@ -114,7 +119,7 @@ def parse_step_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
         raise
 
 
-def run_step(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], dict[str, Any]]) -> NoReturn:
+def run_step(parser: argparse.ArgumentParser, main: Callable[[argparse.Namespace], DataclassInstance]) -> NoReturn:
     configure_logging()
     args = parse_step_args(parser)
     try:

@@ -4,9 +4,10 @@ A check (:class:`Check`) passes, fails or is inconclusive (:class:`Verdict`); a 
 (:class:`StepResult` for a traffic step, :class:`ShadowResult` for the shadow) holds its figures
 and checks, its verdict the worst of theirs; :class:`CanaryReport` is the whole rollout
 (``report.json`` of ``tasks.deploy``), :class:`RolloutSummary` the step's result (its XCom,
-what the run report and the DAG read). :func:`to_json` and :func:`from_json` are the only
-places a report becomes JSON or is read back: the JSON keeps the field names (a field absent
-before it was known, as ``held_at``, is left out while it is None).
+what the run report and the DAG read). They become JSON and are read back by
+:func:`tasks.contract.to_json` and :func:`tasks.contract.from_json`, as every step's result is:
+the JSON keeps the field names (a field absent before it was known, as ``held_at``, is left out
+while it is None).
 
 How the figures are gathered is :mod:`tasks.serving.traffic`'s concern, how they are judged
 :mod:`tasks.serving.analysis`'s, their chart :mod:`tasks.serving.plots`'.
@@ -14,24 +15,13 @@ How the figures are gathered is :mod:`tasks.serving.traffic`'s concern, how they
 
 from __future__ import annotations
 
-import types
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from enum import Enum, StrEnum
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import TypeVar
 
-from tasks.contract import ROLLOUT_VERDICT, RolloutVerdict
-
-T = TypeVar("T")
-
-# field metadata: how a None is written (the report always left such keys out, or wrote {})
-OMIT_IF_NONE: Mapping[str, Any] = {"omit_if_none": True}
-EMPTY_IF_NONE: Mapping[str, Any] = {"empty_if_none": True}
-
-
-def omit_unless(other: str) -> Mapping[str, Any]:
-    """Left out of the JSON while field ``other`` is None (written, null or not, once it is set)."""
-    return {"omit_unless": other}
+from tasks.contract import EMPTY_IF_NONE, OMIT_IF_NONE, ROLLOUT_VERDICT, RolloutVerdict, omit_unless
+from tasks.contract import from_json as from_json  # (re-exported: the report's readers import them from here)
+from tasks.contract import to_json as to_json
 
 
 class Verdict(StrEnum):
@@ -323,60 +313,4 @@ class CanaryReport:
 for _typed in (CanaryReport, RolloutSummary):  # the DAG reads the verdict by this name: a rename fails here
     if ROLLOUT_VERDICT not in {f.name for f in fields(_typed)}:
         raise TypeError(f"{_typed.__name__} has no field {ROLLOUT_VERDICT!r} (tasks.contract.ROLLOUT_VERDICT)")
-
-
-def to_json(value: Any) -> Any:
-    """A report (any of this module's dataclasses, or lists and dicts of them) as JSON values."""
-    if is_dataclass(value) and not isinstance(value, type):
-        out: dict[str, Any] = {}
-        for f in fields(value):
-            item = getattr(value, f.name)
-            if item is None and f.metadata.get("omit_if_none"):
-                continue
-            if "omit_unless" in f.metadata and getattr(value, f.metadata["omit_unless"]) is None:
-                continue
-            out[f.name] = {} if item is None and f.metadata.get("empty_if_none") else to_json(item)
-        return out
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, list | tuple):
-        return [to_json(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): to_json(v) for k, v in value.items()}
-    return value
-
-
-def from_json(kind: type[T], data: Any) -> T:
-    """``data`` (JSON values, as :func:`to_json` wrote them) as a ``kind``; keys it does not know
-    are ignored, fields it lacks take their defaults."""
-    return _decode(kind, data)  # type: ignore[no-any-return]
-
-
-def _decode(kind: Any, data: Any) -> Any:
-    origin, args = get_origin(kind), get_args(kind)
-    if origin in (Union, types.UnionType):
-        if data is None:
-            return None
-        return _decode(next(a for a in args if a is not type(None)), data)
-    if isinstance(kind, type) and is_dataclass(kind):
-        hints = get_type_hints(kind)
-        given = {}
-        for f in fields(kind):
-            if not f.init or f.name not in data:
-                continue
-            item = data[f.name]
-            if item is None and (f.default is not MISSING or f.default_factory is not MISSING):
-                continue  # (null where a default stands: a section written with every key, known or not)
-            empty = f.metadata.get("empty_if_none") and item == {}
-            given[f.name] = None if empty else _decode(hints[f.name], item)
-        return kind(**given)
-    if origin is tuple:
-        return tuple(_decode(args[0], v) for v in data)
-    if origin is list:
-        return [_decode(args[0], v) for v in data]
-    if origin is dict:
-        return {k: _decode(args[1], v) for k, v in data.items()}
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        return kind(data)
-    return data
 

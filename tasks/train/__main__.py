@@ -16,13 +16,13 @@ run's architecture and vocabulary and ``train.init_from`` is ``champion``.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from tasks.config import SettingsError, TrainSettings, apply_overrides, build
 from tasks.lib import storage
 from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import run_step, step_parser
+from tasks.results import TrainResult
 from tasks.train.trainer import TrainRun, train
 
 
@@ -35,7 +35,7 @@ def recorded_settings(uri: str, overrides: list[str]) -> TrainSettings:
         raise StepError(f"--settings {uri}: {exc}") from None
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> TrainResult:
     if args.settings:
         settings = recorded_settings(args.settings, args.overrides)
     else:

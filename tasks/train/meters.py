@@ -150,6 +150,6 @@ class Meters:
             # per save: how long the loop waited (the median, and each: the first save also
             # allocates the staging buffers), and how long until the checkpoint was complete
             "checkpoint_stall_s": float(np.median(stalls)) if stalls else 0.0,
-            "checkpoint_stalls_s": [round(s, 4) for s in stalls],
+            "checkpoint_stalls_s": tuple(round(s, 4) for s in stalls),
             "checkpoint_save_s": float(np.mean(save_seconds)) if save_seconds else 0.0,
         }

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tasks.config import TrainSettings
+from tasks.contract import to_json
 from tasks.lib import parallel, storage
 from tasks.lib.data import BatchSampler, TokenSplit, drop_local_dataset, local_dataset, open_split
 from tasks.lib.errors import StepError
@@ -31,6 +32,7 @@ from tasks.lib.provenance import training_record
 from tasks.lib.step import log
 from tasks.lib.torchrun import malloc_in_use
 from tasks.lib.tracking import Tracker
+from tasks.results import TrainResult
 from tasks.train.checkpoint import Checkpointer, CheckpointStore, list_complete
 from tasks.train.engines import Engine, build_engine, compile_blocks, compile_wanted, engine_class
 from tasks.train.meters import CheckpointTimes, Meters, best_peak, peak_flops
@@ -403,7 +405,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(settings: TrainSettings, run: TrainRun) -> dict[str, Any]:
+def train(settings: TrainSettings, run: TrainRun) -> TrainResult:
     """The train step in this process (one rank of a torchrun group, or alone): its result."""
     env = parallel.init_distributed()
     try:
@@ -416,7 +418,7 @@ def train(settings: TrainSettings, run: TrainRun) -> dict[str, Any]:
         parallel.shutdown()
 
 
-def _train(settings: TrainSettings, env: parallel.Dist, run: TrainRun) -> dict[str, Any]:
+def _train(settings: TrainSettings, env: parallel.Dist, run: TrainRun) -> TrainResult:
     check_settings(settings, env)
     dataset, init_from = run.dataset, run.init_from
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
@@ -465,18 +467,18 @@ def _train(settings: TrainSettings, env: parallel.Dist, run: TrainRun) -> dict[s
         latest.uri if latest else state.initialized_from or "a random initialization",
     )
     figures = trainer.fit()
-    result = {
+    result = TrainResult(
         **trainer.export_model(train_split, run, line),
         **figures,
-        "checkpoints": [c.uri for c in list_complete(run.checkpoints)],
-        "resumed_from": latest.uri if latest else None,
-        "initialized_from": state.initialized_from,
-        "world_size": env.world,
-        "engine": settings.engine,
-        "precision": "bf16" if trainer.bf16 else "fp32",
-        "malloc": malloc,
-    }
-    tracker.finish(result)
+        checkpoints=tuple(c.uri for c in list_complete(run.checkpoints)),
+        resumed_from=latest.uri if latest else None,
+        initialized_from=state.initialized_from,
+        world_size=env.world,
+        engine=settings.engine,
+        precision="bf16" if trainer.bf16 else "fp32",
+        malloc=malloc,
+    )
+    tracker.finish(to_json(result))
     # every process reports rank 0's result (each pod of an Indexed Job hands one to Airflow)
     result = parallel.broadcast_object(result, env)
     del train_split, val_split, train_data, val_data, trainer  # their memory maps, before the files go

@@ -88,16 +88,17 @@ def test_a_result_read_draws_its_edge() -> None:
 
     with DAG(dag_id="edges", schedule=None):
         first = step("first", "tasks.validate", [])
-        second = step("second", "tasks.validate", [])
-        reader = step("reader", "tasks.validate", ["--x", result(first, "uri"), "--y", "k=" + result(second, "a", "b")])
+        second = step("second", "tasks.snapshot", [])
+        reader = step("reader", "tasks.validate", ["--x", result(first, "report_uri"),
+                                                   "--y", "k=" + result(second, "data_version", "tag")])
     assert reader.upstream_task_ids == {"first", "second"}
     assert [type(a) for a in reader.arguments] == [str] * 4
-    assert reader.arguments[3] == "k={{ ti.xcom_pull(task_ids='second')['a']['b'] }}"
+    assert reader.arguments[3] == "k={{ ti.xcom_pull(task_ids='second')['data_version']['tag'] }}"
     # formatted into a plain string the result would lose its edge: refused when the DAG is built
     with DAG(dag_id="lost", schedule=None):
         first = step("first", "tasks.validate", [])
         with pytest.raises(ValueError, match="reads first's result without its edge"):
-            step("reader", "tasks.validate", ["--x", f"k={result(first, 'uri')}"])
+            step("reader", "tasks.validate", ["--x", f"k={result(first, 'report_uri')}"])
 
 
 def test_every_steps_arguments_parse_with_its_module() -> None:

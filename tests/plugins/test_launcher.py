@@ -81,6 +81,77 @@ def test_a_crash_fails_the_task_with_its_last_line(tmp_path: Path) -> None:
     assert ti.pushed[ERROR_XCOM_KEY].startswith("exit 1; last output: ValueError: Invalid isoformat")
 
 
+# -- reading a step's result ---------------------------------------------------------------
+
+
+MISREAD_DAG = """
+import datetime as dt
+from airflow.sdk import DAG
+from launcher import result, step
+
+with DAG("misread", schedule=None, start_date=dt.datetime(2026, 1, 1)) as dag:
+    snapshot = step("snapshot", "tasks.snapshot", ["--source", "s3://raw", "--end-date", "2026-11-22", "--output", "o"])
+    step("validate", "tasks.validate", ["--snapshot", result(snapshot, "snapshot_url"), "--output", "v"])
+"""
+
+
+def test_a_misspelt_result_field_fails_the_dags_import_with_one_error(tmp_path: Path) -> None:
+    from airflow.dag_processing.dagbag import DagBag
+
+    (tmp_path / "misread.py").write_text(MISREAD_DAG)
+    bag = DagBag(dag_folder=str(tmp_path))
+    assert bag.dags == {} and len(bag.import_errors) == 1
+    error = next(iter(bag.import_errors.values()))
+    assert ("ValueError: launcher.result(snapshot, 'snapshot_url'): the result (SnapshotResult) has no field "
+            "'snapshot_url'; its fields: snapshot_uri, stats_uri, data_version, duplicates_removed") in error
+
+
+@pytest.fixture(scope="module")
+def retrain_dag() -> Any:
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
+    assert bag.import_errors == {}
+    return bag.dags["llm_retrain"]
+
+
+def test_a_result_path_is_checked_against_the_tasks_step(retrain_dag: Any) -> None:
+    snapshot, merge = retrain_dag.get_task("snapshot"), retrain_dag.get_task("tokenize_merge")
+    assert launcher.result(snapshot, "data_version", "tag") == \
+        "{{ ti.xcom_pull(task_ids='snapshot')['data_version']['tag'] }}"
+    assert launcher.result(merge, "tokens", "train")  # a mapping by split: any key
+    with pytest.raises(ValueError, match=r"^launcher.result\(snapshot, 'data_version', 'tags'\): \['data_version'\] "
+                                         r"\(DataVersionResult\) has no field 'tags'; its fields: tag, content_hash"):
+        launcher.result(snapshot, "data_version", "tags")
+    with pytest.raises(ValueError, match=r"^launcher.result\(tokenizer, 'dataset_uri'\): the result "
+                                         r"\(TokenizerResult\) has no field 'dataset_uri'"):  # prepare's, not merge's
+        launcher.result(retrain_dag.get_task("tokenizer"), "dataset_uri")
+    with pytest.raises(ValueError, match=r"\(RolloutSummary\) has no field 'verdicts'"):
+        launcher.result(retrain_dag.get_task("deploy_finish"), "verdicts")
+    # a mapped task: its module from its partial arguments; its sub-command only known at run time
+    assert launcher.step_command(retrain_dag.get_task("tokenize_shard")) == ("tasks.tokenize", [])
+    with pytest.raises(ValueError, match=r"tasks.tokenize: its sub-command, .* is None here"):
+        launcher.result(retrain_dag.get_task("tokenize_shard"), "shard_uri")
+    with pytest.raises(ValueError, match=r"^launcher.result\(deploy_gate\): not a step's task"):
+        launcher.result(retrain_dag.get_task("deploy_gate"))
+
+
+def test_the_airflow_image_holds_every_tasks_module_the_dags_import() -> None:
+    """The cluster image holds tasks/ files one by one (the steps run in the runtime image): what
+    parsing the DAGs imports of tasks/ (the contract, the result types, the settings) is there."""
+    dags = ", ".join(path.stem for path in sorted((REPO_ROOT / "dags").glob("llm_*.py")))
+    code = (f"import sys; sys.path[:0] = ['plugins', 'dags']; import {dags}; "
+            "print('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'tasks'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    imported = {str(Path(line).relative_to(REPO_ROOT)) for line in out.stdout.split()}
+    cluster = (REPO_ROOT / "containers" / "Dockerfile.airflow").read_text().split(" AS local", 1)[0]
+    copied = [word for line in cluster.replace("\\\n", " ").splitlines() if line.startswith("COPY ")
+              for word in line.split()[1:-1] if word.startswith("tasks/")]
+    missing = [path for path in sorted(imported)
+               if path not in copied and not any(path.startswith(folder) for folder in copied if folder.endswith("/"))]
+    assert "tasks/results.py" in imported and missing == [], missing
+
+
 # -- cluster mode ---------------------------------------------------------------------------
 
 
@@ -132,6 +203,12 @@ def test_only_the_deploy_pod_carries_an_api_token_and_reaches_triton(cluster_dag
 def validate_strict(objects: list[dict[str, Any]], tmp_path: Path) -> None:
     proc = validate_objects(objects, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_pods_and_a_training_jobs_result_is_checked_too(cluster_dag: Any) -> None:
+    assert launcher.result(cluster_dag.get_task("snapshot"), "snapshot_uri")  # a pod: its cmds name the module
+    with pytest.raises(ValueError, match=r"\(TrainResult\) has no field 'model_url'"):  # an Indexed Job's module
+        launcher.result(cluster_dag.get_task("train"), "model_url")
 
 
 def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Path) -> None:

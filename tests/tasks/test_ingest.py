@@ -22,10 +22,11 @@ MAPPING = ("--text-field", "doc", "--id-field", "key", "--timestamp-field", "whe
 
 def run_import(source: Path, to: Path | str, *args: str) -> tuple[int, dict[str, Any], str]:
     """The import in this process (the exit code and the one line: :func:`run_import_process`)."""
+    from tasks.contract import to_json
     from tasks.ingest import main, parser
 
     try:
-        return 0, main(parser().parse_args(["import", str(source), "--to", str(to), *args])), ""
+        return 0, to_json(main(parser().parse_args(["import", str(source), "--to", str(to), *args]))), ""
     except StepError as exc:
         return 2, {}, f"ERROR python -m tasks.ingest: {exc}"
 
