@@ -15,7 +15,7 @@ import datetime as dt
 from airflow.sdk import DAG, Param
 from alerts import on_run_failure, step_defaults
 
-from launcher import distributed_step, result, run_output_uri, step, tokenize_steps
+from launcher import Torchrun, distributed_step, result, run_output_uri, step, tokenize_steps
 from pipeline_params import DEMO, Settings, dags_per_line, line_dag_id
 from tasks.contract import REPLAY_DAG
 
@@ -63,9 +63,8 @@ def replay_dag(line: str, params: Settings) -> DAG:
                 "--init-from", result(plan, "init_from"),
                 "--settings", result(plan, "settings_uri"),
             ],
-            nodes=result(plan, "nodes"),
-            procs_per_node=params.train.procs_per_node,  # replay_plan refuses a version trained with another
-            max_restarts=params.train.max_restarts,
+            # replay_plan refuses a version trained with another procs_per_node
+            Torchrun(result(plan, "nodes"), params.train.procs_per_node, params.train.max_restarts),
         )
         step("replay_compare", "tasks.replay",
              ["compare", "--model-version", "{{ params.version }}", "--model", result(train, "model_uri"),

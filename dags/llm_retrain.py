@@ -20,6 +20,7 @@ from alerts import on_run_failure, step_defaults
 from approval import RolloutApproval
 
 from launcher import (
+    Torchrun,
     answer,
     distributed_step,
     result,
@@ -241,9 +242,7 @@ def retrain_dag(line: str, params: Settings) -> DAG:
                 "--init-from", result(tokenizer, "init_model_uri"),
                 *set_arguments(settings_params, "train", params),
             ],
-            nodes="{{ params.train_nodes }}",
-            procs_per_node=train_params.procs_per_node,
-            max_restarts=train_params.max_restarts,
+            Torchrun("{{ params.train_nodes }}", train_params.procs_per_node, train_params.max_restarts),
         )
 
         # a rejected challenger exits 99: the task is skipped, and so is everything after it

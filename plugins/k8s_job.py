@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
@@ -44,6 +44,9 @@ from tasks.contract import (
     record_error,
     torchrun_args,
 )
+
+if TYPE_CHECKING:
+    from tasks.config import TrainingJob
 
 ATTEMPT_OF_LABEL = "llm-pipeline/attempt-of"  # the task instance a Job is an attempt of (hashed)
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
@@ -134,27 +137,28 @@ class TorchrunJobOperator(KubernetesJobOperator):
         nodes: int | str,
         procs_per_node: int,
         max_restarts: int,
-        rdzv_port: int,
-        queue_name: str,
-        priority_class: str,
-        admission_timeout_s: float = 3600.0,
-        shm_size: str = "8Gi",
+        job: TrainingJob,
         **kwargs: Any,
     ) -> None:
+        """``job``: launcher.kubernetes.training, the Job's queue, priority, rendezvous port,
+        admission time, shared memory, polling, retention and deadline."""
         super().__init__(
             completion_mode="Indexed",
             # nodes may be a template (a trigger-form Param): set again once rendered
             completions=nodes if isinstance(nodes, int) else 1,
             parallelism=nodes if isinstance(nodes, int) else 1,
             backoff_limit=0,
-            suspend=bool(queue_name),  # Kueue unsuspends when the whole gang fits
+            suspend=bool(job.queue_name),  # Kueue unsuspends when the whole gang fits
             wait_until_job_complete=True,
+            job_poll_interval=job.poll_interval_s,
+            ttl_seconds_after_finished=job.ttl_after_finished_s,
+            active_deadline_seconds=job.active_deadline_s,
             **kwargs,
         )
         self.module, self.nodes, self.procs_per_node = module, nodes, procs_per_node
-        self.max_restarts, self.rdzv_port = max_restarts, rdzv_port
-        self.queue_name, self.priority_class = queue_name, priority_class
-        self.admission_timeout_s, self.shm_size = admission_timeout_s, shm_size
+        self.max_restarts, self.rdzv_port = max_restarts, job.rdzv_port
+        self.queue_name, self.priority_class = job.queue_name, job.priority_class
+        self.admission_timeout_s, self.shm_size = float(job.admission_timeout_s), job.shm_size
 
     @property
     def node_count(self) -> int:

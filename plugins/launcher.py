@@ -19,6 +19,7 @@ Job) from the training issue's builder beside this one.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import queue
@@ -440,21 +441,29 @@ def mapped_step(
     return operator_cls.partial(**kwargs).expand(arguments=argument_lists)
 
 
+@dataclasses.dataclass(frozen=True)
+class Torchrun:
+    """How a distributed step runs: ``nodes`` torchrun agents (a Param's template is rendered at
+    run time), ``procs_per_node`` processes each, restarted up to ``max_restarts`` times."""
+
+    nodes: int | str
+    procs_per_node: int
+    max_restarts: int
+
+
 def distributed_step(
     task_id: str,
     module: str,
     arguments: list[str],
+    torchrun: Torchrun,
     *,
-    nodes: int | str,
-    procs_per_node: int,
-    max_restarts: int,
     kind: str = "gpu",
     env_vars: dict[str, str] | None = None,
     **operator_kwargs: Any,
 ) -> BaseOperator:
-    """A ``torchrun`` step over ``nodes`` x ``procs_per_node`` processes: an Indexed Job with a
-    rendezvous Service in a cluster, ``nodes`` local torchrun agents on 127.0.0.1 otherwise;
-    downstream of the steps whose results its arguments read."""
+    """A ``torchrun`` step over ``torchrun.nodes`` x ``procs_per_node`` processes: an Indexed Job
+    with a rendezvous Service in a cluster, ``nodes`` local torchrun agents on 127.0.0.1
+    otherwise; downstream of the steps whose results its arguments read."""
     env_vars = step_env(env_vars)
     arguments, sources = read_results(arguments)
     if launcher_mode() == "kubernetes":
@@ -467,24 +476,17 @@ def distributed_step(
         resources = {key: dict(value) for key, value in cluster.kinds[kind].resources.items()}
         for bound in resources.values():  # one GPU per process of a node
             if "nvidia.com/gpu" in bound:
-                bound["nvidia.com/gpu"] = str(procs_per_node)
+                bound["nvidia.com/gpu"] = str(torchrun.procs_per_node)
         kwargs["container_resources"] = k8s.V1ResourceRequirements(**resources)
         return downstream_of_what_it_reads(TorchrunJobOperator(
             task_id=task_id,
             module=module,
             arguments=arguments,
             env_vars=env_vars,
-            nodes=nodes,
-            procs_per_node=procs_per_node,
-            max_restarts=max_restarts,
-            rdzv_port=training.rdzv_port,
-            queue_name=training.queue_name,
-            priority_class=training.priority_class,
-            admission_timeout_s=training.admission_timeout_s,
-            shm_size=training.shm_size,
-            job_poll_interval=training.poll_interval_s,
-            ttl_seconds_after_finished=training.ttl_after_finished_s,
-            active_deadline_seconds=training.active_deadline_s,
+            nodes=torchrun.nodes,
+            procs_per_node=torchrun.procs_per_node,
+            max_restarts=torchrun.max_restarts,
+            job=training,
             **{**kwargs, **scheduling(task_id), **operator_kwargs},
         ), sources)
     return downstream_of_what_it_reads(LocalTorchrunOperator(
@@ -492,9 +494,9 @@ def distributed_step(
         module=module,
         arguments=arguments,
         env_vars=env_vars,
-        nodes=nodes,
-        procs_per_node=procs_per_node,
-        max_restarts=max_restarts,
+        nodes=torchrun.nodes,
+        procs_per_node=torchrun.procs_per_node,
+        max_restarts=torchrun.max_restarts,
         **{**scheduling(task_id), **operator_kwargs},
     ), sources)
 

@@ -1526,8 +1526,10 @@ def check_disconnect_frees_the_slot(env: dict[str, str], version: str) -> None:
     cancelled = metric("llm_requests_cancelled_total")
     router = urllib.parse.urlsplit(env["ROUTER_URL"])
     conn = http.client.HTTPConnection(router.hostname, router.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Return", "max_tokens": 60, "stream": True}),
-                 headers={"Content-Type": "application/json"})
+    # the longest generation the context allows, no early EOS: only a cancellation ends it before
+    # its last token (with 60 tokens and EOS allowed, a loaded machine had it finish first, once)
+    body = {"prompt": "Return", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data:")
     conn.sock.close()  # gone mid-stream
