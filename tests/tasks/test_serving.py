@@ -1512,8 +1512,7 @@ def check_router_allowlist(env: dict[str, str], stable: str) -> None:
 
 
 def check_disconnect_frees_the_slot(env: dict[str, str], version: str) -> None:
-    """A client that goes away mid-stream frees its engine slot (Triton cancels its request)."""
-    import http.client
+    """Clients that go away mid-stream free their engine slots (Triton cancels their requests)."""
     import urllib.parse
 
     def metric(name: str) -> float:
@@ -1523,20 +1522,33 @@ def check_disconnect_frees_the_slot(env: dict[str, str], version: str) -> None:
                     return float(line.rsplit(" ", 1)[1])
         return 0.0
 
-    cancelled = metric("llm_requests_cancelled_total")
     router = urllib.parse.urlsplit(env["ROUTER_URL"])
-    conn = http.client.HTTPConnection(router.hostname, router.port, timeout=30)
-    # the longest generation the context allows, no early EOS: only a cancellation ends it before
-    # its last token (with 60 tokens and EOS allowed, a loaded machine had it finish first, once)
-    body = {"prompt": "Return", "max_tokens": 120, "ignore_eos": True, "stream": True}
-    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.readline().startswith(b"data:")
-    conn.sock.close()  # gone mid-stream
-    conn.close()
+    prompt = "Return"
+    request = urllib.request.Request(f"{env['ROUTER_URL']}/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": prompt, "max_tokens": 1}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        probe = json.loads(resp.read())
+    # the longest generation the context allows, no early EOS (a 120-token request is refused at a
+    # context of 64; 60 tokens with EOS allowed finished before its cancellation on a loaded machine)
+    longest = helpers.SMALL["seq_len"] - probe["usage"]["prompt_tokens"]
+    body = json.dumps({"prompt": prompt, "max_tokens": longest, "ignore_eos": True, "stream": True})
+    cancelled = metric("llm_requests_cancelled_total")
+    # several at once share the engine's steps, so each generates slower than alone: the
+    # disconnects reach the engine while at least one is still generating, even on a loaded machine
+    streams = [http.client.HTTPConnection(router.hostname, router.port, timeout=30) for _ in range(4)]
+    for conn in streams:
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    for conn in streams:
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:500]
+        assert resp.readline().startswith(b"data:")
+    for conn in streams:
+        conn.sock.close()  # gone mid-stream
+        conn.close()
     deadline = time.monotonic() + 20
     while metric("llm_requests_cancelled_total") <= cancelled or metric("llm_slots_in_use") > 0:
-        assert time.monotonic() < deadline, "the engine never freed the disconnected client's slot"
+        assert time.monotonic() < deadline, "the engine never freed the disconnected clients' slots"
         time.sleep(0.2)
 
 
