@@ -16,7 +16,7 @@ from airflow.sdk import DAG, Param
 from alerts import on_run_failure, step_defaults
 
 from launcher import Torchrun, distributed_step, result, run_output_uri, step, tokenize_steps
-from pipeline_params import DEMO, Settings, dags_per_line, line_dag_id
+from pipeline_params import Settings, dags_per_line, line_dag_id, line_dag_shared
 from tasks.contract import REPLAY_DAG
 
 
@@ -27,8 +27,7 @@ def replay_dag(line: str, params: Settings) -> DAG:
         dag_id=line_dag_id(REPLAY_DAG, line),
         description="Rebuild a registered model version from its lineage and compare the weights",
         schedule=None,
-        start_date=dt.datetime.fromisoformat(pipeline.start_date).replace(tzinfo=dt.UTC),
-        catchup=False,
+        **line_dag_shared(line, params, "audit"),
         max_active_runs=1,
         dagrun_timeout=dt.timedelta(minutes=pipeline.deadline_min),
         on_failure_callback=on_run_failure,
@@ -39,7 +38,6 @@ def replay_dag(line: str, params: Settings) -> DAG:
                 description=f"The registered version of {pipeline.model_name} to rebuild.",
             ),
         },
-        tags=["llm", "audit", *([] if line == DEMO else [f"line:{line}"])],
         doc_md=__doc__,
     ) as dag:
         plan = step("replay_plan", "tasks.replay",

@@ -29,7 +29,16 @@ from launcher import (
     step,
     tokenize_steps,
 )
-from pipeline_params import DEMO, SettingParam, Settings, dags_per_line, pipeline_params, raw_data_asset, set_arguments
+from pipeline_params import (
+    DEMO,
+    SettingParam,
+    Settings,
+    dags_per_line,
+    line_dag_shared,
+    pipeline_params,
+    raw_data_asset,
+    set_arguments,
+)
 from tasks.contract import DECISIONS, ERROR_XCOM_KEY, REPORTED_STEPS, ROLL_BACK, ROLLOUT_VERDICT, RolloutVerdict
 
 
@@ -166,8 +175,7 @@ def retrain_dag(line: str, params: Settings) -> DAG:
         # logical date: its window ends the day it was triggered, see END_DATE)
         schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable(pipeline.schedule, timezone="UTC"),
                                      assets=[raw_data_asset()]),
-        start_date=dt.datetime.fromisoformat(pipeline.start_date).replace(tzinfo=dt.UTC),
-        catchup=False,
+        **line_dag_shared(line, params, "retrain"),
         max_active_runs=2,
         # a run going on this long is failed by the scheduler, with one alert line (and the webhook).
         # (Airflow 3.3.2's DeadlineAlert, which would only alert, crashes `airflow dags test`.)
@@ -195,7 +203,6 @@ def retrain_dag(line: str, params: Settings) -> DAG:
                             "first run.",
             ),
         },
-        tags=["llm", "retrain", *([] if line == DEMO else [f"line:{line}"])],
         doc_md=__doc__,
     ) as dag:
         snapshot = step(

@@ -7,12 +7,10 @@ model line's is ``llm_rollback__<line>`` (docs/lines.md).
 
 from __future__ import annotations
 
-import datetime as dt
-
 from airflow.sdk import DAG, Param
 
 from launcher import step
-from pipeline_params import DEMO, Settings, dags_per_line, line_dag_id
+from pipeline_params import Settings, dags_per_line, line_dag_id, line_dag_shared
 
 ROLLBACK_DAG = "llm_rollback"
 
@@ -24,8 +22,7 @@ def rollback_dag(line: str, params: Settings) -> DAG:
         dag_id=line_dag_id(ROLLBACK_DAG, line),
         description="Serve an earlier model version again and make it champion",
         schedule=None,
-        start_date=dt.datetime.fromisoformat(pipeline.start_date).replace(tzinfo=dt.UTC),
-        catchup=False,
+        **line_dag_shared(line, params, "serving"),
         max_active_runs=1,
         params={
             "target": Param(
@@ -34,7 +31,6 @@ def rollback_dag(line: str, params: Settings) -> DAG:
                 f"{pipeline.model_name}.",
             ),
         },
-        tags=["llm", "serving", *([] if line == DEMO else [f"line:{line}"])],
         doc_md=__doc__,
     ) as dag:
         step("rollback", "tasks.deploy", ["rollback", "--target", "{{ params.target }}"], retries=1)

@@ -30,8 +30,8 @@ from tasks.config.lines import BUILDING
 if TYPE_CHECKING:
     from airflow.sdk import DAG
 
-__all__ = ["DEMO", "REPO_ROOT", "SettingParam", "Settings", "building", "dags_per_line", "line_dag_id", "line_env",
-           "params_path", "pipeline_lines", "pipeline_params", "raw_data_asset", "served_traffic_asset", "set_arguments"]
+__all__ = ["DEMO", "REPO_ROOT", "SettingParam", "Settings", "building", "dags_per_line", "line_dag_id",
+           "line_dag_shared", "line_env", "params_path", "pipeline_lines", "pipeline_params", "raw_data_asset", "served_traffic_asset", "set_arguments"]
 
 # the line whose DAG is being built (building()); the demo line's otherwise
 _building = BUILDING
@@ -68,6 +68,15 @@ def dags_per_line(builder: Callable[[str, Settings], DAG]) -> dict[str, DAG]:
             dag = builder(line, settings)
         built[dag.dag_id] = dag
     return built
+
+
+def line_dag_shared(line: str, params: Settings, *tags: str) -> dict[str, Any]:
+    """The DAG arguments every DAG of a line shares: the line's start date, no catch-up, and its
+    tags (``llm``, ``tags``, and the line's own name but for the demo line's)."""
+    import datetime as dt
+
+    return {"start_date": dt.datetime.fromisoformat(params.pipeline.start_date).replace(tzinfo=dt.UTC),
+            "catchup": False, "tags": ["llm", *tags, *([] if line == DEMO else [f"line:{line}"])]}
 
 
 def line_env() -> dict[str, str]:
