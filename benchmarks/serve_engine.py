@@ -1,10 +1,11 @@
 """The generation engine alone, in-process: continuous batching over the KV-cache decoder, no
 Triton, front or HTTP around it, at several concurrencies, with the cache in the host's memory
 (:class:`KVDecoder`, the CPU default) and in the device's (:class:`DeviceKVDecoder`, the GPU
-default), side by side, rounds interleaved.
+default), and with each number of slots asked for, side by side, rounds interleaved.
 
     .venvs/runtime/bin/python benchmarks/serve_engine.py [--preset cpu-tiny] [--prompt 32] [--new 64]
-        [--concurrency 1 8 32] [--slots 8] [--rounds 3] [--decoders host device] [--output FILE]
+        [--concurrency 1 8 32] [--slots 8 32] [--prefill-tokens 256] [--rounds 3]
+        [--decoders host device] [--output FILE]
 
 A GPT of the preset (random weights: speed does not depend on them; ``params.yaml``'s
 ``train.presets`` and ``tokenize.vocab_size``), exported to ``decoder.onnx`` by the export step's
@@ -74,10 +75,10 @@ def build(preset: str, folder: Path) -> tuple[GPT, Any, Path]:
     return model, tokenizer, path
 
 
-def open_engine(kind: str, model: GPT, tokenizer: Any, path: Path, slots: int, queue: int) -> Engine:
+def open_engine(kind: str, model: GPT, tokenizer: Any, path: Path, limits: EngineLimits) -> Engine:
     c = model.config
-    decoder = DECODERS[kind](str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), slots)
-    return Engine(decoder, tokenizer, c.seq_len, EngineLimits(slots, queue, 16, 600.0)).start()
+    decoder = DECODERS[kind](str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), limits.slots)
+    return Engine(decoder, tokenizer, c.seq_len, limits).start()
 
 
 def sampling(engine: Engine, prompt: int, new: int) -> SamplingParams:
@@ -125,7 +126,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="new tokens per request")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
-    parser.add_argument("--slots", type=int, default=8, help="the engine's slots (serve.max_slots)")
+    parser.add_argument("--slots", nargs="+", type=int, default=[8], help="the engine's slots (serve.max_slots): "
+                        "an engine of each, measured side by side")
+    parser.add_argument("--prefill-tokens", type=int,
+                        default=yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["serve"]["generate"]["prefill_tokens"],
+                        help="prompt tokens prefilled per step (serve.generate.prefill_tokens; 0: whole prompts)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is shown)")
     parser.add_argument("--decoders", nargs="+", choices=list(DECODERS), default=list(DECODERS))
     parser.add_argument("--output", type=Path, help="write the figures here as JSON")
@@ -134,11 +139,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         model, tokenizer, path = build(args.preset, Path(tmp))
         vocab = model.config.vocab_size
-        engines = {kind: open_engine(kind, model, tokenizer, path, args.slots, max(args.concurrency))
-                   for kind in args.decoders}
+        engines = {f"{kind} {slots}": open_engine(kind, model, tokenizer, path, EngineLimits(
+            slots, max(args.concurrency), 16, 600.0, prefill_tokens=args.prefill_tokens))
+            for kind in args.decoders for slots in args.slots}
         provider = next(iter(engines.values())).decoder.session.get_providers()[0]
         print(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, context "
-              f"{model.config.seq_len}, prompts of {args.prompt}, {args.new} new tokens, {args.slots} slots; "
+              f"{model.config.seq_len}, prompts of {args.prompt}, {args.new} new tokens, {args.prefill_tokens} prompt "
+              f"tokens prefilled a step; "
               f"ONNX Runtime on {provider}", flush=True)
         mismatches = {kind: check_parity(engine, model, vocab, args.prompt, args.new) for kind, engine in engines.items()}
         print("greedy continuations differing from PyTorch's (of 4): "
@@ -156,13 +163,16 @@ def main() -> None:
 
     rows = {f"{kind} c{concurrency}": {key: statistics.median(r[key] for r in found) for key in found[0]}
             for (kind, concurrency), found in runs.items()}
-    print("| cache | concurrency | output tok/s | TTFT p50 ms | ITL p50 ms |\n|---|---|---|---|---|")
+    print("| cache | slots | concurrency | output tok/s | TTFT p50 ms | ITL p50 ms |\n|---|---|---|---|---|---|")
     for (kind, concurrency) in runs:
         row = rows[f"{kind} c{concurrency}"]
-        print(f"| {kind} | {concurrency} | {row['output_tok_s']:.0f} | {row['ttft_p50_ms']:.2f} | {row['itl_p50_ms']:.2f} |")
+        cache, slots = kind.split()
+        print(f"| {cache} | {slots} | {concurrency} | {row['output_tok_s']:.0f} | {row['ttft_p50_ms']:.2f} "
+              f"| {row['itl_p50_ms']:.2f} |")
     if args.output:
         args.output.write_text(json.dumps({"preset": args.preset, "provider": provider, "prompt": args.prompt,
-                                           "new": args.new, "slots": args.slots, "mismatches": mismatches,
+                                           "new": args.new, "slots": args.slots, "prefill_tokens": args.prefill_tokens,
+                                           "mismatches": mismatches,
                                            "rows": rows}, indent=1))
     if any(mismatches.values()):
         sys.exit(1)

@@ -71,6 +71,10 @@ class Generate:
     """Requests waiting for a slot; beyond: "overloaded" (HTTP 429)."""
     request_timeout_s: float
     """How long a request may hold its slot."""
+    prefill_tokens: int = 256
+    """Prompt tokens the engine prefills per step before the running sequences' next token: a
+    longer prompt, or many arriving at once, goes in chunks over several steps instead of stalling
+    every stream (vLLM's chunked prefill); 0: every admitted prompt whole."""
     tensorrt: bool = False
     """On a GPU, run the engine's decoder on ONNX Runtime's TensorRT provider (FP16) where
     TensorRT's library loads; off: its CUDA provider in full float32. FP16 changes greedy text,
@@ -78,7 +82,7 @@ class Generate:
 
     def __post_init__(self) -> None:
         positive(self, "max_tokens", "request_timeout_s")
-        at_least_zero(self, "max_queue")
+        at_least_zero(self, "max_queue", "prefill_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +209,11 @@ class ServeSettings:
     intra_op_threads: int
     """ONNX Runtime threads per CPU instance; 0: every core."""
     max_slots: int
-    """Sequences the engine decodes together (KV cache preallocated for each)."""
+    """The most sequences the engine decodes together (vLLM's max_num_seqs)."""
+    kv_cache_mb: float
+    """The engine's KV cache budget per loaded version (MiB): it gets as many slots as whole-context
+    caches of its model fit, at most max_slots; a model whose one sequence does not fit is refused
+    at load. Triton holds stable, canary and shadow at once: up to three such caches."""
     generate: Generate
     """The engine's request limits."""
     load_timeout_s: float
@@ -218,7 +226,7 @@ class ServeSettings:
     """A sample of served requests and answers, PII scrubbed, for the drift check."""
 
     def __post_init__(self) -> None:
-        positive(self, "max_batch_size", "instances", "max_slots", "load_timeout_s")
+        positive(self, "max_batch_size", "instances", "max_slots", "kv_cache_mb", "load_timeout_s")
         at_least_zero(self, "max_queue_delay_us", "intra_op_threads")
         for size in self.preferred_batch_sizes:
             check(0 < size <= self.max_batch_size, "preferred_batch_sizes", self.preferred_batch_sizes,

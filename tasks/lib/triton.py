@@ -99,6 +99,8 @@ def generate_model_config(name: str, serve: ServeSettings) -> dict[str, Any]:
         "instance_group": [{"count": 1, "kind": "KIND_CPU"}],  # the engine batches: one instance
         "parameters": {
             "max_slots": {"string_value": str(serve.max_slots)},
+            "kv_cache_bytes": {"string_value": str(int(serve.kv_cache_mb * 2**20))},
+            "prefill_tokens": {"string_value": str(generate.prefill_tokens)},
             "max_queue": {"string_value": str(generate.max_queue)},
             "default_max_tokens": {"string_value": str(generate.max_tokens)},
             "request_timeout_s": {"string_value": str(generate.request_timeout_s)},

@@ -3,6 +3,7 @@ engine file the Triton model runs, a real tokenizer. Triton and the router: test
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -48,11 +49,12 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[GPT, Any, Path]:
 
 
 def engine_of(exported: tuple[GPT, Any, Path], slots: int = 4, queue: int = 8, timeout_s: float = 30.0,
-              decoder_kind: type[KVDecoder] = KVDecoder) -> Engine:
+              decoder_kind: type[KVDecoder] = KVDecoder, prefill_tokens: int = 0) -> Engine:
     model, tokenizer, path = exported
     c = model.config
     decoder = decoder_kind(str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), slots, threads=1)
-    return Engine(decoder, tokenizer, c.seq_len, EngineLimits(slots, queue, 8, timeout_s)).start()
+    limits = EngineLimits(slots, queue, 8, timeout_s, prefill_tokens=prefill_tokens)
+    return Engine(decoder, tokenizer, c.seq_len, limits).start()
 
 
 def staggered(engine: Engine, prompts: list[list[int]], max_tokens: list[int], every_s: float,
@@ -101,6 +103,96 @@ def test_requests_joining_a_running_batch_get_the_reference_continuations(export
         assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_ids)
     assert engine.stats.steps < sum(len(r.tokens) for r in results)  # decode steps were shared
     assert engine.in_use == 0 and len(engine.free) == 4
+
+
+@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder], ids=["host-cache", "bound-cache"])
+def test_prompts_prefilled_in_chunks_get_the_reference_continuations(exported: tuple[GPT, Any, Path],
+                                                                     decoder_kind: type[KVDecoder]) -> None:
+    """A prefill budget of 5 tokens a step: prompts of 2 to ~20 tokens go into the cache in
+    chunks (each continuing the slot's cache), some beside sequences already decoding, and each
+    greedy continuation still equals PyTorch's."""
+    model, tokenizer, _ = exported
+    engine = engine_of(exported, decoder_kind=decoder_kind, prefill_tokens=5)
+    prompts = [prompt_ids(tokenizer, t) for t in (f"{TEXTS[12]} {TEXTS[40]}", "café", TEXTS[3], "if it is",
+                                                   f"{TEXTS[7]} items in bucket 3; raise ValueError")]
+    assert max(len(ids) for ids in prompts) >= 15
+    results = staggered(engine, prompts, [CONTEXT - len(ids) for ids in prompts], 0.01)
+    for ids, result in zip(prompts, results, strict=True):
+        assert result.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_ids)
+    assert engine.in_use == 0 and len(engine.free) == 4
+
+
+def test_a_chunk_continues_the_cache_as_one_whole_prefill_would(exported: tuple[GPT, Any, Path]) -> None:
+    """The decoder's logits after a prompt prefilled in three chunks equal those of one prefill,
+    and so does the cache they leave."""
+    model, tokenizer, path = exported
+    c = model.config
+    ids = prompt_ids(tokenizer, f"{TEXTS[5]} {TEXTS[6]}")[:20]
+    assert len(ids) == 20
+    decoder = KVDecoder(str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), 2, threads=1)
+    whole = decoder.prefill(0, ids)
+    decoder.prefill(1, ids[:7])
+    decoder.prefill(1, ids[7:8], 7)
+    chunked = decoder.prefill(1, ids[8:], 8)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(decoder.keys[:, 1, :, :20], decoder.keys[:, 0, :, :20], rtol=1e-4, atol=1e-5)
+    assert decoder.lengths[0] == decoder.lengths[1] == 20
+
+
+class LoggingDecoder(KVDecoder):
+    """The host decoder, recording each run: ("prefill", tokens) or ("decode", rows)."""
+
+    runs: list[tuple[str, int]]
+
+    def prefill(self, slot: int, ids: list[int], start: int = 0) -> np.ndarray[Any, Any]:
+        self.runs.append(("prefill", len(ids)))
+        return super().prefill(slot, ids, start)
+
+    def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
+        self.runs.append(("decode", len(slots)))
+        return super().decode(slots, tokens)
+
+
+def test_a_long_prompt_does_not_stall_the_running_streams(exported: tuple[GPT, Any, Path]) -> None:
+    """A 40-token prompt arriving while a stream decodes, with 8 prompt tokens a step: no run
+    prefills more than the budget, and the running stream gets a token between its chunks."""
+    model, tokenizer, path = exported
+    c = model.config
+    decoder = LoggingDecoder(str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), 2, threads=1)
+    decoder.runs = []
+    engine = Engine(decoder, tokenizer, c.seq_len, EngineLimits(2, 4, 8, 30, prefill_tokens=8)).start()
+    try:
+        first = threading.Event()
+
+        def on_token(sequence: Sequence, delta: str, reason: str | None) -> None:
+            first.set()
+
+        short = prompt_ids(tokenizer, "if it is")
+        running = engine.submit(short, check_sampling(SamplingRequest(CONTEXT - len(short), ignore_eos=True), 8,
+                                                      len(short), CONTEXT), on_token)
+        assert first.wait(30)
+        long = (prompt_ids(tokenizer, " ".join(TEXTS)) * 2)[:40]
+        arrived = len(decoder.runs)
+        answer = generate(engine, long, check_sampling(SamplingRequest(1), 8, len(long), CONTEXT))
+        assert answer.finish_reason == "length" and running.finish_reason is None
+    finally:
+        engine.stop()
+    after = decoder.runs[arrived:]
+    chunks = [i for i, (kind, _) in enumerate(after) if kind == "prefill"]
+    assert [after[i][1] for i in chunks] == [8, 8, 8, 8, 8], after
+    for one, two in itertools.pairwise(chunks):
+        assert ("decode", 1) in after[one:two], after  # the running stream's token between chunks
+
+
+def test_the_kv_budget_sizes_the_slots() -> None:
+    """As many whole-context caches as the budget holds, at most max_slots; none: refused, one line."""
+    shape = CacheShape(layers=4, kv_heads=8, head_dim=64, context=256)  # cpu-small: 4 MiB a sequence
+    assert shape.slot_bytes == 4 * 2**20
+    assert EngineLimits(32, 8, 8, 60, kv_cache_bytes=64 * 2**20).slots_for(shape) == 16
+    assert EngineLimits(8, 8, 8, 60, kv_cache_bytes=64 * 2**20).slots_for(shape) == 8
+    assert EngineLimits(8, 8, 8, 60).slots_for(shape) == 8  # no budget: max_slots
+    with pytest.raises(ValueError, match=r"^serve.kv_cache_mb 3: one sequence's cache takes 4.00 MiB for this model"):
+        EngineLimits(8, 8, 8, 60, kv_cache_bytes=3 * 2**20).slots_for(shape)
 
 
 def test_a_grouped_query_model_exports_and_serves_its_reference_continuations(

@@ -7,14 +7,18 @@ host cache, on the CPU; the GPU's cache is the same arithmetic, tests/tasks/test
 both).
 
 - :class:`KVDecoder`: ``decoder.onnx`` (the model's :meth:`GPT.forward_cached`) with a key/value
-  cache preallocated for ``slots`` sequences of the full context; a prefill writes a prompt's
-  keys and values into its slot, a decode step runs every active sequence's last token at once
-  (each sequence's past masked to its own length). On a GPU (:class:`DeviceKVDecoder`) the cache
-  stays in the GPU's memory, bound to ONNX Runtime by address.
+  cache preallocated for ``slots`` sequences of the full context (as many as ``serve.kv_cache_mb``
+  holds, at most ``serve.max_slots``: :meth:`EngineLimits.slots_for`); a prefill writes a
+  prompt's keys and values into its slot, a chunk at a time where it is long, a decode step runs
+  every active sequence's last token at once (each sequence's past masked to its own length). On
+  a GPU (:class:`DeviceKVDecoder`) the cache stays in the GPU's memory, bound to ONNX Runtime by
+  address.
 - :class:`Engine`: a scheduler thread. A request waits in a bounded admission queue (full: the
-  submit fails at once with :class:`Overloaded`, memory never grows), joins the running batch at
-  the next step when a slot is free (prefill, then one decode step per token with everyone
-  else), and leaves when done, freeing its slot: continuous (in-flight) batching.
+  submit fails at once with :class:`Overloaded`, memory never grows), takes a slot as soon as one
+  is free, is prefilled within the step's budget of prompt tokens (``serve.generate.prefill_tokens``:
+  a long prompt, or many arriving at once, is spread over steps, and the running sequences get a
+  token between its chunks instead of waiting for every prompt), then decodes one token per step
+  with everyone else, and leaves when done, freeing its slot: continuous (in-flight) batching.
 - Per-request sampling (:class:`SamplingParams`): greedy (temperature 0, deterministic and equal
   to the PyTorch reference), or temperature / top-k / top-p with a seeded generator (same seed,
   same text; one uniform number per token, drawn from the few tokens that can come out, found
@@ -36,7 +40,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -238,6 +242,11 @@ class CacheShape:
     head_dim: int
     context: int
 
+    @property
+    def slot_bytes(self) -> int:
+        """One sequence's keys and values over the whole context, in float32."""
+        return 2 * self.layers * self.kv_heads * self.context * self.head_dim * 4
+
     @classmethod
     def of_generation(cls, generation: dict[str, Any]) -> CacheShape:
         """From an export's ``generation.json`` (exports before grouped-query attention: n_heads)."""
@@ -323,14 +332,18 @@ class KVDecoder:
             chosen.append(("CUDAExecutionProvider", {"use_tf32": "0"}))
         return [*chosen, "CPUExecutionProvider"]
 
-    def prefill(self, slot: int, ids: list[int]) -> np.ndarray[Any, Any]:
-        """The prompt's keys and values into ``slot``; returns its next-token logits (vocab,)."""
+    def prefill(self, slot: int, ids: list[int], start: int = 0) -> np.ndarray[Any, Any]:
+        """The keys and values of prompt tokens ``ids`` into ``slot`` from position ``start`` (a
+        later chunk of a long prompt continues the slot's cache); returns the next-token logits
+        after them (vocab,)."""
+        past_keys = self.keys[:, slot:slot + 1, :, :start] if start else self.placeholder
+        past_values = self.values[:, slot:slot + 1, :, :start] if start else self.placeholder
         logits, keys, values = self.session.run(None, {
-            "input_ids": np.asarray([ids], np.int64), "past_keys": self.placeholder,
-            "past_values": self.placeholder, "past_lengths": np.zeros(1, np.int64)})
-        n = len(ids)
-        self.keys[:, slot, :, :n], self.values[:, slot, :, :n] = keys[:, 0], values[:, 0]
-        self.lengths[slot] = n
+            "input_ids": np.asarray([ids], np.int64), "past_keys": past_keys,
+            "past_values": past_values, "past_lengths": np.asarray([start], np.int64)})
+        end = start + len(ids)
+        self.keys[:, slot, :, start:end], self.values[:, slot, :, start:end] = keys[:, 0], values[:, 0]
+        self.lengths[slot] = end
         return logits[0]  # type: ignore[no-any-return]
 
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
@@ -386,13 +399,15 @@ class DeviceKVDecoder(KVDecoder):
         self.session.run_with_iobinding(binding)  # returns once the outputs are written
         return logits, present_keys, present_values
 
-    def prefill(self, slot: int, ids: list[int]) -> np.ndarray[Any, Any]:
-        torch, n = self.torch, len(ids)
+    def prefill(self, slot: int, ids: list[int], start: int = 0) -> np.ndarray[Any, Any]:
+        torch, end = self.torch, start + len(ids)
         tokens = torch.tensor([ids], dtype=torch.int64, device=self.device)
-        no_past = torch.zeros(1, dtype=torch.int64, device=self.device)
-        logits, keys, values = self.run(tokens, self.placeholder, self.placeholder, no_past)
-        self.keys[:, slot, :, :n], self.values[:, slot, :, :n] = keys[:, 0], values[:, 0]
-        self.lengths[slot] = n
+        past_keys = self.keys[:, slot:slot + 1, :, :start].contiguous() if start else self.placeholder
+        past_values = self.values[:, slot:slot + 1, :, :start].contiguous() if start else self.placeholder
+        at = torch.tensor([start], dtype=torch.int64, device=self.device)
+        logits, keys, values = self.run(tokens, past_keys, past_values, at)
+        self.keys[:, slot, :, start:end], self.values[:, slot, :, start:end] = keys[:, 0], values[:, 0]
+        self.lengths[slot] = end
         return logits[0].cpu().numpy()  # type: ignore[no-any-return]
 
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
@@ -475,11 +490,16 @@ class Sequence:
     submitted: float = field(default_factory=time.monotonic)
     slot: int = -1
     admitted_at: float = 0.0  # when it took a slot (its prefill began)
+    prefilled: int = 0  # prompt tokens in its cache so far (a long prompt takes several engine steps)
     tokens: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     taken: int = 0  # tokens sampled (EOS included)
     finish_reason: str | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt_ids)
 
     def timings_ms(self) -> tuple[float, float]:
         """Time to first token once admitted (its prefill and first sample) and the mean gap
@@ -510,15 +530,33 @@ class Stats:
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """How much the engine takes on (``serve.generate``): ``slots`` sequences decoding at once,
-    ``max_queue`` requests waiting for a slot (more: :class:`Overloaded`), each ending within
+    """How much the engine takes on (``serve``): at most ``slots`` sequences decoding at once,
+    fewer where their caches would not fit ``kv_cache_bytes`` (0: no budget); ``max_queue``
+    requests waiting for a slot (more: :class:`Overloaded`), each ending within
     ``request_timeout_s`` of its submission; a request without ``max_tokens`` gets
-    ``default_max_tokens`` (within the context left)."""
+    ``default_max_tokens`` (within the context left). ``prefill_tokens``: the prompt tokens one
+    engine step prefills before the running sequences' next token (a long prompt goes in chunks,
+    so it never stalls the others' streams for longer; 0: every admitted prompt whole)."""
 
     slots: int
     max_queue: int
     default_max_tokens: int
     request_timeout_s: float
+    kv_cache_bytes: int = 0
+    prefill_tokens: int = 0
+
+    def slots_for(self, shape: CacheShape) -> int:
+        """The slots a model of this cache shape gets: as many whole-context caches as the budget
+        holds, at most ``slots``; a budget that holds none is refused (the model cannot serve)."""
+        if not self.kv_cache_bytes:
+            return self.slots
+        fits = self.kv_cache_bytes // shape.slot_bytes
+        if fits < 1:
+            raise ValueError(f"serve.kv_cache_mb {self.kv_cache_bytes / 2**20:g}: one sequence's cache takes "
+                             f"{shape.slot_bytes / 2**20:.2f} MiB for this model ({shape.layers} layers, "
+                             f"{shape.kv_heads} KV heads of {shape.head_dim}, context {shape.context}): "
+                             "raise the budget")
+        return int(min(self.slots, fits))
 
 
 class Engine:
@@ -531,6 +569,7 @@ class Engine:
         self.decoder, self.tokenizer, self.context = decoder, tokenizer, context
         self.slots, self.max_queue = limits.slots, limits.max_queue
         self.default_max_tokens, self.request_timeout_s = limits.default_max_tokens, limits.request_timeout_s
+        self.prefill_tokens = limits.prefill_tokens or context * limits.slots  # 0: no bound
         stops = list(eos_ids) or [tokenizer.token_to_id(EOS)]
         if stops[0] is None:
             raise ValueError(f"the tokenizer has no {EOS} token, and no eos_ids were given")
@@ -553,8 +592,9 @@ class Engine:
 
         with open(os.path.join(folder, "generation.json")) as fh:
             shape = json.load(fh)
-        decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), CacheShape.of_generation(shape), limits.slots,
-                                 threads, tensorrt)
+        cache = CacheShape.of_generation(shape)
+        limits = replace(limits, slots=limits.slots_for(cache))
+        decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), cache, limits.slots, threads, tensorrt)
         tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         # a checkpoint's special tokens (exports before them: <|endoftext|>, no BOS)
         return cls(decoder, tokenizer, int(shape["seq_len"]), limits, shape.get("eos_ids") or (), shape.get("bos_id"))
@@ -636,9 +676,10 @@ class Engine:
                     admitted.append(self.queue.popleft())
             try:
                 for sequence in admitted:
-                    self.prefill(sequence)
+                    self.admit(sequence)
+                self.prefill_within_budget()
                 self.drop_abandoned()
-                if self.running:
+                if any(s.decoding for s in self.running.values()):
                     self.step()
             except Exception as exc:  # a bug must not stop the engine: its requests fail, the rest go on
                 self.fail([*self.running.values(), *(s for s in admitted if s.finish_reason is None
@@ -646,7 +687,8 @@ class Engine:
         for sequence in [*self.running.values(), *self.queue]:
             self.finish(sequence, "abort")
 
-    def prefill(self, sequence: Sequence) -> None:
+    def admit(self, sequence: Sequence) -> None:
+        """A queued request takes a free slot (its prefill starts with the next budget)."""
         if sequence.cancelled():
             self.stats.cancelled += 1
             sequence.finish_reason = "cancelled"
@@ -658,12 +700,25 @@ class Engine:
         sequence.slot, sequence.admitted_at = self.free.pop(), time.monotonic()
         self.running[sequence.slot] = sequence
         self.stats.admitted += 1
-        try:
-            logits = self.decoder.prefill(sequence.slot, sequence.prompt_ids)
-        except Exception as exc:  # a failed run fails this request only
-            self.fail([sequence], exc)
-            return
-        self.sample_and_take(sequence, logits)
+
+    def prefill_within_budget(self) -> None:
+        """Prompt tokens of the sequences still prefilling, oldest first, ``prefill_tokens`` of
+        them this step: a sequence whose prompt is all in takes its first token and decodes from
+        the next step on."""
+        budget = self.prefill_tokens
+        for sequence in [s for s in self.running.values() if not s.decoding]:
+            if budget <= 0:
+                return
+            chunk = sequence.prompt_ids[sequence.prefilled:sequence.prefilled + budget]
+            try:
+                logits = self.decoder.prefill(sequence.slot, chunk, sequence.prefilled)
+            except Exception as exc:  # a failed run fails this request only
+                self.fail([sequence], exc)
+                continue
+            budget -= len(chunk)
+            sequence.prefilled += len(chunk)
+            if sequence.decoding:
+                self.sample_and_take(sequence, logits)
 
     def sample_and_take(self, sequence: Sequence, logits: np.ndarray[Any, Any]) -> None:
         try:
@@ -674,7 +729,7 @@ class Engine:
         self.take(sequence, token)
 
     def step(self) -> None:
-        batch = list(self.running.values())
+        batch = [s for s in self.running.values() if s.decoding]
         try:
             logits = self.decoder.decode([s.slot for s in batch], [s.tokens[-1] for s in batch])
         except Exception as exc:

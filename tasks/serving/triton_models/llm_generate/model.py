@@ -12,7 +12,7 @@ with a plain JSON body.
 
 Metrics on Triton's endpoint (:8002/metrics), labelled by model and version, published every
 half second: time to first token and inter-token latency (histograms), output tokens, slots in
-use, queue length, rejected and cancelled requests.
+use and held (the KV cache's size in sequences), queue length, rejected and cancelled requests.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ class Metrics:
             ("requests_cancelled", "requests whose client went away or timed out"),
             ("requests_finished", "requests answered to the end"), ("requests_failed", "requests failed by the engine"))}
         self.gauges = {key: family(f"llm_{key}", text, gauge).Metric(labels=labels) for key, text in (
-            ("slots_in_use", "sequences in the running batch"), ("queue_length", "requests waiting for a slot"))}
+            ("slots_in_use", "sequences in the running batch"), ("queue_length", "requests waiting for a slot"),
+            ("slots", "sequences the KV cache holds (serve.kv_cache_mb, at most serve.max_slots)"))}
         self.seen = {key: 0 for key in self.counters}
 
     def refresh(self, engine: Engine) -> None:
@@ -132,6 +133,7 @@ class Metrics:
                     self.counters[key].increment(total - self.seen[key])
                     self.seen[key] = total
             self.gauges["slots_in_use"].set(engine.in_use)
+            self.gauges["slots"].set(engine.slots)
             self.gauges["queue_length"].set(engine.queued)
             for key, values in (("ttft", stats.ttft_s), ("itl", stats.itl_s)):
                 drained = values[:]
@@ -148,9 +150,12 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("llm_generate must be decoupled (model_transaction_policy)")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        # (a configuration an older export wrote has no cache budget nor prefill budget)
         limits = EngineLimits(slots=int(params["max_slots"]), max_queue=int(params["max_queue"]),
                               default_max_tokens=int(params["default_max_tokens"]),
-                              request_timeout_s=float(params["request_timeout_s"]))
+                              request_timeout_s=float(params["request_timeout_s"]),
+                              kv_cache_bytes=int(params.get("kv_cache_bytes", "0")),
+                              prefill_tokens=int(params.get("prefill_tokens", "0")))
         self.engine = Engine.from_folder(folder, limits, threads=int(params.get("intra_op_thread_count", "0")),
                                          tensorrt=params.get("tensorrt") == "true")
         # the engine's timings go out only where the configuration declares them (a version's
