@@ -21,6 +21,14 @@ PIPELINE_DATE ?= 2026-11-22
 
 comma := ,
 export AIRFLOW_HOME := $(CURDIR)
+# LINE=<name>: retrain, replay, report and import act on that model line (lines/<name>.yaml,
+# docs/lines.md): its steps read its settings, its DAGs run; empty: the demo line (params.yaml)
+LINE ?=
+ifneq ($(LINE),)
+export PIPELINE_LINE := $(LINE)
+endif
+# one setting of the line (its DAG id, its raw data), read when a recipe runs
+SETTING = $$($(RT_PY) -m tasks.config --get $(1))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
@@ -34,6 +42,7 @@ help:
 	@echo "make replay VERSION=N     rebuild a registered version from its lineage, compare the weights"
 	@echo "make drift [TRAFFIC=normal]   demo traffic through the router, then the drift check (llm_drift)"
 	@echo "make report     the newest run's summary (report.json, report.html: paths printed)"
+	@echo "                LINE=<name>: retrain, replay, report and import act on that model line (docs/lines.md)"
 	@echo "make import SOURCE=...    a corpus (JSON Lines, Parquet, CSV, text files, datasets) into the raw partitions"
 	@echo "make retrain [BASE=...]   a retrain on the imported data (BASE: a Hugging Face checkpoint to start from)"
 	@echo "make predict PROMPT=...   a completion from the serving model, through the router"
@@ -176,8 +185,9 @@ END_DATE ?=
 LOOKBACK ?=
 retrain: env .airflow/airflow.db
 	$(RT_PY) -m stack up
-	@conf=$$(BASE="$(BASE)" EVAL_SET="$(EVAL_SET)" END_DATE="$(END_DATE)" LOOKBACK="$(LOOKBACK)" $(RT_PY) -m stack retrain-conf) && \
-	  echo "retrain run: $$conf" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_retrain -c "$$conf"; status=$$?; } && \
+	@dag=$(call SETTING,pipeline.dag_id) && \
+	  conf=$$(BASE="$(BASE)" EVAL_SET="$(EVAL_SET)" END_DATE="$(END_DATE)" LOOKBACK="$(LOOKBACK)" $(RT_PY) -m stack retrain-conf) && \
+	  echo "$$dag run: $$conf" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test $$dag -c "$$conf"; status=$$?; } && \
 	  echo && $(MAKE) --no-print-directory report && exit $$status
 
 # Rebuild a registered version from its lineage alone and compare its weights with the registered
@@ -187,7 +197,7 @@ replay: env .airflow/airflow.db
 	@test -n "$(VERSION)" || { echo "usage: make replay VERSION=N (a registered version of $$(grep -m1 'model_name:' params.yaml | awk '{print $$2}'))" >&2; exit 2; }
 	$(RT_PY) -m stack up
 	@started=$$(date -u +%Y-%m-%dT%H:%M:%S) && $(STACK_ENV) && \
-	  { $(ORCH)/bin/airflow dags test llm_replay -c '{"version": $(VERSION)}' 2>&1 | tee .stack/replay.log; } && echo && \
+	  { $(ORCH)/bin/airflow dags test $(if $(LINE),llm_replay__$(LINE),llm_replay) -c '{"version": $(VERSION)}' 2>&1 | tee .stack/replay.log; } && echo && \
 	  LOG_LEVEL=WARNING $(RT_PY) -m tasks.replay show --model-version $(VERSION) --since $$started --log .stack/replay.log
 
 # Served traffic -> the drift check: `make drift` sends 200 prompts in another vocabulary
@@ -208,11 +218,12 @@ report:
 # A corpus into the raw partitions the retrain reads: make import SOURCE=path/to/corpus.jsonl
 # [IMPORT_ARGS="--text-field body --timestamp-field created"] (tasks/ingest.py: formats, fields)
 SOURCE ?=
-IMPORT_TO ?= $(shell grep -m1 'raw_data_uri:' params.yaml | awk '{print $$2}')
+IMPORT_TO ?=
 import: env
 	@test -n "$(SOURCE)" || { echo "make import SOURCE=<file or folder>: which corpus?"; exit 2; }
 	$(RT_PY) -m stack up
-	$(STACK_ENV) && $(RT_PY) -m tasks.ingest import "$(SOURCE)" --to $(IMPORT_TO) $(IMPORT_ARGS)
+	to="$(IMPORT_TO)" && to=$${to:-$(call SETTING,pipeline.raw_data_uri)} && \
+	  $(STACK_ENV) && $(RT_PY) -m tasks.ingest import "$(SOURCE)" --to "$$to" $(IMPORT_ARGS)
 
 # A completion from the serving model through the router: make predict PROMPT="Return the number of"
 PROMPT ?= Return the number of

@@ -1,8 +1,10 @@
 """``python -m tasks.config``: check params.yaml and the model lines; ``--markdown``, ``--update-docs
-PAGE``: its reference."""
+PAGE``: its reference; ``--get KEY``: one setting of the current line."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,10 +15,32 @@ from tasks.config.load import every_line, load, params_path
 from tasks.config.reference import reference, with_reference
 
 
+def setting(settings: object, key: str) -> str:
+    """The value of a dotted settings key (``pipeline.dag_id``), as a shell reads it; a key that
+    names no setting, or a whole section, raises :class:`SettingsError`."""
+    value = settings
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(value) or part not in {f.name for f in dataclasses.fields(value)}:
+            raise SettingsError(f"--get {key}: no such setting")
+        value = getattr(value, part)
+    if dataclasses.is_dataclass(value):
+        raise SettingsError(f"--get {key}: a section, not a setting")
+    return json.dumps(value) if isinstance(value, (list, tuple, dict, bool)) or value is None else str(value)
+
+
 def main(argv: Sequence[str]) -> int:
     """``python -m tasks.config``: check params.yaml, the line ``PIPELINE_LINE`` names and every
     line file, together (exit 2 and one line if a setting cannot be used); ``--markdown``: print
-    the reference; ``--update-docs PAGE``: rewrite PAGE's reference."""
+    the reference; ``--update-docs PAGE``: rewrite PAGE's reference; ``--get KEY``: print one
+    setting of the line ``PIPELINE_LINE`` names (the Makefile's targets read a line's DAG id and
+    raw data so)."""
+    if len(argv) == 2 and argv[0] == "--get":
+        try:
+            print(setting(load(), argv[1]))
+        except SettingsError as exc:
+            print(f"ERROR {exc}", file=sys.stderr)
+            return 2
+        return 0
     if list(argv) == ["--markdown"]:
         print(reference(load(line=DEMO)), end="")  # params.yaml's, whatever the line
         return 0

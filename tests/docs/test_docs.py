@@ -295,7 +295,7 @@ def test_configurations_sample_output_is_what_the_commands_print() -> None:
     (the checkout's path written ``~/llm-pipeline``)."""
     block = re.search(r"^```\n(\$ .*?)^```", (REPO_ROOT / "docs" / "configuration.md").read_text(), flags=re.M | re.S)
     sessions = re.findall(r"^\$ (.*)\n((?:[^$].*\n)*)", block.group(1), flags=re.M)  # type: ignore[union-attr]
-    assert len(sessions) == 2, sessions
+    assert len(sessions) == 3, sessions
     for command, expected in sessions:
         argv = command.split("#")[0].split()
         assert argv[0] == ".venvs/runtime/bin/python", command

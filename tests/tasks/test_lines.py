@@ -171,6 +171,28 @@ def test_a_step_process_reads_the_line_pipeline_line_names(lines_dir: Path) -> N
         f"({lines_dir / 'support.yaml'})'s too: each line needs its own"]
 
 
+def test_make_targets_read_a_lines_dag_id_and_raw_data(lines_dir: Path) -> None:
+    """``make retrain/import/replay/report LINE=support``: PIPELINE_LINE exported, the line's
+    settings read by ``python -m tasks.config --get`` (a section or unknown key: exit 2, one line)."""
+    env = {"PATH": os.environ["PATH"], "PIPELINE_LINES_DIR": str(lines_dir), "PIPELINE_LINE": "support"}
+
+    def get(key: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(RUNTIME_PY), "-m", "tasks.config", "--get", key], cwd=REPO_ROOT, capture_output=True,
+                              text=True, env=env)
+
+    got = [get(key) for key in ("pipeline.dag_id", "pipeline.raw_data_uri", "canary.steps")]
+    assert [g.stdout for g in got] == ["llm_retrain__support\n", "s3://raw/support\n", "[10, 50, 100]\n"], got
+    for key, problem in (("pipeline", "a section, not a setting"), ("pipeline.nope", "no such setting")):
+        bad = get(key)
+        assert bad.returncode == 2 and bad.stderr.splitlines() == [f"ERROR --get {key}: {problem}"]
+    dry = subprocess.run(["make", "-n", "import", "SOURCE=corpus.jsonl", "LINE=support"], cwd=REPO_ROOT, text=True,
+                         capture_output=True, env={**os.environ, "PIPELINE_LINES_DIR": str(lines_dir)}, timeout=60)
+    assert "tasks.config --get pipeline.raw_data_uri" in dry.stdout, dry.stdout + dry.stderr
+    replay = subprocess.run(["make", "-n", "replay", "VERSION=2", "LINE=support"], cwd=REPO_ROOT, text=True,
+                            capture_output=True, timeout=60)
+    assert "dags test llm_replay__support " in replay.stdout, replay.stdout + replay.stderr
+
+
 def test_the_repository_ships_no_line() -> None:
     """The demo line is params.yaml alone: lines/ holds the format's README, no line (users get no extra DAG)."""
     assert list((REPO_ROOT / "lines").glob("*.yaml")) == []
