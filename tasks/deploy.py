@@ -7,7 +7,9 @@
     python -m tasks.deploy stage --model-version N --export URI --repository DIR   (cluster init container)
 
 canary: version N is loaded beside the stable one (both READY, a smoke inference through
-Triton and through the router). With ``canary.shadow`` it then shadows stable: the router
+Triton and through the router), if the two fit ``serve.memory_budget_mb`` (their ONNX files and
+KV caches, counted before anything is staged: :mod:`tasks.serving.memory`; over it, one line and
+exit 2, nothing moved). With ``canary.shadow`` it then shadows stable: the router
 mirrors a copy of every ``/v1`` request to N (users get stable's answer only) while a bounded
 generator sends the export's reference prompts, and :func:`analysis.judge_shadow` compares the
 two answers to each request (errors, text, TTFT and inter-token latency, paired). Only then

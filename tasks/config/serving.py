@@ -213,7 +213,11 @@ class ServeSettings:
     kv_cache_mb: float
     """The engine's KV cache budget per loaded version (MiB): it gets as many slots as whole-context
     caches of its model fit, at most max_slots; a model whose one sequence does not fit is refused
-    at load. Triton holds stable, canary and shadow at once: up to three such caches."""
+    before it is deployed. Locally Triton holds stable and the canary at once: two such caches."""
+    memory_budget_mb: float
+    """What Triton's versions may take together (MiB): the ONNX files and KV caches of stable and
+    the canary (locally; a pod's one version in a cluster), counted before a deploy loads anything;
+    over it, the deploy is refused with one line. 0: not checked."""
     generate: Generate
     """The engine's request limits."""
     load_timeout_s: float
@@ -227,7 +231,7 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         positive(self, "max_batch_size", "instances", "max_slots", "kv_cache_mb", "load_timeout_s")
-        at_least_zero(self, "max_queue_delay_us", "intra_op_threads")
+        at_least_zero(self, "max_queue_delay_us", "intra_op_threads", "memory_budget_mb")
         for size in self.preferred_batch_sizes:
             check(0 < size <= self.max_batch_size, "preferred_batch_sizes", self.preferred_batch_sizes,
                    "expected sizes in 1..max_batch_size")

@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +39,7 @@ from tasks.lib.errors import StepError, Terminated, first_line
 from tasks.lib.kube import KubeApi, KubeError, Lease, LeaseLost
 from tasks.lib.polling import wait_until
 from tasks.lib.step import log, stopping
+from tasks.serving import memory
 from tasks.serving.contract import (
     ANNOTATION,
     BASELINE,
@@ -71,12 +72,19 @@ class PromotionFailed(StepError):
 
 
 def stage_version(export_uri: str, version: int, repository: Path, serve: ServeSettings, scratch: Path,
-                  config_variant: str = "") -> dict[str, Any]:
+                  config_variant: str = "", beside: Iterable[int] = ()) -> dict[str, Any]:
     """Copy the export's repository fragment of ``version`` into a Triton model repository
     (replacing an earlier copy of the same version); ``config_variant`` picks one of the
-    export's configs (e.g. ``onnxruntime_onnx.gpu``) instead of the served one. Returns the
+    export's configs (e.g. ``onnxruntime_onnx.gpu``) instead of the served one. Refused (one
+    line, nothing copied) where ``version`` and the versions of the repository it will be served
+    ``beside`` would exceed ``serve.memory_budget_mb`` (:mod:`tasks.serving.memory`). Returns the
     export's parity reference (inputs and next tokens of the PyTorch model)."""
     exported = storage.download_tree(export_uri, scratch / "export")
+    incoming = memory.footprint(exported / "triton", serve, version,
+                                exported / "configs" / f"{serve.generate_model}.json")
+    served = [memory.footprint(repository, serve, v, repository / serve.generate_model / "config.json")
+              for v in beside if (repository / serve.generate_model / str(v) / "generation.json").exists()]
+    memory.check_budget(incoming, served, serve)
     for model in (serve.triton_model, serve.generate_model):
         source = exported / "triton" / model / str(version)
         if not source.is_dir():
@@ -258,7 +266,11 @@ class LocalServing:
         return self.router.live()
 
     def stage(self, export_uri: str, version: int, scratch: Path) -> dict[str, Any]:
-        return stage_version(export_uri, version, self.repository, self.serve, scratch)
+        """Into the repository, if it fits Triton's memory beside the stable version (a leftover
+        canary is rolled back before this one loads: not counted)."""
+        stable = self.live().stable
+        beside = [stable] if stable is not None and stable != version else []
+        return stage_version(export_uri, version, self.repository, self.serve, scratch, beside=beside)
 
     def serve_versions(self, versions: list[int]) -> None:
         serve_versions(self.client, self.repository, self.serve, versions)

@@ -1109,6 +1109,7 @@ def test_rollout_promotion_rollbacks_and_restart(
     check_poisoned_batch(env, reference[0])
     check_router_allowlist(env, v2)
     check_disconnect_frees_the_slot(env, v2)
+    check_a_deploy_over_the_memory_budget_is_refused(env, tokenizer_uri, tmp_path, v2)
 
     with StableWatcher(env["ROUTER_URL"], reference) as watch:
         # text endpoints broken while their logits model is healthy: a fifth of the answers
@@ -1550,6 +1551,28 @@ def check_disconnect_frees_the_slot(env: dict[str, str], version: str) -> None:
     while metric("llm_requests_cancelled_total") <= cancelled or metric("llm_slots_in_use") > 0:
         assert time.monotonic() < deadline, "the engine never freed the disconnected clients' slots"
         time.sleep(0.2)
+
+
+def check_a_deploy_over_the_memory_budget_is_refused(env: dict[str, str], tokenizer_uri: str, tmp_path: Path,
+                                                     stable: str) -> None:
+    """A version that would not fit Triton's memory beside stable (serve.memory_budget_mb): refused
+    with one line before anything is staged or loaded; stable keeps serving alone."""
+    params = yaml.safe_load(Path(env["PIPELINE_PARAMS"]).read_text())
+    params["serve"]["memory_budget_mb"] = 0.5
+    tight = tmp_path / "tight-memory.yaml"
+    tight.write_text(yaml.safe_dump(params))
+    version = register_gpt(env["MODEL_NAME"], tokenizer_uri, seed=30)
+    clone = clone_export(tmp_path / "export2", stable, tmp_path / f"clone{version}", version)
+    proc = deploy(version, str(clone), tmp_path / f"deploy{version}", {**env, "PIPELINE_PARAMS": str(tight)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = error_lines(proc)[0]
+    assert line.startswith(f"ERROR python -m tasks.deploy: version {version} ") and f" beside version {stable} " in line \
+        and line.endswith("over serve.memory_budget_mb 0.5 (lower serve.kv_cache_mb or serve.max_slots, or raise the "
+                          "budget)"), line
+    assert live_route(env) | {"generation": 0} == \
+        {"stable": int(stable), "canary": None, "canary_weight": 0.0, "generation": 0, "shadow": None}
+    assert not (Path(env["TRITON_REPOSITORY"]) / "llm_generate" / version).exists()
+    assert not (tmp_path / f"deploy{version}").exists()
 
 
 def nan_model(path: Path, export: Path) -> None:

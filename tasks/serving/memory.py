@@ -1,0 +1,81 @@
+"""What a served version takes in Triton's memory, counted before it is loaded, and the check
+that a deploy stays within ``serve.memory_budget_mb``.
+
+A version is two Triton models: the logits model and the generation engine. Each runs an ONNX
+Runtime session that holds its graph's weights (``model.onnx``, ``decoder.onnx`` and any external
+data), and the engine preallocates its key/value cache for as many whole-context sequences as
+its configuration's ``kv_cache_bytes`` holds, at most ``max_slots``
+(:meth:`EngineLimits.slots_for`). Counted: every file of the version's two folders (the ONNX
+files dominate; tokenizer and code are small) and that cache. Not counted: ONNX Runtime's
+working buffers of a step (a batch's activations), Triton's and Python's own size: leave room
+for them in the budget.
+
+Locally one Triton holds stable and the canary at once (their sum is checked); in a cluster
+each track's pod holds one version (its init container checks that one).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.config import ServeSettings
+from tasks.lib.errors import StepError
+from tasks.serving.triton_models.llm_generate.engine import CacheShape, EngineLimits
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One version's memory in Triton, as counted before loading it."""
+
+    version: int
+    weights_bytes: int  # the files of both models' version folders
+    slots: int  # the engine's KV cache, in whole-context sequences
+    cache_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.cache_bytes
+
+    def describe(self) -> str:
+        return (f"version {self.version} {self.total_bytes / MIB:,.0f} MiB ({self.weights_bytes / MIB:,.0f} MiB of "
+                f"weights, {self.slots} KV cache slots {self.cache_bytes / MIB:,.0f} MiB)")
+
+
+def engine_parameters(config: Path) -> dict[str, str]:
+    """The engine model's parameters from its load-API JSON (``config.json``)."""
+    parameters = json.loads(config.read_text()).get("parameters", {})
+    return {key: value["string_value"] for key, value in parameters.items()}
+
+
+def footprint(models: Path, serve: ServeSettings, version: int, engine_config: Path) -> Footprint:
+    """``version``'s footprint from a model repository or an export's ``triton/`` folder
+    (``models``), its engine sized by ``engine_config`` (the configuration it loads with)."""
+    folders = [models / name / str(version) for name in (serve.triton_model, serve.generate_model)]
+    weights = sum(f.stat().st_size for folder in folders for f in folder.rglob("*") if f.is_file())
+    shape = CacheShape.of_generation(json.loads((folders[1] / "generation.json").read_text()))
+    parameters = engine_parameters(engine_config)
+    limits = EngineLimits(slots=int(parameters["max_slots"]), max_queue=0, default_max_tokens=1, request_timeout_s=1,
+                          kv_cache_bytes=int(parameters.get("kv_cache_bytes", "0")))
+    try:
+        slots = limits.slots_for(shape)
+    except ValueError as exc:  # the engine would refuse to load: say so before anything moves
+        raise StepError(f"version {version}: {exc}") from None
+    return Footprint(version, weights, slots, slots * shape.slot_bytes)
+
+
+def check_budget(incoming: Footprint, beside: Iterable[Footprint], serve: ServeSettings) -> None:
+    """:class:`StepError` (one line) when ``incoming`` and the versions it would be served beside
+    exceed ``serve.memory_budget_mb`` (0: not checked)."""
+    if not serve.memory_budget_mb:
+        return
+    held = [incoming, *beside]
+    total = sum(f.total_bytes for f in held)
+    if total > serve.memory_budget_mb * MIB:
+        others = f" beside {', '.join(f.describe() for f in held[1:])}" if held[1:] else ""
+        raise StepError(f"{incoming.describe()}{others}: {total / MIB:,.0f} MiB, over serve.memory_budget_mb "
+                        f"{serve.memory_budget_mb:g} (lower serve.kv_cache_mb or serve.max_slots, or raise the budget)")
