@@ -22,13 +22,14 @@ PIPELINE_DATE ?= 2026-11-22
 comma := ,
 export AIRFLOW_HOME := $(CURDIR)
 # LINE=<name>: retrain, replay, report and import act on that model line (lines/<name>.yaml,
-# docs/lines.md): its steps read its settings, its DAGs run; empty: the demo line (params.yaml)
+# docs/lines.md): their commands get PIPELINE_LINE=<name>, so its steps read its settings and its
+# DAGs run; empty: the demo line (params.yaml), whatever the caller's environment says
 LINE ?=
-ifneq ($(LINE),)
-export PIPELINE_LINE := $(LINE)
-endif
+ON_LINE := PIPELINE_LINE=$(LINE)
 # one setting of the line (its DAG id, its raw data), read when a recipe runs
-SETTING = $$($(RT_PY) -m tasks.config --get $(1))
+SETTING = $$($(ON_LINE) $(RT_PY) -m tasks.config --get $(1))
+# the targets that run the demo line only refuse a LINE
+DEMO_ONLY = @test -z "$(LINE)" || { echo "make $@ runs the demo line; LINE= is for retrain, import, replay and report" >&2; exit 2; }
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
@@ -168,6 +169,7 @@ status:
 APPROVAL ?=
 comma := ,
 pipeline: env .airflow/airflow.db
+	$(DEMO_ONLY)
 	$(RT_PY) -m stack up $(if $(filter-out false,$(APPROVAL)),--airflow)
 	$(STACK_ENV) && $(RT_PY) -m tasks.seed
 	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=6 - min(n, 6)))') && \
@@ -186,8 +188,8 @@ LOOKBACK ?=
 retrain: env .airflow/airflow.db
 	$(RT_PY) -m stack up
 	@dag=$(call SETTING,pipeline.dag_id) && \
-	  conf=$$(BASE="$(BASE)" EVAL_SET="$(EVAL_SET)" END_DATE="$(END_DATE)" LOOKBACK="$(LOOKBACK)" $(RT_PY) -m stack retrain-conf) && \
-	  echo "$$dag run: $$conf" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test $$dag -c "$$conf"; status=$$?; } && \
+	  conf=$$(BASE="$(BASE)" EVAL_SET="$(EVAL_SET)" END_DATE="$(END_DATE)" LOOKBACK="$(LOOKBACK)" $(ON_LINE) $(RT_PY) -m stack retrain-conf) && \
+	  echo "$$dag run: $$conf" && $(STACK_ENV) && { $(ON_LINE) $(ORCH)/bin/airflow dags test $$dag -c "$$conf"; status=$$?; } && \
 	  echo && $(MAKE) --no-print-directory report && exit $$status
 
 # Rebuild a registered version from its lineage alone and compare its weights with the registered
@@ -197,8 +199,8 @@ replay: env .airflow/airflow.db
 	@test -n "$(VERSION)" || { echo "usage: make replay VERSION=N (a registered version of $$(grep -m1 'model_name:' params.yaml | awk '{print $$2}'))" >&2; exit 2; }
 	$(RT_PY) -m stack up
 	@started=$$(date -u +%Y-%m-%dT%H:%M:%S) && $(STACK_ENV) && \
-	  { $(ORCH)/bin/airflow dags test $(if $(LINE),llm_replay__$(LINE),llm_replay) -c '{"version": $(VERSION)}' 2>&1 | tee .stack/replay.log; } && echo && \
-	  LOG_LEVEL=WARNING $(RT_PY) -m tasks.replay show --model-version $(VERSION) --since $$started --log .stack/replay.log
+	  { $(ON_LINE) $(ORCH)/bin/airflow dags test $(if $(LINE),llm_replay__$(LINE),llm_replay) -c '{"version": $(VERSION)}' 2>&1 | tee .stack/replay.log; } && echo && \
+	  $(ON_LINE) LOG_LEVEL=WARNING $(RT_PY) -m tasks.replay show --model-version $(VERSION) --since $$started --log .stack/replay.log
 
 # Served traffic -> the drift check: `make drift` sends 200 prompts in another vocabulary
 # through the router (TRAFFIC=normal: held-out text), then runs llm_drift on the last 24 hours of
@@ -206,6 +208,7 @@ replay: env .airflow/airflow.db
 # Airflow scheduler up (make up) and llm_retrain unpaused, a retrain starts on it
 TRAFFIC ?= drifted
 drift: env .airflow/airflow.db
+	$(DEMO_ONLY)
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) -m stack traffic $(TRAFFIC) --count 200
 	@$(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_drift > .stack/drift.log 2>&1 || { tail -20 .stack/drift.log; exit 1; }; } && \
@@ -213,7 +216,7 @@ drift: env .airflow/airflow.db
 
 # The newest run's summary (what it trained, how good, what serves, how to query it).
 report:
-	@$(STACK_ENV) && LOG_LEVEL=WARNING $(RT_PY) -m tasks.report show
+	@$(STACK_ENV) && $(ON_LINE) LOG_LEVEL=WARNING $(RT_PY) -m tasks.report show
 
 # A corpus into the raw partitions the retrain reads: make import SOURCE=path/to/corpus.jsonl
 # [IMPORT_ARGS="--text-field body --timestamp-field created"] (tasks/ingest.py: formats, fields)
@@ -223,11 +226,12 @@ import: env
 	@test -n "$(SOURCE)" || { echo "make import SOURCE=<file or folder>: which corpus?"; exit 2; }
 	$(RT_PY) -m stack up
 	to="$(IMPORT_TO)" && to=$${to:-$(call SETTING,pipeline.raw_data_uri)} && \
-	  $(STACK_ENV) && $(RT_PY) -m tasks.ingest import "$(SOURCE)" --to "$$to" $(IMPORT_ARGS)
+	  $(STACK_ENV) && $(ON_LINE) $(RT_PY) -m tasks.ingest import "$(SOURCE)" --to "$$to" $(IMPORT_ARGS)
 
 # A completion from the serving model through the router: make predict PROMPT="Return the number of"
 PROMPT ?= Return the number of
 predict:
+	$(DEMO_ONLY)
 	@$(STACK_ENV) && $(RT_PY) -m stack predict "$(PROMPT)"
 
 # The data half as DVC stages (dvc.yaml), outside Airflow, against the local stack.

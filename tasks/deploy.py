@@ -841,7 +841,7 @@ def rollback_main(args: argparse.Namespace) -> RollbackResult:
     serving = serving_platform(settings)
     version = int(target)
     with serving.lock(), storage.scratch() as scratch:
-        serving.stage(export_uri, version, scratch)
+        serving.stage(export_uri, version, scratch, enforce_budget=False)
         live = serving.live()
         if live.versions() != [version]:
             if (live.canary is not None and live.canary != version) or live.shadow is not None:

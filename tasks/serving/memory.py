@@ -10,8 +10,10 @@ files dominate; tokenizer and code are small) and that cache. Not counted: ONNX 
 working buffers of a step (a batch's activations), Triton's and Python's own size: leave room
 for them in the budget.
 
-Locally one Triton holds stable and the canary at once (their sum is checked); in a cluster
-each track's pod holds one version (its init container checks that one).
+Locally one Triton holds stable and the canary at once (their sum is checked, before anything is
+staged); in a cluster each track's pod holds one version, which its init container checks (the
+pod then fails to start, and the deploy's wait for the track's rollout fails with it). A
+rollback warns instead of refusing: it must not be stopped in an emergency.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from tasks.config import ServeSettings
 from tasks.lib.errors import StepError
+from tasks.lib.step import log
 from tasks.serving.triton_models.llm_generate.engine import CacheShape, EngineLimits
 
 MIB = 2**20
@@ -52,11 +55,16 @@ def engine_parameters(config: Path) -> dict[str, str]:
     return {key: value["string_value"] for key, value in parameters.items()}
 
 
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 def footprint(models: Path, serve: ServeSettings, version: int, engine_config: Path) -> Footprint:
     """``version``'s footprint from a model repository or an export's ``triton/`` folder
-    (``models``), its engine sized by ``engine_config`` (the configuration it loads with)."""
+    (``models``), its engine sized by ``engine_config`` (the configuration it loads with); the
+    logits model once per instance (``serve.instances``: a session each)."""
     folders = [models / name / str(version) for name in (serve.triton_model, serve.generate_model)]
-    weights = sum(f.stat().st_size for folder in folders for f in folder.rglob("*") if f.is_file())
+    weights = serve.instances * folder_bytes(folders[0]) + folder_bytes(folders[1])
     shape = CacheShape.of_generation(json.loads((folders[1] / "generation.json").read_text()))
     parameters = engine_parameters(engine_config)
     limits = EngineLimits(slots=int(parameters["max_slots"]), max_queue=0, default_max_tokens=1, request_timeout_s=1,
@@ -68,14 +76,19 @@ def footprint(models: Path, serve: ServeSettings, version: int, engine_config: P
     return Footprint(version, weights, slots, slots * shape.slot_bytes)
 
 
-def check_budget(incoming: Footprint, beside: Iterable[Footprint], serve: ServeSettings) -> None:
+def check_budget(incoming: Footprint, beside: Iterable[Footprint], serve: ServeSettings, enforce: bool = True) -> None:
     """:class:`StepError` (one line) when ``incoming`` and the versions it would be served beside
-    exceed ``serve.memory_budget_mb`` (0: not checked)."""
+    exceed ``serve.memory_budget_mb`` (0: not checked); not ``enforce`` (a rollback, which must
+    not be refused in an emergency): a warning."""
     if not serve.memory_budget_mb:
         return
     held = [incoming, *beside]
     total = sum(f.total_bytes for f in held)
     if total > serve.memory_budget_mb * MIB:
         others = f" beside {', '.join(f.describe() for f in held[1:])}" if held[1:] else ""
-        raise StepError(f"{incoming.describe()}{others}: {total / MIB:,.0f} MiB, over serve.memory_budget_mb "
-                        f"{serve.memory_budget_mb:g} (lower serve.kv_cache_mb or serve.max_slots, or raise the budget)")
+        line = (f"{incoming.describe()}{others}: {total / MIB:,.0f} MiB, over serve.memory_budget_mb "
+                f"{serve.memory_budget_mb:g} (lower serve.kv_cache_mb or serve.max_slots, or raise the budget)")
+        if not enforce:
+            log.warning("%s: loading it anyway (a rollback)", line)
+            return
+        raise StepError(line)

@@ -72,23 +72,26 @@ class PromotionFailed(StepError):
 
 
 def stage_version(export_uri: str, version: int, repository: Path, serve: ServeSettings, scratch: Path,
-                  config_variant: str = "", beside: Iterable[int] = ()) -> dict[str, Any]:
+                  config_variant: str = "", beside: Iterable[int] = (), enforce_budget: bool = True) -> dict[str, Any]:
     """Copy the export's repository fragment of ``version`` into a Triton model repository
     (replacing an earlier copy of the same version); ``config_variant`` picks one of the
     export's configs (e.g. ``onnxruntime_onnx.gpu``) instead of the served one. Refused (one
     line, nothing copied) where ``version`` and the versions of the repository it will be served
-    ``beside`` would exceed ``serve.memory_budget_mb`` (:mod:`tasks.serving.memory`). Returns the
-    export's parity reference (inputs and next tokens of the PyTorch model)."""
+    ``beside`` would exceed ``serve.memory_budget_mb`` (:mod:`tasks.serving.memory`; not
+    ``enforce_budget``: a warning only). Returns the export's parity reference (inputs and next
+    tokens of the PyTorch model)."""
     exported = storage.download_tree(export_uri, scratch / "export")
-    incoming = memory.footprint(exported / "triton", serve, version,
-                                exported / "configs" / f"{serve.generate_model}.json")
-    served = [memory.footprint(repository, serve, v, repository / serve.generate_model / "config.json")
+    for model in (serve.triton_model, serve.generate_model):
+        if not (exported / "triton" / model / str(version)).is_dir():
+            raise StepError(f"{export_uri}: holds no {model} version {version}")
+    # the engine's configuration is the model's, not a version's: the one staged here loads them all
+    engine_config = exported / "configs" / f"{serve.generate_model}.json"
+    incoming = memory.footprint(exported / "triton", serve, version, engine_config)
+    served = [memory.footprint(repository, serve, v, engine_config)
               for v in beside if (repository / serve.generate_model / str(v) / "generation.json").exists()]
-    memory.check_budget(incoming, served, serve)
+    memory.check_budget(incoming, served, serve, enforce_budget)
     for model in (serve.triton_model, serve.generate_model):
         source = exported / "triton" / model / str(version)
-        if not source.is_dir():
-            raise StepError(f"{export_uri}: holds no {model} version {version}")
         target = repository / model / str(version)
         target.parent.mkdir(parents=True, exist_ok=True)
         staged = target.with_name(f".{version}.staging")
@@ -176,8 +179,9 @@ class Serving(Protocol):
     def live(self) -> Route:
         ...
 
-    def stage(self, export_uri: str, version: int, scratch: Path) -> dict[str, Any]:
-        """Make ``version`` loadable; return the export's parity reference."""
+    def stage(self, export_uri: str, version: int, scratch: Path, enforce_budget: bool = True) -> dict[str, Any]:
+        """Make ``version`` loadable (within ``serve.memory_budget_mb`` beside what serves; not
+        ``enforce_budget``, a rollback's: a warning only); return the export's parity reference."""
         ...
 
     def prepare(self, stable: int | None, canary: int, analysed: bool = True) -> None:
@@ -265,12 +269,13 @@ class LocalServing:
     def live(self) -> Route:
         return self.router.live()
 
-    def stage(self, export_uri: str, version: int, scratch: Path) -> dict[str, Any]:
+    def stage(self, export_uri: str, version: int, scratch: Path, enforce_budget: bool = True) -> dict[str, Any]:
         """Into the repository, if it fits Triton's memory beside the stable version (a leftover
         canary is rolled back before this one loads: not counted)."""
         stable = self.live().stable
         beside = [stable] if stable is not None and stable != version else []
-        return stage_version(export_uri, version, self.repository, self.serve, scratch, beside=beside)
+        return stage_version(export_uri, version, self.repository, self.serve, scratch, beside=beside,
+                             enforce_budget=enforce_budget)
 
     def serve_versions(self, versions: list[int]) -> None:
         serve_versions(self.client, self.repository, self.serve, versions)
@@ -465,8 +470,9 @@ class KubernetesServing:
         state = self._route_object()["metadata"].get("annotations", {}).get(f"{ANNOTATION}route")
         return Route(**json.loads(state)) if state else Route(stable=None)
 
-    def stage(self, export_uri: str, version: int, scratch: Path) -> dict[str, Any]:
-        """The pods stage the files themselves (init container): only the reference comes here."""
+    def stage(self, export_uri: str, version: int, scratch: Path, enforce_budget: bool = True) -> dict[str, Any]:
+        """The pods stage the files themselves (init container, which checks the pod's one version
+        against ``serve.memory_budget_mb``): only the reference comes here."""
         self.exports[version] = export_uri
         reference: dict[str, Any] = storage.read_json(storage.join(export_uri, "parity.json"))["reference"]
         return reference

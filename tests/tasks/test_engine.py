@@ -136,6 +136,7 @@ def test_a_chunk_continues_the_cache_as_one_whole_prefill_would(exported: tuple[
     chunked = decoder.prefill(1, ids[8:], 8)
     np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(decoder.keys[:, 1, :, :20], decoder.keys[:, 0, :, :20], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(decoder.values[:, 1, :, :20], decoder.values[:, 0, :, :20], rtol=1e-4, atol=1e-5)
     assert decoder.lengths[0] == decoder.lengths[1] == 20
 
 
@@ -161,27 +162,46 @@ def test_a_long_prompt_does_not_stall_the_running_streams(exported: tuple[GPT, A
     decoder = LoggingDecoder(str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), 2, threads=1)
     decoder.runs = []
     engine = Engine(decoder, tokenizer, c.seq_len, EngineLimits(2, 4, 8, 30, prefill_tokens=8)).start()
+    long = (prompt_ids(tokenizer, " ".join(TEXTS)) * 2)[:40]
+    long_params = check_sampling(SamplingRequest(1), 8, len(long), CONTEXT)
+    answered, arrived = threading.Event(), []
+    submitted: list[Sequence] = []
+
+    def on_token(sequence: Sequence, delta: str, reason: str | None) -> None:
+        if not submitted:  # on the engine's thread, at the running stream's first token: no race with its end
+            arrived.append(len(decoder.runs))
+            submitted.append(engine.submit(long, long_params, lambda s, d, r: answered.set() if r else None))
+
     try:
-        first = threading.Event()
-
-        def on_token(sequence: Sequence, delta: str, reason: str | None) -> None:
-            first.set()
-
         short = prompt_ids(tokenizer, "if it is")
         running = engine.submit(short, check_sampling(SamplingRequest(CONTEXT - len(short), ignore_eos=True), 8,
                                                       len(short), CONTEXT), on_token)
-        assert first.wait(30)
-        long = (prompt_ids(tokenizer, " ".join(TEXTS)) * 2)[:40]
-        arrived = len(decoder.runs)
-        answer = generate(engine, long, check_sampling(SamplingRequest(1), 8, len(long), CONTEXT))
-        assert answer.finish_reason == "length" and running.finish_reason is None
+        assert answered.wait(30)
+        assert submitted[0].finish_reason == "length" and running.finish_reason is None
     finally:
         engine.stop()
-    after = decoder.runs[arrived:]
+    after = decoder.runs[arrived[0]:]
     chunks = [i for i, (kind, _) in enumerate(after) if kind == "prefill"]
     assert [after[i][1] for i in chunks] == [8, 8, 8, 8, 8], after
     for one, two in itertools.pairwise(chunks):
         assert ("decode", 1) in after[one:two], after  # the running stream's token between chunks
+
+
+def test_an_exported_folder_gets_the_slots_its_budget_holds(exported: tuple[GPT, Any, Path], tmp_path: Path) -> None:
+    """Engine.from_folder (what Triton's model.py calls): slots from kv_cache_bytes, at most max_slots."""
+    import json
+    import shutil
+
+    from tasks.export import generation_shape
+
+    model, tokenizer, path = exported
+    shutil.copy(path, tmp_path / "decoder.onnx")
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "generation.json").write_text(json.dumps(generation_shape(model, tokens.our_special_tokens(tokenizer))))
+    slot = CacheShape(model.config.n_layers, model.config.n_kv_heads, model.config.head_dim, CONTEXT).slot_bytes
+    engine = Engine.from_folder(str(tmp_path), EngineLimits(16, 4, 8, 30, kv_cache_bytes=5 * slot + slot // 2))
+    assert engine.slots == 5 and engine.decoder.keys.shape[1] == 5 and len(engine.free) == 5
+    assert Engine.from_folder(str(tmp_path), EngineLimits(3, 4, 8, 30, kv_cache_bytes=5 * slot)).slots == 3
 
 
 def test_the_kv_budget_sizes_the_slots() -> None:

@@ -172,8 +172,10 @@ def test_a_step_process_reads_the_line_pipeline_line_names(lines_dir: Path) -> N
 
 
 def test_make_targets_read_a_lines_dag_id_and_raw_data(lines_dir: Path) -> None:
-    """``make retrain/import/replay/report LINE=support``: PIPELINE_LINE exported, the line's
-    settings read by ``python -m tasks.config --get`` (a section or unknown key: exit 2, one line)."""
+    """``make retrain/import/replay/report LINE=support``: their commands get PIPELINE_LINE=support
+    (none: the demo line's, whatever the caller's environment holds), the line's settings read by
+    ``python -m tasks.config --get`` (a section or unknown key: exit 2, one line); the demo-only
+    targets refuse a LINE."""
     env = {"PATH": os.environ["PATH"], "PIPELINE_LINES_DIR": str(lines_dir), "PIPELINE_LINE": "support"}
 
     def get(key: str) -> subprocess.CompletedProcess[str]:
@@ -185,12 +187,23 @@ def test_make_targets_read_a_lines_dag_id_and_raw_data(lines_dir: Path) -> None:
     for key, problem in (("pipeline", "a section, not a setting"), ("pipeline.nope", "no such setting")):
         bad = get(key)
         assert bad.returncode == 2 and bad.stderr.splitlines() == [f"ERROR --get {key}: {problem}"]
-    dry = subprocess.run(["make", "-n", "import", "SOURCE=corpus.jsonl", "LINE=support"], cwd=REPO_ROOT, text=True,
-                         capture_output=True, env={**os.environ, "PIPELINE_LINES_DIR": str(lines_dir)}, timeout=60)
-    assert "tasks.config --get pipeline.raw_data_uri" in dry.stdout, dry.stdout + dry.stderr
-    replay = subprocess.run(["make", "-n", "replay", "VERSION=2", "LINE=support"], cwd=REPO_ROOT, text=True,
-                            capture_output=True, timeout=60)
-    assert "dags test llm_replay__support " in replay.stdout, replay.stdout + replay.stderr
+
+    def dry_run(*target: str) -> subprocess.CompletedProcess[str]:  # what make would run (make -n), the caller's
+        return subprocess.run(["make", "-n", *target], cwd=REPO_ROOT, text=True, capture_output=True,  # line set aside
+                              env={**os.environ, "PIPELINE_LINE": "elsewhere"}, timeout=60)
+
+    imported = dry_run("import", "SOURCE=corpus.jsonl", "LINE=support").stdout
+    assert "PIPELINE_LINE=support .venvs/runtime/bin/python -m tasks.config --get pipeline.raw_data_uri" in imported
+    assert "PIPELINE_LINE=support .venvs/runtime/bin/python -m tasks.ingest import" in imported, imported
+    replayed = dry_run("replay", "VERSION=2", "LINE=support").stdout
+    assert "PIPELINE_LINE=support .venvs/orchestrator/bin/airflow dags test llm_replay__support " in replayed, replayed
+    reported = dry_run("report", "LINE=support").stdout
+    assert "PIPELINE_LINE=support LOG_LEVEL=WARNING .venvs/runtime/bin/python -m tasks.report show" in reported
+    assert "PIPELINE_LINE= LOG_LEVEL=WARNING" in dry_run("report").stdout  # no LINE: the demo line, not the caller's
+    refused = subprocess.run(["make", "predict", "LINE=support"], cwd=REPO_ROOT, text=True, capture_output=True,
+                             timeout=60)
+    assert refused.returncode == 2 and refused.stderr.splitlines()[0] == (
+        "make predict runs the demo line; LINE= is for retrain, import, replay and report")
 
 
 def test_the_repository_ships_no_line() -> None:

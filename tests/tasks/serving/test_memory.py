@@ -62,7 +62,11 @@ def test_a_version_that_would_not_fit_beside_stable_is_refused_before_anything_i
     serve = serve_settings(max_slots=8, kv_cache_mb=1024, memory_budget_mb=100)
     repository = tmp_path / "models"
     write_version(repository, serve, 1, (20, 20))  # stable: 40 MiB + 8 x 4 MiB
-    (repository / serve.generate_model / "config.json").write_text(json.dumps(generate_model_config(serve.generate_model, serve)))
+    # the repository's engine configuration is the last staged one (a rolled-back canary's, one
+    # slot); the incoming one's, which staging writes, loads both versions: stable is counted by it
+    stale = serve_settings(max_slots=1)
+    (repository / serve.generate_model / "config.json").write_text(
+        json.dumps(generate_model_config(serve.generate_model, stale)))
     export = write_export(tmp_path / "export", serve, 2, (20, 20))
     with pytest.raises(StepError) as refused:
         stage_version(str(export), 2, repository, serve, tmp_path / "scratch", beside=[1])
@@ -86,6 +90,15 @@ def test_a_cache_budget_that_holds_no_sequence_is_refused_with_one_line(tmp_path
         memory.footprint(export / "triton", serve, 4, export / "configs" / f"{serve.generate_model}.json")
 
 
-def test_no_budget_checks_nothing() -> None:
+def test_no_budget_checks_nothing_and_a_rollback_is_warned_not_refused(caplog: pytest.LogCaptureFixture) -> None:
     big = memory.Footprint(1, 10**12, 8, 10**12)
     memory.check_budget(big, [big], serve_settings(memory_budget_mb=0))
+    memory.check_budget(big, [], serve_settings(memory_budget_mb=100), enforce=False)
+    assert "over serve.memory_budget_mb 100 (" in caplog.text and "loading it anyway (a rollback)" in caplog.text
+
+
+def test_the_logits_model_counts_once_per_instance(tmp_path: Path) -> None:
+    serve = serve_settings(instances=3, max_slots=1)
+    export = write_export(tmp_path / "export", serve, 5, (10, 2))
+    found = memory.footprint(export / "triton", serve, 5, export / "configs" / f"{serve.generate_model}.json")
+    assert 32 * MIB < found.weights_bytes < 32 * MIB + 4096

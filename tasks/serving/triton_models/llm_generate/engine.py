@@ -489,7 +489,7 @@ class Sequence:
     rng: np.random.Generator
     submitted: float = field(default_factory=time.monotonic)
     slot: int = -1
-    admitted_at: float = 0.0  # when it took a slot (its prefill began)
+    admitted_at: float = 0.0  # when it took a slot (its prefill starts within the step's budget, oldest first)
     prefilled: int = 0  # prompt tokens in its cache so far (a long prompt takes several engine steps)
     tokens: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
@@ -633,6 +633,8 @@ class Engine:
                emit: Callable[[Sequence, str, str | None], None],
                cancelled: Callable[[], bool] = lambda: False) -> Sequence:
         """Queue a request (checked already: :func:`check_sampling`); :class:`Overloaded` when full."""
+        if not prompt_ids:  # check_sampling refuses it; a sequence without a token would fail its batch
+            raise RequestError("prompt is empty")
         rng = np.random.default_rng(params.seed)
         sequence = Sequence(prompt_ids, params, emit, cancelled, time.monotonic() + self.request_timeout_s,
                             Detokenizer(self.tokenizer, params.stop, prompt_ids[-1:]), rng)
@@ -677,8 +679,8 @@ class Engine:
             try:
                 for sequence in admitted:
                     self.admit(sequence)
+                self.drop_abandoned()  # before any prefill: a client gone mid-prompt gets no more chunks
                 self.prefill_within_budget()
-                self.drop_abandoned()
                 if any(s.decoding for s in self.running.values()):
                     self.step()
             except Exception as exc:  # a bug must not stop the engine: its requests fail, the rest go on
