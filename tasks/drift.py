@@ -708,7 +708,7 @@ def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any
     figures = report["figures"]
     pushed = {f"llm_drift_{k}": figures.get(k) for k in ("prompts", "clients", "js_bits", "js_excess_bits",
                                                           "byte_fallback_excess", "perplexity_ratio", "prompt_tokens_p50")}
-    metrics.push({"dag_id": drift.dag_id}, {**pushed, "llm_drift_detected": float(report["verdict"] == DRIFT),
+    metrics.push({"line": metrics.line_label(), "dag_id": drift.dag_id}, {**pushed, "llm_drift_detected": float(report["verdict"] == DRIFT),
                                             "llm_drift_too_few_clients": float(report["verdict"] == FEW_CLIENTS),
                                             "llm_drift_retrain_requested": float(report["request_retrain"])}, FIGURE_HELP)
     log.info("drift check: %s (%s); report %s", report["heading"], report["outcome"], report_uri)

@@ -355,7 +355,8 @@ def write(args: argparse.Namespace, settings: Settings) -> ReportResult:
         (out / "report.html").write_text(page, encoding="utf-8")
         if run_id:
             log_to_mlflow(run_id, out, report, scratch)
-    if metrics.push({"dag_id": args.dag_id, "run_id": args.run_id}, run_figures(report), FIGURE_HELP):
+    grouping = {"line": metrics.line_label(), "dag_id": args.dag_id, "run_id": args.run_id}
+    if metrics.push(grouping, run_figures(report), FIGURE_HELP):
         log.info("run figures pushed to %s", os.environ["PUSHGATEWAY_URL"])
     for line in lines:
         log.info("%s", line)

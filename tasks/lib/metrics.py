@@ -36,6 +36,13 @@ def exposition(figures: Mapping[str, float | None], help_texts: Mapping[str, str
     return "\n".join(lines) + "\n"
 
 
+def line_label() -> str:
+    """The ``line`` label of what a step pushes: the model line it runs for (``demo``: params.yaml's)."""
+    from tasks.config import current_line
+
+    return current_line() or "demo"
+
+
 def group_path(grouping: Mapping[str, str]) -> str:
     """``/metrics/job/<job>/<label>@base64/<value>...``: base64 (URL alphabet) lets a value hold '/'."""
     parts = [f"/metrics/job/{JOB}"]

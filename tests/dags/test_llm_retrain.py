@@ -433,7 +433,7 @@ def test_pipeline_runs_end_to_end(retrain_run: Any) -> None:
         assert f"  {label}" in shown, (label, shown)
     assert "make predict" in shown and report["report_uri"] in shown and report["mlflow_run"] in shown
     # Prometheus: the run's figures (pushed by the report) and Triton's latency quantiles per version
-    assert prometheus_value(f'llm_pipeline_run_success{{dag_id="llm_retrain", run_id="{run.run_id}"}}') == 1.0
+    assert prometheus_value(f'llm_pipeline_run_success{{line="demo", dag_id="llm_retrain", run_id="{run.run_id}"}}') == 1.0
     assert prometheus_value(f'llm_pipeline_registered_version{{run_id="{run.run_id}"}}') == float(registered["version"])
     p99 = f'nv_inference_request_summary_us{{model="llm", version="{registered["version"]}", quantile="0.99"}}'
     assert prometheus_value(f"count({p99})") >= 1.0
