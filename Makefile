@@ -140,9 +140,14 @@ $(GATEWAY_CHECK)/node_modules/.installed: $(GATEWAY_CHECK)/package-lock.json .ve
 	touch $@
 
 # what the pipeline runs; test-env adds what only the tests and linters use
-env: $(RUNTIME)/.installed $(ORCH)/.installed
+# Each side by side (make -j): pip spends much of an install waiting on downloads and unpacking,
+# and the test tools' apt packages install while pip works
+env:
+	@$(MAKE) --no-print-directory -j2 $(RUNTIME)/.installed $(ORCH)/.installed
 
-test-env: env $(RUNTIME)/.test-installed $(ORCH)/.test-installed $(GATEWAY_CHECK)/node_modules/.installed
+test-env: env
+	@$(MAKE) --no-print-directory -j3 $(RUNTIME)/.test-installed $(ORCH)/.test-installed \
+	  $(GATEWAY_CHECK)/node_modules/.installed
 
 .airflow/airflow.db: $(ORCH)/.installed
 	mkdir -p .airflow
