@@ -22,6 +22,7 @@ from tasks.serving.triton_models.llm_generate.engine import (  # the file Triton
     Engine,
     EngineLimits,
     KVDecoder,
+    Outbox,
     Overloaded,
     RequestError,
     SamplingRequest,
@@ -202,6 +203,61 @@ def test_an_exported_folder_gets_the_slots_its_budget_holds(exported: tuple[GPT,
     engine = Engine.from_folder(str(tmp_path), EngineLimits(16, 4, 8, 30, kv_cache_bytes=5 * slot + slot // 2))
     assert engine.slots == 5 and engine.decoder.keys.shape[1] == 5 and len(engine.free) == 5
     assert Engine.from_folder(str(tmp_path), EngineLimits(3, 4, 8, 30, kv_cache_bytes=5 * slot)).slots == 3
+
+
+def test_the_outbox_sends_off_the_engines_thread_in_order_coalescing_what_queued_meanwhile(
+        exported: tuple[GPT, Any, Path]) -> None:
+    """Triton's model sends responses through an Outbox: its first send held until the engine has
+    generated the whole answer, the rest goes out as one piece with the end (nothing lost or
+    reordered: the text is the engine's, once); a sequence whose send fails reads as gone, and a
+    failed end is not remembered."""
+    _, tokenizer, _ = exported
+    engine = engine_of(exported)
+    outbox = Outbox()
+    entered, release, ended = threading.Event(), threading.Event(), threading.Event()
+    sent: list[tuple[str, str | None]] = []
+
+    def send(sequence: Sequence, text: str, reason: str | None) -> None:
+        if not sent:
+            entered.set()
+            assert release.wait(30)  # the engine runs on meanwhile
+        sent.append((text, reason))
+        if reason is not None:
+            ended.set()
+
+    ids = prompt_ids(tokenizer, "Return the")
+    try:
+        done = threading.Event()
+
+        def emit(sequence: Sequence, delta: str, reason: str | None) -> None:
+            outbox.put(sequence, delta, reason, send)
+            if not entered.is_set():
+                assert entered.wait(30)  # the first delta alone is being sent: the rest queues behind it
+            if reason is not None:
+                done.set()
+
+        sequence = engine.submit(ids, check_sampling(SamplingRequest(20, ignore_eos=True), 8, len(ids), CONTEXT), emit)
+        assert done.wait(30)  # the engine finished while the outbox's first send was held
+        release.set()
+        assert ended.wait(30)
+    finally:
+        engine.stop()
+    assert len(sent) == 2 and sent[1][1] == "length", sent
+    assert "".join(text for text, _ in sent) == tokenizer.decode(sequence.tokens)
+
+    def failing(sequence: Sequence, text: str, reason: str | None) -> None:
+        raise ConnectionError("the client is gone")
+
+    gone = Sequence([1], check_sampling(SamplingRequest(2), 8, 1, CONTEXT), emit, lambda: False, 0.0,
+                    Detokenizer(tokenizer, ()), np.random.default_rng(0))
+    outbox.put(gone, "a", None, failing)
+    deadline = time.monotonic() + 10
+    while not outbox.gone(gone):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    outbox.put(gone, "", "cancelled", failing)
+    outbox.close()
+    assert not outbox.gone(gone) and not outbox.thread.is_alive()
 
 
 def test_the_kv_budget_sizes_the_slots() -> None:

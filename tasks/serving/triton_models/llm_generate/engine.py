@@ -803,6 +803,62 @@ class Engine:
                 self.finish(sequence, "timeout")
 
 
+TEXT_ENDS = (None, "stop", "length")  # a delta, or an end that carries text
+
+
+class Outbox:
+    """What the engine emits, sent off its thread and coalesced. The engine's callback only
+    queues a sequence's text delta (or its end); a thread of its own hands each sequence's queued
+    text to that sequence's ``send`` in order, as one piece: while one send runs (in Triton, a
+    response through the stub's IPC to the server, ~1 ms at concurrency 8) the engine keeps
+    stepping, and the tokens a sequence gained meanwhile go out together. At low load that is one
+    send per token; under load fewer, larger ones, never a delta reordered or lost. A send that
+    raises marks its sequence gone (``gone``): the engine's cancellation check reads that."""
+
+    def __init__(self) -> None:
+        self.queued: dict[int, tuple[Sequence, Callable[[Sequence, str, str | None], None], str, str | None]] = {}
+        self.failed: set[int] = set()
+        self.wake = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=self.loop, name="outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, sequence: Sequence, delta: str, reason: str | None,
+            send: Callable[[Sequence, str, str | None], None]) -> None:
+        with self.wake:
+            _, _, text, _ = self.queued.get(id(sequence), (sequence, send, "", None))
+            # an end with text (stop, length) carries what was queued before it; an error, a
+            # timeout or a cancellation ends the stream with its own message
+            self.queued[id(sequence)] = (sequence, send, text + delta if reason in TEXT_ENDS else delta, reason)
+            self.wake.notify()
+
+    def gone(self, sequence: Sequence) -> bool:
+        return id(sequence) in self.failed
+
+    def loop(self) -> None:
+        while True:
+            with self.wake:
+                while not self.queued and not self.closing:
+                    self.wake.wait()
+                if not self.queued:  # closing, all sent
+                    return
+                batch, self.queued = self.queued, {}
+            for key, (sequence, send, text, reason) in batch.items():
+                try:
+                    send(sequence, text, reason)
+                except Exception:  # the client's channel is gone: the engine frees its slot
+                    self.failed.add(key)
+                if reason is not None:
+                    self.failed.discard(key)  # ended: its id may be reused
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Send what is queued, then stop."""
+        with self.wake:
+            self.closing = True
+            self.wake.notify()
+        self.thread.join(timeout_s)
+
+
 def generate(engine: Engine, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 60.0) -> Sequence:
     """One request through a started engine, waiting for its end (tests, parity, benchmarks)."""
     done = threading.Event()

@@ -28,7 +28,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import Engine, EngineLimits, Overloaded, RequestError, SamplingRequest, Sequence, check_sampling
+from engine import Engine, EngineLimits, Outbox, Overloaded, RequestError, SamplingRequest, Sequence, check_sampling
 
 CHAT_CONFIG = "tokenizer_config.json"  # a base's, exported beside the engine: its chat template
 
@@ -164,6 +164,7 @@ class TritonPythonModel:
         self.timed = {"engine_ttft_ms", "engine_itl_ms"} <= outputs
         self.chat = chat_template(folder)
         self.metrics = Metrics(args["model_name"], args["model_version"])
+        self.outbox = Outbox()  # responses sent off the engine's thread, coalesced under load
         self.engine.start()
         self.stopped = threading.Event()
         self.publisher = threading.Thread(target=self.publish_metrics, name="metrics", daemon=True)
@@ -174,8 +175,8 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 prompt_ids, params, stream = self.parse(request)
-                self.engine.submit(prompt_ids, params, self.emitter(sender, stream, len(prompt_ids)),
-                                   cancelled=sender.is_cancelled)
+                emit, cancelled = self.emitter(sender, stream, len(prompt_ids))
+                self.engine.submit(prompt_ids, params, emit, cancelled=cancelled)
             except RequestError as exc:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)),
                             flags=FINAL)
@@ -240,9 +241,12 @@ class TritonPythonModel:
                                 prompt_tokens=len(prompt_ids), context=self.engine.context)
         return prompt_ids, params, bool(scalar(request, "stream"))
 
-    def emitter(self, sender: Any, stream: bool, prompt_tokens: int) -> Any:
-        """The engine's callback for one request: responses through its sender."""
+    def emitter(self, sender: Any, stream: bool, prompt_tokens: int) -> tuple[Any, Any]:
+        """The engine's callback for one request, which queues its text in the outbox (streamed
+        deltas; otherwise the whole text at the end), and its cancellation check (Triton cancelled
+        it, or a send through its sender failed): the outbox's thread sends the responses."""
         pieces: list[str] = []
+        sent: list[Sequence] = []
 
         def response(text: str, reason: str, sequence: Sequence) -> Any:
             tensors = [
@@ -255,24 +259,33 @@ class TritonPythonModel:
                             for name, value in zip(("engine_ttft_ms", "engine_itl_ms"), sequence.timings_ms(), strict=True)]
             return pb_utils.InferenceResponse(output_tensors=tensors)
 
-        def emit(sequence: Sequence, delta: str, reason: str | None) -> None:
+        def send(sequence: Sequence, delta: str, reason: str | None) -> None:
             if reason is None:
-                if stream:
-                    sender.send(response(delta, "", sequence))
-                else:
-                    pieces.append(delta)
-                return
-            if reason in ("error", "timeout"):
+                sender.send(response(delta, "", sequence))
+            elif reason in ("error", "timeout"):
                 message = delta if reason == "error" else f"request timed out after {self.engine.request_timeout_s:g}s"
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
             elif reason == "cancelled" or reason == "abort":
                 sender.send(flags=FINAL)
             else:
-                sender.send(response(delta if stream else "".join(pieces) + delta, reason, sequence), flags=FINAL)
+                sender.send(response(delta, reason, sequence), flags=FINAL)
 
-        return emit
+        def emit(sequence: Sequence, delta: str, reason: str | None) -> None:
+            if not sent:
+                sent.append(sequence)
+            if reason is None and not stream:
+                pieces.append(delta)
+                return
+            text = delta if stream or reason in ("error", "timeout") else "".join(pieces) + delta
+            self.outbox.put(sequence, text, reason, send)
+
+        def cancelled() -> bool:
+            return bool(sender.is_cancelled()) or (bool(sent) and self.outbox.gone(sent[0]))
+
+        return emit, cancelled
 
     def finalize(self) -> None:
         self.engine.stop()
+        self.outbox.close()
         self.stopped.set()
         self.publisher.join(timeout=10)
