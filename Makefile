@@ -282,6 +282,8 @@ benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) benchmarks/serve.py
 	$(RT_PY) benchmarks/serve_llm.py
 	$(RT_PY) benchmarks/serve_engine.py   # the engine alone, host and device caches (on a GPU: docs/benchmarks.md)
+	$(RT_PY) benchmarks/serve_engine.py --preset cpu-small --prompt 128 --new 128 --slots 8 32 --decoders host
+	$(RT_PY) benchmarks/serve_path.py     # each hop of the served path: engine, Triton, front, router
 	$(RT_PY) benchmarks/canary_aa.py
 	$(RT_PY) benchmarks/shadow.py
 	$(STACK_ENV) && $(RT_PY) benchmarks/capture.py   # the local stack's champion (skipped without one)
