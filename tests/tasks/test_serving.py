@@ -835,21 +835,21 @@ Detokenizer.__init__, Detokenizer.add = _changing_init, _changing_add
 # the engine's own time to first token measures (the wait for a slot is not the version's)
 LATE_FIRST_TOKEN = """
 def _late(prefill_on_time):
-    def late_prefill(self, slot, ids):
+    def late_prefill(self, slot, ids, start=0):
         time.sleep(0.3)
-        return prefill_on_time(self, slot, ids)
+        return prefill_on_time(self, slot, ids, start)
     return late_prefill
 for _decoder in (KVDecoder, DeviceKVDecoder):
     _decoder.prefill = _late(_decoder.__dict__["prefill"])
 """
 FAILING_STREAMS = """
 import itertools
-_prefill, _count = Engine.prefill, itertools.count()
-def _flaky_prefill(self, sequence):
+_admit, _count = Engine.admit, itertools.count()
+def _flaky_admit(self, sequence):
     if next(_count) % 5 == 4:
         return self.fail([sequence], RuntimeError("injected fault"))
-    return _prefill(self, sequence)
-Engine.prefill = _flaky_prefill
+    return _admit(self, sequence)
+Engine.admit = _flaky_admit
 """
 
 
