@@ -90,7 +90,7 @@ from tasks.serving.canary import (
     Verdict,
     why_not,
 )
-from tasks.serving.platforms import PromotionFailed, Serving, serving_platform, stage_version
+from tasks.serving.platforms import PromotionFailed, Serving, Staging, serving_platform, stage_version
 from tasks.serving.traffic import (
     Load,
     LogitsRequests,
@@ -862,7 +862,7 @@ def stage_main(args: argparse.Namespace) -> StageResult:
     serve = load_settings("canary", args.overrides).serve
     with storage.scratch() as scratch:
         stage_version(args.export, int(args.model_version), Path(args.repository), serve, scratch,
-                      args.config_variant)
+                      Staging(config_variant=args.config_variant))
     return StageResult(staged=int(args.model_version), repository=args.repository, config_variant=args.config_variant)
 
 

@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import urllib.request
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -71,15 +71,25 @@ class PromotionFailed(StepError):
         self.restored = restored
 
 
+@dataclass(frozen=True)
+class Staging:
+    """How a version is staged: ``config_variant`` picks one of the export's configs (e.g.
+    ``onnxruntime_onnx.gpu``) instead of the served one; it will be served ``beside`` those
+    versions of the repository, all within ``serve.memory_budget_mb`` (``enforce_budget``
+    false, a rollback's: a warning only)."""
+
+    config_variant: str = ""
+    beside: tuple[int, ...] = ()
+    enforce_budget: bool = True
+
+
 def stage_version(export_uri: str, version: int, repository: Path, serve: ServeSettings, scratch: Path,
-                  config_variant: str = "", beside: Iterable[int] = (), enforce_budget: bool = True) -> dict[str, Any]:
+                  how: Staging = Staging()) -> dict[str, Any]:
     """Copy the export's repository fragment of ``version`` into a Triton model repository
-    (replacing an earlier copy of the same version); ``config_variant`` picks one of the
-    export's configs (e.g. ``onnxruntime_onnx.gpu``) instead of the served one. Refused (one
-    line, nothing copied) where ``version`` and the versions of the repository it will be served
-    ``beside`` would exceed ``serve.memory_budget_mb`` (:mod:`tasks.serving.memory`; not
-    ``enforce_budget``: a warning only). Returns the export's parity reference (inputs and next
-    tokens of the PyTorch model)."""
+    (replacing an earlier copy of the same version), as ``how`` says. Refused (one line, nothing
+    copied) where it and the versions it will be served beside would exceed
+    ``serve.memory_budget_mb`` (:mod:`tasks.serving.memory`). Returns the export's parity
+    reference (inputs and next tokens of the PyTorch model)."""
     exported = storage.download_tree(export_uri, scratch / "export")
     for model in (serve.triton_model, serve.generate_model):
         if not (exported / "triton" / model / str(version)).is_dir():
@@ -88,8 +98,8 @@ def stage_version(export_uri: str, version: int, repository: Path, serve: ServeS
     engine_config = exported / "configs" / f"{serve.generate_model}.json"
     incoming = memory.footprint(exported / "triton", serve, version, engine_config)
     served = [memory.footprint(repository, serve, v, engine_config)
-              for v in beside if (repository / serve.generate_model / str(v) / "generation.json").exists()]
-    memory.check_budget(incoming, served, serve, enforce_budget)
+              for v in how.beside if (repository / serve.generate_model / str(v) / "generation.json").exists()]
+    memory.check_budget(incoming, served, serve, how.enforce_budget)
     for model in (serve.triton_model, serve.generate_model):
         source = exported / "triton" / model / str(version)
         target = repository / model / str(version)
@@ -101,10 +111,10 @@ def stage_version(export_uri: str, version: int, repository: Path, serve: ServeS
             shutil.rmtree(target)
         staged.rename(target)
         config = exported / "triton" / model / "config.pbtxt"
-        if config_variant and model == serve.triton_model:
-            config = exported / "configs" / f"{model}.{config_variant}.pbtxt"
+        if how.config_variant and model == serve.triton_model:
+            config = exported / "configs" / f"{model}.{how.config_variant}.pbtxt"
             if not config.exists():
-                raise StepError(f"{export_uri}: no {config.name} (config variant {config_variant!r})")
+                raise StepError(f"{export_uri}: no {config.name} (config variant {how.config_variant!r})")
         shutil.copy(config, repository / model / "config.pbtxt")
         shutil.copy(exported / "configs" / f"{model}.json", repository / model / "config.json")
     reference: dict[str, Any] = json.loads((exported / "parity.json").read_text())["reference"]
@@ -273,9 +283,9 @@ class LocalServing:
         """Into the repository, if it fits Triton's memory beside the stable version (a leftover
         canary is rolled back before this one loads: not counted)."""
         stable = self.live().stable
-        beside = [stable] if stable is not None and stable != version else []
-        return stage_version(export_uri, version, self.repository, self.serve, scratch, beside=beside,
-                             enforce_budget=enforce_budget)
+        beside = (stable,) if stable is not None and stable != version else ()
+        return stage_version(export_uri, version, self.repository, self.serve, scratch,
+                             Staging(beside=beside, enforce_budget=enforce_budget))
 
     def serve_versions(self, versions: list[int]) -> None:
         serve_versions(self.client, self.repository, self.serve, versions)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,14 +16,14 @@ from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.triton import generate_model_config
 from tasks.serving import memory
-from tasks.serving.platforms import stage_version
+from tasks.serving.platforms import Staging, stage_version
 
 MIB = 2**20
 # cpu-small's cache: 4 layers, 8 heads of 64, context 256: 4 MiB a sequence
 GENERATION = {"n_layers": 4, "n_heads": 8, "n_kv_heads": 8, "head_dim": 64, "seq_len": 256}
 
 
-def serve_settings(**changes: float) -> ServeSettings:
+def serve_settings(**changes: Any) -> ServeSettings:
     serve: ServeSettings = load_settings("canary").serve
     return dataclasses.replace(serve, **changes)
 
@@ -69,7 +70,7 @@ def test_a_version_that_would_not_fit_beside_stable_is_refused_before_anything_i
         json.dumps(generate_model_config(serve.generate_model, stale)))
     export = write_export(tmp_path / "export", serve, 2, (20, 20))
     with pytest.raises(StepError) as refused:
-        stage_version(str(export), 2, repository, serve, tmp_path / "scratch", beside=[1])
+        stage_version(str(export), 2, repository, serve, tmp_path / "scratch", Staging(beside=(1,)))
     assert str(refused.value) == (
         "version 2 72 MiB (40 MiB of weights, 8 KV cache slots 32 MiB) beside version 1 72 MiB (40 MiB of weights, "
         "8 KV cache slots 32 MiB): 144 MiB, over serve.memory_budget_mb 100 (lower serve.kv_cache_mb or "
@@ -79,7 +80,7 @@ def test_a_version_that_would_not_fit_beside_stable_is_refused_before_anything_i
     stage_version(str(export), 2, tmp_path / "first", serve, tmp_path / "scratch2")
     assert (tmp_path / "first" / serve.generate_model / "2" / "decoder.onnx").exists()
     roomy = serve_settings(max_slots=8, kv_cache_mb=1024, memory_budget_mb=150)
-    stage_version(str(export), 2, repository, roomy, tmp_path / "scratch3", beside=[1])
+    stage_version(str(export), 2, repository, roomy, tmp_path / "scratch3", Staging(beside=(1,)))
     assert (repository / serve.generate_model / "2" / "decoder.onnx").exists()
 
 
