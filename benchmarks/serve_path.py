@@ -31,7 +31,6 @@ import json
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +41,13 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 from serve import benchmark_stack, make_tokenizer_and_eval_text, register, run_step  # noqa: E402
+from serve_engine import run_all, sampling  # noqa: E402
 from serve_llm import load_models, served_name  # noqa: E402
 
 from tasks.config import load  # noqa: E402
 from tasks.lib import triton  # noqa: E402
 from tasks.serving.router import NginxRouter  # noqa: E402
-from tasks.serving.triton_models.llm_generate.engine import (  # noqa: E402
-    Engine,
-    EngineLimits,
-    SamplingRequest,
-    check_sampling,
-    generate,
-)
+from tasks.serving.triton_models.llm_generate.engine import Engine, EngineLimits  # noqa: E402
 
 HOPS = ("engine", "triton", "front", "router")
 
@@ -74,10 +68,8 @@ def prompt_text(export: Path, tokens: int) -> tuple[str, list[int]]:
 
 
 def measure_engine(engine: Engine, ids: list[int], new: int, concurrency: int, requests: int) -> tuple[float, int]:
-    params = check_sampling(SamplingRequest(new, ignore_eos=True), new, len(ids), engine.context)
     started = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as clients:
-        done = list(clients.map(lambda _: generate(engine, ids, params, timeout_s=600), range(requests)))
+    done = run_all(engine, [ids] * requests, sampling(engine, len(ids), new), concurrency)
     return time.perf_counter() - started, sum(len(s.tokens) for s in done)
 
 

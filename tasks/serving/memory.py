@@ -49,12 +49,6 @@ class Footprint:
                 f"weights, {self.slots} KV cache slots {self.cache_bytes / MIB:,.0f} MiB)")
 
 
-def engine_parameters(config: Path) -> dict[str, str]:
-    """The engine model's parameters from its load-API JSON (``config.json``)."""
-    parameters = json.loads(config.read_text()).get("parameters", {})
-    return {key: value["string_value"] for key, value in parameters.items()}
-
-
 def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
@@ -66,11 +60,8 @@ def footprint(models: Path, serve: ServeSettings, version: int, engine_config: P
     folders = [models / name / str(version) for name in (serve.triton_model, serve.generate_model)]
     weights = serve.instances * folder_bytes(folders[0]) + folder_bytes(folders[1])
     shape = CacheShape.of_generation(json.loads((folders[1] / "generation.json").read_text()))
-    parameters = engine_parameters(engine_config)
-    limits = EngineLimits(slots=int(parameters["max_slots"]), max_queue=0, default_max_tokens=1, request_timeout_s=1,
-                          kv_cache_bytes=int(parameters.get("kv_cache_bytes", "0")))
     try:
-        slots = limits.slots_for(shape)
+        slots = EngineLimits.of_config(json.loads(engine_config.read_text())).slots_for(shape)
     except ValueError as exc:  # the engine would refuse to load: say so before anything moves
         raise StepError(f"version {version}: {exc}") from None
     return Footprint(version, weights, slots, slots * shape.slot_bytes)

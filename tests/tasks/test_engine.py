@@ -260,6 +260,22 @@ def test_the_outbox_sends_off_the_engines_thread_in_order_coalescing_what_queued
     assert not outbox.gone(gone) and not outbox.thread.is_alive()
 
 
+def test_limits_read_from_a_triton_configuration_old_or_new() -> None:
+    """What Triton's model.py loads with and deploy counts: the configuration's string parameters;
+    an older export's has no cache or prefill budget (0: none)."""
+    from tasks.config import load
+    from tasks.lib.triton import generate_model_config
+
+    serve = load().serve
+    new = EngineLimits.of_config(generate_model_config(serve.generate_model, serve))
+    assert new == EngineLimits(serve.max_slots, serve.generate.max_queue, serve.generate.max_tokens,
+                               serve.generate.request_timeout_s, int(serve.kv_cache_mb * 2**20),
+                               serve.generate.prefill_tokens)
+    old = {"parameters": {k: {"string_value": v} for k, v in
+                          {"max_slots": "8", "max_queue": "64", "default_max_tokens": "24", "request_timeout_s": "60"}.items()}}
+    assert EngineLimits.of_config(old) == EngineLimits(8, 64, 24, 60.0)
+
+
 def test_the_kv_budget_sizes_the_slots() -> None:
     """As many whole-context caches as the budget holds, at most max_slots; none: refused, one line."""
     shape = CacheShape(layers=4, kv_heads=8, head_dim=64, context=256)  # cpu-small: 4 MiB a sequence

@@ -545,6 +545,18 @@ class EngineLimits:
     kv_cache_bytes: int = 0
     prefill_tokens: int = 0
 
+    @classmethod
+    def of_config(cls, config: dict[str, Any]) -> EngineLimits:
+        """From the engine model's Triton configuration (its ``parameters``, strings: what
+        Triton's model.py loads with and what deploy counts before loading); a configuration an
+        older export wrote has no cache budget nor prefill budget."""
+        params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        return cls(slots=int(params["max_slots"]), max_queue=int(params["max_queue"]),
+                   default_max_tokens=int(params["default_max_tokens"]),
+                   request_timeout_s=float(params["request_timeout_s"]),
+                   kv_cache_bytes=int(params.get("kv_cache_bytes", "0")),
+                   prefill_tokens=int(params.get("prefill_tokens", "0")))
+
     def slots_for(self, shape: CacheShape) -> int:
         """The slots a model of this cache shape gets: as many whole-context caches as the budget
         holds, at most ``slots``; a budget that holds none is refused (the model cannot serve)."""

@@ -150,13 +150,8 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("llm_generate must be decoupled (model_transaction_policy)")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        # (a configuration an older export wrote has no cache budget nor prefill budget)
-        limits = EngineLimits(slots=int(params["max_slots"]), max_queue=int(params["max_queue"]),
-                              default_max_tokens=int(params["default_max_tokens"]),
-                              request_timeout_s=float(params["request_timeout_s"]),
-                              kv_cache_bytes=int(params.get("kv_cache_bytes", "0")),
-                              prefill_tokens=int(params.get("prefill_tokens", "0")))
-        self.engine = Engine.from_folder(folder, limits, threads=int(params.get("intra_op_thread_count", "0")),
+        self.engine = Engine.from_folder(folder, EngineLimits.of_config(config),
+                                         threads=int(params.get("intra_op_thread_count", "0")),
                                          tensorrt=params.get("tensorrt") == "true")
         # the engine's timings go out only where the configuration declares them (a version's
         # model.py may run under a configuration an older export wrote)
