@@ -1,11 +1,12 @@
 """The generation engine alone, in-process: continuous batching over the KV-cache decoder, no
 Triton, front or HTTP around it, at several concurrencies, with the cache in the host's memory
-(:class:`KVDecoder`, the CPU default) and in the device's (:class:`DeviceKVDecoder`, the GPU
-default), and with each number of slots asked for, side by side, rounds interleaved.
+(:class:`KVDecoder`, the CPU default) and in the device's (:class:`DeviceKVDecoder`; its decode
+step replayed as one CUDA graph: :class:`GraphKVDecoder`, the GPU default), and with each number
+of slots asked for, side by side, rounds interleaved.
 
     .venvs/runtime/bin/python benchmarks/serve_engine.py [--preset cpu-tiny] [--prompt 32] [--new 64]
         [--concurrency 1 8 32] [--slots 8 32] [--prefill-tokens 256] [--rounds 3]
-        [--decoders host device] [--output FILE]
+        [--decoders host device graph] [--output FILE]
 
 A GPT of the preset (random weights: speed does not depend on them; ``params.yaml``'s
 ``train.presets`` and ``tokenize.vocab_size``), exported to ``decoder.onnx`` by the export step's
@@ -45,6 +46,7 @@ from tasks.serving.triton_models.llm_generate.engine import (  # noqa: E402
     DeviceKVDecoder,
     Engine,
     EngineLimits,
+    GraphKVDecoder,
     KVDecoder,
     SamplingParams,
     SamplingRequest,
@@ -53,7 +55,7 @@ from tasks.serving.triton_models.llm_generate.engine import (  # noqa: E402
     generate,
 )
 
-DECODERS = {"host": KVDecoder, "device": DeviceKVDecoder}
+DECODERS = {"host": KVDecoder, "device": DeviceKVDecoder, "graph": GraphKVDecoder}
 
 
 def random_texts(count: int, seed: int = 0) -> list[str]:
@@ -132,7 +134,8 @@ def main() -> None:
                         default=yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["serve"]["generate"]["prefill_tokens"],
                         help="prompt tokens prefilled per step (serve.generate.prefill_tokens; 0: whole prompts)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is shown)")
-    parser.add_argument("--decoders", nargs="+", choices=list(DECODERS), default=list(DECODERS))
+    parser.add_argument("--decoders", nargs="+", choices=list(DECODERS), default=["host", "device"],
+                        help="graph: on a CPU it only shows the fixed shape's cost (every slot, the whole context)")
     parser.add_argument("--output", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
 

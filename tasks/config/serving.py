@@ -79,6 +79,10 @@ class Generate:
     """On a GPU, run the engine's decoder on ONNX Runtime's TensorRT provider (FP16) where
     TensorRT's library loads; off: its CUDA provider in full float32. FP16 changes greedy text,
     which the canary compares token for token with the PyTorch reference."""
+    cuda_graph: bool = True
+    """On ONNX Runtime's CUDA provider, replay the engine's decode step as one CUDA graph (a second
+    session of the decoder with fixed shapes: its weights twice in the GPU's memory) instead of
+    launching its kernels one by one; no effect on a CPU."""
 
     def __post_init__(self) -> None:
         positive(self, "max_tokens", "request_timeout_s")

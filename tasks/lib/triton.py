@@ -105,6 +105,7 @@ def generate_model_config(name: str, serve: ServeSettings) -> dict[str, Any]:
             "default_max_tokens": {"string_value": str(generate.max_tokens)},
             "request_timeout_s": {"string_value": str(generate.request_timeout_s)},
             "tensorrt": {"string_value": str(generate.tensorrt).lower()},
+            "cuda_graph": {"string_value": str(generate.cuda_graph).lower()},
             "intra_op_thread_count": {"string_value": str(serve.intra_op_threads)},
         },
     }

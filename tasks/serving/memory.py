@@ -7,8 +7,10 @@ data), and the engine preallocates its key/value cache for as many whole-context
 its configuration's ``kv_cache_bytes`` holds, at most ``max_slots``
 (:meth:`EngineLimits.slots_for`). Counted: every file of the version's two folders (the ONNX
 files dominate; tokenizer and code are small) and that cache. Not counted: ONNX Runtime's
-working buffers of a step (a batch's activations), Triton's and Python's own size: leave room
-for them in the budget.
+working buffers of a step (a batch's activations), Triton's and Python's own size, and on a GPU
+the second session of ``decoder.onnx`` whose decode step is a CUDA graph
+(``serve.generate.cuda_graph``: the decoder's weights once more; deploy does not know the
+device a Triton runs on): leave room for them in the budget.
 
 Locally one Triton holds stable and the canary at once (their sum is checked, before anything is
 staged); in a cluster each track's pod holds one version, which its init container checks (the

@@ -21,6 +21,7 @@ from tasks.serving.triton_models.llm_generate.engine import (  # the file Triton
     DeviceKVDecoder,
     Engine,
     EngineLimits,
+    GraphKVDecoder,
     KVDecoder,
     Outbox,
     Overloaded,
@@ -87,7 +88,8 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder], ids=["host-cache", "bound-cache"])
+@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder],
+                         ids=["host-cache", "bound-cache", "fixed-shape-step"])
 def test_requests_joining_a_running_batch_get_the_reference_continuations(exported: tuple[GPT, Any, Path],
                                                                           decoder_kind: type[KVDecoder]) -> None:
     """Six requests of different prompts, submitted while others run, on four slots: each
@@ -106,7 +108,8 @@ def test_requests_joining_a_running_batch_get_the_reference_continuations(export
     assert engine.in_use == 0 and len(engine.free) == 4
 
 
-@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder], ids=["host-cache", "bound-cache"])
+@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder],
+                         ids=["host-cache", "bound-cache", "fixed-shape-step"])
 def test_prompts_prefilled_in_chunks_get_the_reference_continuations(exported: tuple[GPT, Any, Path],
                                                                      decoder_kind: type[KVDecoder]) -> None:
     """A prefill budget of 5 tokens a step: prompts of 2 to ~20 tokens go into the cache in
@@ -360,12 +363,14 @@ def cuda_provider_present() -> bool:
 
 @pytest.mark.skipif(not cuda_provider_present(), reason="no GPU or no onnxruntime-gpu: run on a GPU machine "
                                                          "(docs/testing.md)")
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["launched", "cuda-graph"])
 def test_on_a_gpu_the_engine_runs_on_cuda_with_the_cache_on_the_gpu_and_the_reference_continuations(
-        tmp_path: Path) -> None:
+        tmp_path: Path, cuda_graph: bool) -> None:
     """What a GPU Triton pod runs: :meth:`KVDecoder.open` picks the CUDA provider (full float32:
-    TF32 can change greedy text) and keeps the cache in the GPU's memory. A model of 256 tokens'
-    context, eight prompts on four slots joining a running batch: every greedy continuation of
-    up to 128 tokens equals PyTorch's on the CPU, token for token."""
+    TF32 can change greedy text) and keeps the cache in the GPU's memory, its decode step
+    replayed as a CUDA graph where asked. A model of 256 tokens' context, eight prompts on four
+    slots joining a running batch: every greedy continuation of up to 128 tokens equals
+    PyTorch's on the CPU, token for token."""
     import onnxruntime as ort
 
     from tasks.export import export_decoder
@@ -377,8 +382,13 @@ def test_on_a_gpu_the_engine_runs_on_cuda_with_the_cache_on_the_gpu_and_the_refe
     path = tmp_path / "decoder.onnx"
     export_decoder(model, path, 18)
     c = model.config
-    decoder = KVDecoder.open(str(path), CacheShape(c.n_layers, c.n_heads, c.head_dim, c.seq_len), 4)
+    decoder = KVDecoder.open(str(path), CacheShape(c.n_layers, c.n_heads, c.head_dim, c.seq_len), 4,
+                             cuda_graph=cuda_graph)
     assert isinstance(decoder, DeviceKVDecoder) and decoder.device.type == "cuda", type(decoder)
+    assert isinstance(decoder, GraphKVDecoder) == cuda_graph, type(decoder)
+    if isinstance(decoder, GraphKVDecoder):
+        step = decoder.step.get_provider_options()["CUDAExecutionProvider"]
+        assert (step["enable_cuda_graph"], step["use_tf32"]) == ("1", "0"), step
     providers = decoder.session.get_providers()
     assert providers[0] == "CUDAExecutionProvider", (providers, ort.get_available_providers())
     assert decoder.session.get_provider_options()["CUDAExecutionProvider"]["use_tf32"] == "0"

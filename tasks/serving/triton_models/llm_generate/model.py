@@ -152,7 +152,8 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.engine = Engine.from_folder(folder, EngineLimits.of_config(config),
                                          threads=int(params.get("intra_op_thread_count", "0")),
-                                         tensorrt=params.get("tensorrt") == "true")
+                                         tensorrt=params.get("tensorrt") == "true",
+                                         cuda_graph=params.get("cuda_graph") == "true")
         # the engine's timings go out only where the configuration declares them (a version's
         # model.py may run under a configuration an older export wrote)
         outputs = {output["name"] for output in config.get("output", [])}
