@@ -1,12 +1,13 @@
 """The generation engine alone, in-process: continuous batching over the KV-cache decoder, no
 Triton, front or HTTP around it, at several concurrencies, with the cache in the host's memory
-(:class:`KVDecoder`, the CPU default) and in the device's (:class:`DeviceKVDecoder`; its decode
-step replayed as one CUDA graph: :class:`GraphKVDecoder`, the GPU default), and with each number
-of slots asked for, side by side, rounds interleaved.
+(:class:`KVDecoder`; updated in place by the fused decoder, ``decoder_fused.onnx``:
+:class:`FusedKVDecoder`, the CPU default) and in the device's (:class:`DeviceKVDecoder`; its
+decode step replayed as one CUDA graph: :class:`GraphKVDecoder`, the GPU default), and with each
+number of slots asked for, side by side, rounds interleaved.
 
     .venvs/runtime/bin/python benchmarks/serve_engine.py [--preset cpu-tiny] [--prompt 32] [--new 64]
         [--concurrency 1 8 32] [--slots 8 32] [--prefill-tokens 256] [--rounds 3]
-        [--decoders host device graph] [--output FILE]
+        [--decoders host fused device graph] [--output FILE]
 
 A GPT of the preset (random weights: speed does not depend on them; ``params.yaml``'s
 ``train.presets`` and ``tokenize.vocab_size``), exported to ``decoder.onnx`` by the export step's
@@ -39,13 +40,14 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from tasks.export import export_decoder  # noqa: E402
-from tasks.lib import tokens  # noqa: E402
+from tasks.lib import decoder_graph, tokens  # noqa: E402
 from tasks.lib.model import GPT, GPTConfig, generate_greedy  # noqa: E402
 from tasks.serving.triton_models.llm_generate.engine import (  # noqa: E402
     CacheShape,
     DeviceKVDecoder,
     Engine,
     EngineLimits,
+    FusedKVDecoder,
     GraphKVDecoder,
     KVDecoder,
     SamplingParams,
@@ -55,7 +57,7 @@ from tasks.serving.triton_models.llm_generate.engine import (  # noqa: E402
     generate,
 )
 
-DECODERS = {"host": KVDecoder, "device": DeviceKVDecoder, "graph": GraphKVDecoder}
+DECODERS = {"host": KVDecoder, "device": DeviceKVDecoder, "graph": GraphKVDecoder, "fused": FusedKVDecoder}
 
 
 def random_texts(count: int, seed: int = 0) -> list[str]:
@@ -74,12 +76,14 @@ def build(preset: str, folder: Path) -> tuple[GPT, Any, Path]:
     model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), **shape)).eval()
     path = folder / "decoder.onnx"
     export_decoder(model, path, int(params["export"]["opset"]))
+    decoder_graph.export(model, path.with_name(FusedKVDecoder.FILE))
     return model, tokenizer, path
 
 
 def open_engine(kind: str, model: GPT, tokenizer: Any, path: Path, limits: EngineLimits) -> Engine:
     c = model.config
-    decoder = DECODERS[kind](str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), limits.slots)
+    onnx = path.with_name(FusedKVDecoder.FILE) if kind == "fused" else path
+    decoder = DECODERS[kind](str(onnx), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), limits.slots)
     return Engine(decoder, tokenizer, c.seq_len, limits).start()
 
 
@@ -134,7 +138,7 @@ def main() -> None:
                         default=yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["serve"]["generate"]["prefill_tokens"],
                         help="prompt tokens prefilled per step (serve.generate.prefill_tokens; 0: whole prompts)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is shown)")
-    parser.add_argument("--decoders", nargs="+", choices=list(DECODERS), default=["host", "device"],
+    parser.add_argument("--decoders", nargs="+", choices=list(DECODERS), default=["host", "fused", "device"],
                         help="graph: on a CPU it only shows the fixed shape's cost (every slot, the whole context)")
     parser.add_argument("--output", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()

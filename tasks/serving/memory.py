@@ -6,7 +6,8 @@ Runtime session that holds its graph's weights (``model.onnx``, ``decoder.onnx``
 data), and the engine preallocates its key/value cache for as many whole-context sequences as
 its configuration's ``kv_cache_bytes`` holds, at most ``max_slots``
 (:meth:`EngineLimits.slots_for`). Counted: every file of the version's two folders (the ONNX
-files dominate; tokenizer and code are small) and that cache. Not counted: ONNX Runtime's
+files dominate; tokenizer and code are small) but one of the engine's two decoders (it loads
+``decoder_fused.onnx`` on a CPU, ``decoder.onnx`` on a GPU), and that cache. Not counted: ONNX Runtime's
 working buffers of a step (a batch's activations), Triton's and Python's own size, and on a GPU
 the second session of ``decoder.onnx`` whose decode step is a CUDA graph
 (``serve.generate.cuda_graph``: the decoder's weights once more; deploy does not know the
@@ -28,7 +29,7 @@ from pathlib import Path
 from tasks.config import ServeSettings
 from tasks.lib.errors import StepError
 from tasks.lib.step import log
-from tasks.serving.triton_models.llm_generate.engine import CacheShape, EngineLimits
+from tasks.serving.triton_models.llm_generate.engine import CacheShape, EngineLimits, FusedKVDecoder
 
 MIB = 2**20
 
@@ -61,6 +62,9 @@ def footprint(models: Path, serve: ServeSettings, version: int, engine_config: P
     logits model once per instance (``serve.instances``: a session each)."""
     folders = [models / name / str(version) for name in (serve.triton_model, serve.generate_model)]
     weights = serve.instances * folder_bytes(folders[0]) + folder_bytes(folders[1])
+    decoders = [folders[1] / name for name in ("decoder.onnx", FusedKVDecoder.FILE)]
+    if all(path.exists() for path in decoders):  # one is loaded: the larger counted
+        weights -= min(path.stat().st_size for path in decoders)
     shape = CacheShape.of_generation(json.loads((folders[1] / "generation.json").read_text()))
     try:
         slots = EngineLimits.of_config(json.loads(engine_config.read_text())).slots_for(shape)

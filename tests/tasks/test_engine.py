@@ -21,6 +21,7 @@ from tasks.serving.triton_models.llm_generate.engine import (  # the file Triton
     DeviceKVDecoder,
     Engine,
     EngineLimits,
+    FusedKVDecoder,
     GraphKVDecoder,
     KVDecoder,
     Outbox,
@@ -40,13 +41,16 @@ CONTEXT = 48
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[GPT, Any, Path]:
     from tasks.export import export_decoder
+    from tasks.lib import decoder_graph
 
     tokenizer = tokens.train_tokenizer(TEXTS, 400)
     torch.manual_seed(0)
+    # heads of 16 channels: the fused decoder's GroupQueryAttention takes multiples of 16
     model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), seq_len=CONTEXT, d_model=32, n_layers=2,
-                          n_heads=4)).eval()
+                          n_heads=2)).eval()
     path = tmp_path_factory.mktemp("engine") / "decoder.onnx"
     export_decoder(model, path, 18)
+    decoder_graph.export(model, path.with_name(FusedKVDecoder.FILE))
     return model, tokenizer, path
 
 
@@ -54,7 +58,8 @@ def engine_of(exported: tuple[GPT, Any, Path], slots: int = 4, queue: int = 8, t
               decoder_kind: type[KVDecoder] = KVDecoder, prefill_tokens: int = 0) -> Engine:
     model, tokenizer, path = exported
     c = model.config
-    decoder = decoder_kind(str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), slots, threads=1)
+    onnx = path.with_name(FusedKVDecoder.FILE) if decoder_kind is FusedKVDecoder else path
+    decoder = decoder_kind(str(onnx), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), slots, threads=1)
     limits = EngineLimits(slots, queue, 8, timeout_s, prefill_tokens=prefill_tokens)
     return Engine(decoder, tokenizer, c.seq_len, limits).start()
 
@@ -88,8 +93,8 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder],
-                         ids=["host-cache", "bound-cache", "fixed-shape-step"])
+@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder, FusedKVDecoder],
+                         ids=["host-cache", "bound-cache", "fixed-shape-step", "fused-in-place"])
 def test_requests_joining_a_running_batch_get_the_reference_continuations(exported: tuple[GPT, Any, Path],
                                                                           decoder_kind: type[KVDecoder]) -> None:
     """Six requests of different prompts, submitted while others run, on four slots: each
@@ -108,8 +113,8 @@ def test_requests_joining_a_running_batch_get_the_reference_continuations(export
     assert engine.in_use == 0 and len(engine.free) == 4
 
 
-@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder],
-                         ids=["host-cache", "bound-cache", "fixed-shape-step"])
+@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder, FusedKVDecoder],
+                         ids=["host-cache", "bound-cache", "fixed-shape-step", "fused-in-place"])
 def test_prompts_prefilled_in_chunks_get_the_reference_continuations(exported: tuple[GPT, Any, Path],
                                                                      decoder_kind: type[KVDecoder]) -> None:
     """A prefill budget of 5 tokens a step: prompts of 2 to ~20 tokens go into the cache in

@@ -31,6 +31,7 @@ both).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import json
@@ -271,10 +272,16 @@ class KVDecoder:
 
     @classmethod
     def open(cls, onnx_path: str, shape: CacheShape, slots: int, threads: int = 0,
-             tensorrt: bool = False, cuda_graph: bool = False) -> KVDecoder:
+             tensorrt: bool = False, cuda_graph: bool = False, fused_path: str | None = None) -> KVDecoder:
         """The decoder for wherever ONNX Runtime runs it: on a GPU (CUDA or TensorRT provider) the
         cache lives in the GPU's memory (:class:`DeviceKVDecoder`), its decode step a CUDA graph
-        on the CUDA provider where asked (:class:`GraphKVDecoder`), else in the host's."""
+        on the CUDA provider where asked (:class:`GraphKVDecoder`), else in the host's, updated in
+        place by the fused decoder at ``fused_path`` where there is one (:class:`FusedKVDecoder`)."""
+        import onnxruntime as ort
+
+        best = cls.providers(ort, shape, slots, tensorrt)[0]
+        if best == "CPUExecutionProvider" and fused_path:
+            return FusedKVDecoder(fused_path, shape, slots, threads)
         session, asked = cls.open_session(onnx_path, shape, slots, threads, tensorrt)
         if session.get_providers()[0] != asked[0]:  # ONNX Runtime logs a provider that failed to start, then goes on
             raise RuntimeError(f"{onnx_path}: ONNX Runtime runs it on {session.get_providers()[0]}, not {asked[0]} "
@@ -360,6 +367,56 @@ class KVDecoder:
         self.values[:, index, :, lengths] = values[:, :, :, 0].transpose(1, 0, 2, 3)
         self.lengths[index] += 1
         return logits  # type: ignore[no-any-return]
+
+
+class FusedKVDecoder(KVDecoder):
+    """``decoder_fused.onnx`` (built by the export, ``tasks/lib/decoder_graph.py``): ONNX
+    Runtime's GroupQueryAttention writes each new key and value into the cache where it lies
+    (past and present bound to the same buffer) and attends over each row's own length, so a step
+    copies no past. A prefill runs on its slot's row of the cache; a decode step on the rows up to
+    the highest running slot (contiguous in memory; free slots are taken lowest first), where a
+    row that is not decoding computes a dummy token at its own length and writes it where its
+    next token will overwrite it. The CPU's decoder where the export built one."""
+
+    FILE = "decoder_fused.onnx"
+
+    def prefill(self, slot: int, ids: list[int], start: int = 0) -> np.ndarray[Any, Any]:
+        end = start + len(ids)
+        logits = self.run(slot, slot + 1, np.asarray([ids], np.int64), np.asarray([end - 1], np.int32))
+        self.lengths[slot] = end
+        return logits[0]  # type: ignore[no-any-return]
+
+    def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
+        rows = np.asarray(slots)
+        span = int(rows.max()) + 1
+        ids = np.zeros((span, 1), np.int64)
+        ids[rows, 0] = tokens
+        last = np.minimum(self.lengths[:span], self.shape[3] - 1).astype(np.int32)  # each row's new position
+        last[rows] = self.lengths[rows]
+        logits = self.run(0, span, ids, last)
+        self.lengths[rows] += 1
+        return logits[rows]  # type: ignore[no-any-return]
+
+    def run(self, first: int, end: int, ids: np.ndarray[Any, Any], last: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The decoder over cache rows ``first``..``end`` - 1, each with new tokens ``ids`` of which
+        the last lands at position ``last``; returns the logits after each row's last token."""
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("seqlens_k", last)
+        binding.bind_cpu_input("total_sequence_length", np.asarray(int(last.max()) + 1, np.int32))
+        for layer in range(self.shape[0]):
+            for kind, cache in (("key", self.keys), ("value", self.values)):
+                rows = cache[layer, first:end]  # contiguous: bound by address, read and written in place
+                binding.bind_input(f"past_{kind}_{layer}", "cpu", 0, np.float32, rows.shape, rows.ctypes.data)
+                binding.bind_output(f"present_{kind}_{layer}", "cpu", 0, np.float32, rows.shape, rows.ctypes.data)
+        logits = np.empty((end - first, self.vocab), np.float32)
+        binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return logits
+
+    def allocate(self) -> None:
+        super().allocate()
+        self.vocab = int(next(o.shape[-1] for o in self.session.get_outputs() if o.name == "logits"))
 
 
 class DeviceKVDecoder(KVDecoder):
@@ -652,7 +709,7 @@ class Engine:
         self.prefix = [] if bos_id is None else [bos_id]
         self.queue: collections.deque[Sequence] = collections.deque()
         self.running: dict[int, Sequence] = {}
-        self.free = list(range(limits.slots - 1, -1, -1))
+        self.free = list(range(limits.slots - 1, -1, -1))  # highest first: pop() takes the lowest
         self.wake = threading.Condition()
         self.stopping = False
         self.stats = Stats()
@@ -662,15 +719,17 @@ class Engine:
     @classmethod
     def from_folder(cls, folder: str, limits: EngineLimits, threads: int = 0, tensorrt: bool = False,
                     cuda_graph: bool = False) -> Engine:
-        """An exported version's folder: decoder.onnx, tokenizer.json, generation.json."""
+        """An exported version's folder: decoder.onnx (and decoder_fused.onnx, where the export
+        built one), tokenizer.json, generation.json."""
         from tokenizers import Tokenizer
 
         with open(os.path.join(folder, "generation.json")) as fh:
             shape = json.load(fh)
         cache = CacheShape.of_generation(shape)
         limits = replace(limits, slots=limits.slots_for(cache))
+        fused = os.path.join(folder, FusedKVDecoder.FILE)
         decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), cache, limits.slots, threads, tensorrt,
-                                 cuda_graph)
+                                 cuda_graph, fused if os.path.exists(fused) else None)
         tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         # a checkpoint's special tokens (exports before them: <|endoftext|>, no BOS)
         return cls(decoder, tokenizer, int(shape["seq_len"]), limits, shape.get("eos_ids") or (), shape.get("bos_id"))
@@ -858,7 +917,7 @@ class Engine:
     def release(self, sequence: Sequence, reason: str) -> None:
         sequence.finish_reason = reason
         if self.running.pop(sequence.slot, None) is sequence:
-            self.free.append(sequence.slot)
+            bisect.insort(self.free, sequence.slot, key=lambda slot: -slot)  # the lowest slot taken next
 
     def fail(self, batch: list[Sequence], exc: Exception) -> None:
         message = f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -1,0 +1,137 @@
+"""The generation engine's decoder written with ONNX Runtime's fused operators: each layer's
+attention is one ``GroupQueryAttention`` (com.microsoft) that rotates the new queries and keys,
+writes the new keys and values into the cache where it lies (past and present bound to the same
+buffer) and attends over each row's own length. ``decoder.onnx`` (the PyTorch export) instead
+takes the batch's past as an input padded to its longest row and concatenates it with the new
+positions in every layer, so each step copies every running sequence's whole past.
+
+Inputs: ``input_ids`` (batch, new), ``seqlens_k`` (batch,) int32, each row's length after the new
+tokens minus one, ``total_sequence_length`` () int32 (the longest row's length after them), and
+per layer ``past_key_<i>``/``past_value_<i>`` (batch, kv_heads, context, head_dim). Outputs:
+``logits`` (batch, vocab) after each row's last new token, and per layer
+``present_key_<i>``/``present_value_<i>``, bound to the past's buffers. ONNX Runtime allows new
+tokens after a past for one row at a time (a prefill chunk), any rows for one new token each (a
+decode step).
+
+Built from the model's weights (no tracing), for the Llama layout whose head size is a multiple
+of 16 (the operator's kernels); :func:`supported` says why another model is not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from tasks.lib.model import GPT, Block, SwiGLU, rope_tables
+
+FILE = "decoder_fused.onnx"  # beside decoder.onnx in the engine's version folder (engine.FusedKVDecoder.FILE)
+MS_DOMAIN = "com.microsoft"
+IR_VERSION = 10  # what ONNX Runtime 1.31 reads (onnx 1.19 writes 11)
+
+
+def supported(model: GPT) -> str | None:
+    """Why this model's decoder cannot be built with the fused operators, or None."""
+    c = model.config
+    if c.layout != "llama":
+        return f"layout {c.layout} (the fused decoder is built for the Llama layout)"
+    if c.head_dim % 16:
+        return f"head size {c.head_dim} (ONNX Runtime's GroupQueryAttention needs a multiple of 16)"
+    return None
+
+
+class GraphBuilder:
+    """Nodes and initializers of one graph, named as they are added."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+
+    def weight(self, name: str, tensor: torch.Tensor | np.ndarray[Any, Any]) -> str:
+        array = tensor.detach().float().numpy() if isinstance(tensor, torch.Tensor) else tensor
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def op(self, kind: str, inputs: list[str], name: str, outputs: int | list[str] = 1, domain: str = "",
+           **attrs: Any) -> list[str]:
+        """Adds the node; returns its outputs' names (``outputs``: how many, or their names)."""
+        names = (outputs if isinstance(outputs, list)
+                 else [name] if outputs == 1 else [f"{name}_{i}" for i in range(outputs)])
+        self.nodes.append(helper.make_node(kind, inputs, names, name=name, domain=domain, **attrs))
+        return names
+
+    def linear(self, x: str, layer: torch.nn.Linear, name: str) -> str:
+        """x @ W^T (+ b): the weight stored transposed, as MatMul wants it."""
+        out = self.op("MatMul", [x, self.weight(f"{name}.weight_t", layer.weight.detach().float().T)], f"{name}.matmul")[0]
+        if layer.bias is not None:
+            out = self.op("Add", [out, self.weight(f"{name}.bias", layer.bias)], f"{name}.add")[0]
+        return out
+
+    def rms_norm(self, x: str, norm: torch.nn.RMSNorm, name: str) -> str:
+        eps = norm.eps if norm.eps is not None else float(torch.finfo(torch.float32).eps)
+        return self.op("SimplifiedLayerNormalization", [x, self.weight(f"{name}.weight", norm.weight)], name,
+                       axis=-1, epsilon=float(eps), stash_type=1)[0]
+
+
+@torch.no_grad()
+def build(model: GPT) -> onnx.ModelProto:
+    """The fused decoder of ``model`` (see the module docstring); raises ValueError where
+    :func:`supported` says no."""
+    reason = supported(model)
+    if reason:
+        raise ValueError(f"fused decoder: {reason}")
+    c = model.config
+    g = GraphBuilder()
+    cos, sin = rope_tables(c)
+    g.weight("rope_cos", cos.numpy())
+    g.weight("rope_sin", sin.numpy())
+    embedding = g.weight("embed.weight", model.embed.weight)
+    x = g.op("Gather", [embedding, "input_ids"], "embed")[0]
+    for i, block in enumerate(cast(list[Block], list(model.blocks))):
+        p = f"layers.{i}"
+        mlp = cast(SwiGLU, block.mlp)
+        h = g.rms_norm(x, block.norm1, f"{p}.norm1")
+        qkv = g.linear(h, block.attn.qkv, f"{p}.qkv")
+        g.initializers.append(numpy_helper.from_array(np.array([c.q_dim, c.kv_dim, c.kv_dim], np.int64), f"{p}.split"))
+        q, k, v = g.op("Split", [qkv, f"{p}.split"], f"{p}.qkv_split", outputs=3, axis=-1)
+        attended = g.op("GroupQueryAttention", [q, k, v, f"past_key_{i}", f"past_value_{i}", "seqlens_k",
+                                                "total_sequence_length", "rope_cos", "rope_sin"],
+                        f"{p}.attention", [f"{p}.attended", f"present_key_{i}", f"present_value_{i}"],
+                        domain=MS_DOMAIN, num_heads=c.n_heads, kv_num_heads=c.n_kv_heads, do_rotary=1,
+                        rotary_interleaved=0)
+        x = g.op("Add", [x, g.linear(attended[0], block.attn.proj, f"{p}.proj")], f"{p}.residual1")[0]
+        h = g.rms_norm(x, block.norm2, f"{p}.norm2")
+        gate, up = g.op("Split", [g.linear(h, mlp.gate_up, f"{p}.gate_up")], f"{p}.gate_up_split",
+                        outputs=2, axis=-1, num_outputs=2)
+        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
+        down = g.linear(g.op("Mul", [silu, up], f"{p}.gated")[0], mlp.down, f"{p}.down")
+        x = g.op("Add", [x, down], f"{p}.residual2")[0]
+    g.initializers.append(numpy_helper.from_array(np.array(-1, np.int64), "last"))
+    last = g.op("Gather", [x, "last"], "last_position", axis=1)[0]  # (batch, d_model)
+    normed = g.rms_norm(last, model.norm, "norm")
+    head = embedding if c.tie_embeddings else g.weight("head.weight", model.head.weight)
+    g.op("Gemm", [normed, head], "logits", transB=1)
+
+    cache: list[str | int | None] = ["batch", c.n_kv_heads, c.seq_len, c.head_dim]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new"]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+              *(helper.make_tensor_value_info(f"past_{kind}_{i}", TensorProto.FLOAT, cache)
+                for i in range(c.n_layers) for kind in ("key", "value"))]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", c.vocab_size]),
+               *(helper.make_tensor_value_info(f"present_{kind}_{i}", TensorProto.FLOAT, cache)
+                 for i in range(c.n_layers) for kind in ("key", "value"))]
+    graph = helper.make_graph(g.nodes, "decoder_fused", inputs, outputs, g.initializers)
+    return helper.make_model(graph, ir_version=IR_VERSION, producer_name="llm-pipeline",
+                             opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS_DOMAIN, 1)])
+
+
+def export(model: GPT, path: Path) -> None:
+    """``build(model)`` saved to ``path`` (weights inside: under 2 GB; larger beside it)."""
+    proto = build(model)
+    large = proto.ByteSize() > 2**31 - 2**20
+    onnx.save_model(proto, str(path), save_as_external_data=large, location=f"{path.name}.data")

@@ -1,0 +1,72 @@
+"""The fused decoder (tasks/lib/decoder_graph.py) as the engine runs it (FusedKVDecoder): its
+logits equal PyTorch's after a prefill, a later chunk of the same prompt and decode steps beside
+rows that are not decoding, for the Llama family's options (grouped-query attention, an untied
+head, q/k/v biases, scaled rotary angles); what it cannot be built for is said in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.lib import decoder_graph
+from tasks.lib.model import GPT, GPTConfig
+from tasks.serving.triton_models.llm_generate.engine import CacheShape, FusedKVDecoder
+
+VOCAB, CONTEXT = 300, 40
+SHAPES = {
+    "gqa-untied-biases": {"n_heads": 4, "n_kv_heads": 2, "d_model": 64, "tie_embeddings": False, "qkv_bias": True},
+    "mha-tied-llama3-rope": {"n_heads": 2, "d_model": 32, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}},
+}
+
+
+def random_model(**shape: Any) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=CONTEXT, n_layers=2, **shape)).eval()
+    with torch.no_grad():  # biases away from zero, so that a dropped one shows
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    return model
+
+
+@torch.no_grad()
+def next_logits(model: GPT, ids: list[int]) -> np.ndarray[Any, Any]:
+    return model(torch.tensor([ids]))[0, -1].numpy()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_the_fused_decoder_gives_pytorchs_logits_with_its_cache_updated_in_place(tmp_path: Path, shape: str) -> None:
+    model = random_model(**SHAPES[shape])
+    c = model.config
+    path = tmp_path / decoder_graph.FILE
+    decoder_graph.export(model, path)
+    decoder = FusedKVDecoder(str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), 4, threads=1)
+    rng = np.random.default_rng(0)
+    first, second = rng.integers(0, VOCAB, 9).tolist(), rng.integers(0, VOCAB, 6).tolist()
+    # slot 2 prefilled in two chunks; slot 0 in one; slot 1 free (a dummy row of the decode span)
+    assert np.abs(decoder.prefill(2, first[:5]) - next_logits(model, first[:5])).max() < 1e-5
+    assert np.abs(decoder.prefill(2, first[5:], start=5) - next_logits(model, first)).max() < 1e-5
+    assert np.abs(decoder.prefill(0, second) - next_logits(model, second)).max() < 1e-5
+    sequences = {0: second, 2: first}
+    pending = {slot: int(np.argmax(next_logits(model, ids))) for slot, ids in sequences.items()}
+    while len(sequences[2]) < CONTEXT:  # slot 2 to the end of its context
+        logits = decoder.decode([0, 2], [pending[0], pending[2]])
+        for row, slot in enumerate((0, 2)):
+            sequences[slot] = sequences[slot] + [pending[slot]]
+            assert np.abs(logits[row] - next_logits(model, sequences[slot])).max() < 1e-5
+            pending[slot] = int(np.argmax(logits[row]))
+    assert decoder.lengths[[0, 2]].tolist() == [len(sequences[0]), CONTEXT]
+
+
+def test_what_the_fused_decoder_cannot_be_built_for_is_said_in_one_line() -> None:
+    narrow = random_model(n_heads=4, d_model=32)  # heads of 8 channels
+    assert decoder_graph.supported(narrow) == ("head size 8 (ONNX Runtime's GroupQueryAttention needs a multiple "
+                                               "of 16)")
+    with pytest.raises(ValueError, match=r"^fused decoder: head size 8 "):
+        decoder_graph.build(narrow)
+    assert decoder_graph.supported(random_model(n_heads=2, d_model=32)) is None
