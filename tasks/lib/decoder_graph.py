@@ -45,15 +45,16 @@ def supported(model: GPT) -> str | None:
 
 
 class GraphBuilder:
-    """Nodes and initializers of one graph, named as they are added."""
+    """Nodes and initializers of one graph, named as they are added; weights in ``dtype``."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: type[np.floating[Any]] = np.float32) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
+        self.dtype = dtype
 
     def weight(self, name: str, tensor: torch.Tensor | np.ndarray[Any, Any]) -> str:
         array = tensor.detach().float().numpy() if isinstance(tensor, torch.Tensor) else tensor
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array, self.dtype), name))
         return name
 
     def op(self, kind: str, inputs: list[str], name: str, outputs: int | list[str] = 1, domain: str = "",
@@ -78,14 +79,17 @@ class GraphBuilder:
 
 
 @torch.no_grad()
-def build(model: GPT) -> onnx.ModelProto:
-    """The fused decoder of ``model`` (see the module docstring); raises ValueError where
-    :func:`supported` says no."""
+def build(model: GPT, half: bool = False) -> onnx.ModelProto:
+    """The fused decoder of ``model`` (see the module docstring); ``half``: weights, activations
+    and cache in float16 (GroupQueryAttention's CUDA kernels take no float32; greedy text then
+    differs from PyTorch's float32 now and then), logits in float32 either way. Raises
+    ValueError where :func:`supported` says no."""
     reason = supported(model)
     if reason:
         raise ValueError(f"fused decoder: {reason}")
     c = model.config
-    g = GraphBuilder()
+    g = GraphBuilder(np.float16 if half else np.float32)
+    cache_type = TensorProto.FLOAT16 if half else TensorProto.FLOAT
     cos, sin = rope_tables(c)
     g.weight("rope_cos", cos.numpy())
     g.weight("rope_sin", sin.numpy())
@@ -114,24 +118,27 @@ def build(model: GPT) -> onnx.ModelProto:
     last = g.op("Gather", [x, "last"], "last_position", axis=1)[0]  # (batch, d_model)
     normed = g.rms_norm(last, model.norm, "norm")
     head = embedding if c.tie_embeddings else g.weight("head.weight", model.head.weight)
-    g.op("Gemm", [normed, head], "logits", transB=1)
+    if half:
+        g.op("Cast", [g.op("Gemm", [normed, head], "logits_half", transB=1)[0]], "logits", to=TensorProto.FLOAT)
+    else:
+        g.op("Gemm", [normed, head], "logits", transB=1)
 
     cache: list[str | int | None] = ["batch", c.n_kv_heads, c.seq_len, c.head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new"]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
-              *(helper.make_tensor_value_info(f"past_{kind}_{i}", TensorProto.FLOAT, cache)
+              *(helper.make_tensor_value_info(f"past_{kind}_{i}", cache_type, cache)
                 for i in range(c.n_layers) for kind in ("key", "value"))]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", c.vocab_size]),
-               *(helper.make_tensor_value_info(f"present_{kind}_{i}", TensorProto.FLOAT, cache)
+               *(helper.make_tensor_value_info(f"present_{kind}_{i}", cache_type, cache)
                  for i in range(c.n_layers) for kind in ("key", "value"))]
     graph = helper.make_graph(g.nodes, "decoder_fused", inputs, outputs, g.initializers)
     return helper.make_model(graph, ir_version=IR_VERSION, producer_name="llm-pipeline",
                              opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS_DOMAIN, 1)])
 
 
-def export(model: GPT, path: Path) -> None:
-    """``build(model)`` saved to ``path`` (weights inside: under 2 GB; larger beside it)."""
-    proto = build(model)
+def export(model: GPT, path: Path, half: bool = False) -> None:
+    """``build(model, half)`` saved to ``path`` (weights inside: under 2 GB; larger beside it)."""
+    proto = build(model, half)
     large = proto.ByteSize() > 2**31 - 2**20
     onnx.save_model(proto, str(path), save_as_external_data=large, location=f"{path.name}.data")

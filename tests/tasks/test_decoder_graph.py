@@ -70,3 +70,33 @@ def test_what_the_fused_decoder_cannot_be_built_for_is_said_in_one_line() -> Non
     with pytest.raises(ValueError, match=r"^fused decoder: head size 8 "):
         decoder_graph.build(narrow)
     assert decoder_graph.supported(random_model(n_heads=2, d_model=32)) is None
+
+
+def cuda_provider_present() -> bool:
+    import onnxruntime as ort
+
+    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.skipif(not cuda_provider_present(), reason="no GPU or no onnxruntime-gpu: run on a GPU machine "
+                                                         "(docs/testing.md)")
+def test_on_a_gpu_the_half_precision_fused_decoder_stays_near_pytorchs_logits(tmp_path: Path) -> None:
+    """What a GPU runs (GroupQueryAttention's CUDA kernels take float16): the cache in the GPU's
+    memory, each decode step replayed as a CUDA graph; logits within float16's error of
+    PyTorch's float32 (not equal: greedy text may differ on near ties) after a prefill and
+    decode steps beside a dummy row."""
+    from tasks.serving.triton_models.llm_generate.engine import DeviceFusedKVDecoder
+
+    model = random_model(**SHAPES["gqa-untied-biases"])
+    c = model.config
+    path = tmp_path / "decoder_fused_half.onnx"
+    decoder_graph.export(model, path, half=True)
+    decoder = DeviceFusedKVDecoder(str(path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), 4)
+    assert decoder.device.type == "cuda" and decoder.keys.dtype == torch.float16
+    assert decoder.step.get_provider_options()["CUDAExecutionProvider"]["enable_cuda_graph"] == "1"
+    ids = np.random.default_rng(0).integers(0, VOCAB, 9).tolist()
+    assert np.abs(decoder.prefill(2, ids) - next_logits(model, ids)).max() < 2e-2
+    for _ in range(12):
+        logits = decoder.decode([2], [ids[-1]])
+        ids = [*ids, ids[-1]]
+        assert np.abs(logits[0] - next_logits(model, ids)).max() < 2e-2

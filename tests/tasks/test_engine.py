@@ -18,6 +18,7 @@ from tasks.lib.model import GPT, GPTConfig, generate_greedy
 from tasks.serving.triton_models.llm_generate.engine import (  # the file Triton loads beside model.py
     CacheShape,
     Detokenizer,
+    DeviceFusedKVDecoder,
     DeviceKVDecoder,
     Engine,
     EngineLimits,
@@ -58,7 +59,7 @@ def engine_of(exported: tuple[GPT, Any, Path], slots: int = 4, queue: int = 8, t
               decoder_kind: type[KVDecoder] = KVDecoder, prefill_tokens: int = 0) -> Engine:
     model, tokenizer, path = exported
     c = model.config
-    onnx = path.with_name(FusedKVDecoder.FILE) if decoder_kind is FusedKVDecoder else path
+    onnx = path.with_name(FusedKVDecoder.FILE) if issubclass(decoder_kind, FusedKVDecoder) else path
     decoder = decoder_kind(str(onnx), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), slots, threads=1)
     limits = EngineLimits(slots, queue, 8, timeout_s, prefill_tokens=prefill_tokens)
     return Engine(decoder, tokenizer, c.seq_len, limits).start()
@@ -93,8 +94,9 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder, FusedKVDecoder],
-                         ids=["host-cache", "bound-cache", "fixed-shape-step", "fused-in-place"])
+@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder, FusedKVDecoder,
+                                          DeviceFusedKVDecoder],
+                         ids=["host-cache", "bound-cache", "fixed-shape-step", "fused-in-place", "fused-bound"])
 def test_requests_joining_a_running_batch_get_the_reference_continuations(exported: tuple[GPT, Any, Path],
                                                                           decoder_kind: type[KVDecoder]) -> None:
     """Six requests of different prompts, submitted while others run, on four slots: each
@@ -113,8 +115,9 @@ def test_requests_joining_a_running_batch_get_the_reference_continuations(export
     assert engine.in_use == 0 and len(engine.free) == 4
 
 
-@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder, FusedKVDecoder],
-                         ids=["host-cache", "bound-cache", "fixed-shape-step", "fused-in-place"])
+@pytest.mark.parametrize("decoder_kind", [KVDecoder, DeviceKVDecoder, GraphKVDecoder, FusedKVDecoder,
+                                          DeviceFusedKVDecoder],
+                         ids=["host-cache", "bound-cache", "fixed-shape-step", "fused-in-place", "fused-bound"])
 def test_prompts_prefilled_in_chunks_get_the_reference_continuations(exported: tuple[GPT, Any, Path],
                                                                      decoder_kind: type[KVDecoder]) -> None:
     """A prefill budget of 5 tokens a step: prompts of 2 to ~20 tokens go into the cache in

@@ -839,7 +839,7 @@ def _late(prefill_on_time):
         time.sleep(0.3)
         return prefill_on_time(self, slot, ids, start)
     return late_prefill
-for _decoder in (KVDecoder, DeviceKVDecoder):
+for _decoder in (KVDecoder, FusedKVDecoder, DeviceKVDecoder):
     _decoder.prefill = _late(_decoder.__dict__["prefill"])
 """
 FAILING_STREAMS = """

@@ -255,6 +255,29 @@ class CacheShape:
                    int(generation["head_dim"]), int(generation["seq_len"]))
 
 
+def bind_tensor(bind: Any, name: str, tensor: Any) -> None:
+    """A torch tensor bound by address (``bind``: an IO binding's bind_input or bind_output)."""
+    dtype = {"torch.int64": np.int64, "torch.int32": np.int32, "torch.float32": np.float32,
+             "torch.float16": np.float16}[str(tensor.dtype)]
+    bind(name, tensor.device.type, tensor.device.index or 0, dtype, tuple(tensor.shape), tensor.data_ptr())
+
+
+def fixed_step_session(onnx_path: str, slots: int, context: int, threads: int, cuda: bool) -> Any:
+    """A session of a decoder whose decode step has one shape (ONNX Runtime's free dimension
+    overrides of the exports' axis names: every slot, one new token, the whole context as the
+    past): its shapes fold to constants, so on CUDA every node runs there and the provider
+    captures the step as a CUDA graph on its first runs and replays it with one launch."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for axis, size in (("batch", slots), ("new", 1), ("past", context)):
+        options.add_free_dimension_override_by_name(axis, size)
+    providers: list[Any] = [("CUDAExecutionProvider", {"use_tf32": "0", "enable_cuda_graph": "1"})] if cuda else []
+    return ort.InferenceSession(onnx_path, options, providers=[*providers, "CPUExecutionProvider"])
+
+
 class KVDecoder:
     """``decoder.onnx`` and the key/value cache of ``slots`` sequences."""
 
@@ -265,6 +288,7 @@ class KVDecoder:
     placeholder: Any  # the masked one-position past of a prefill
 
     def __init__(self, onnx_path: str, shape: CacheShape, slots: int, threads: int = 0, session: Any = None) -> None:
+        self.onnx_path = onnx_path
         self.session = session or self.open_session(onnx_path, shape, slots, threads)[0]
         self.shape = (shape.layers, slots, shape.kv_heads, shape.context, shape.head_dim)
         self.lengths = np.zeros(slots, np.int64)
@@ -380,6 +404,10 @@ class FusedKVDecoder(KVDecoder):
 
     FILE = "decoder_fused.onnx"
 
+    @staticmethod
+    def providers(ort: Any, shape: CacheShape, slots: int, tensorrt: bool = False) -> list[Any]:
+        return ["CPUExecutionProvider"]  # its cache is the host's (the GPU's: DeviceFusedKVDecoder)
+
     def prefill(self, slot: int, ids: list[int], start: int = 0) -> np.ndarray[Any, Any]:
         end = start + len(ids)
         logits = self.run(slot, slot + 1, np.asarray([ids], np.int64), np.asarray([end - 1], np.int32))
@@ -455,13 +483,11 @@ class DeviceKVDecoder(KVDecoder):
 
     def bind(self, session: Any, inputs: tuple[Any, ...], outputs: tuple[Any, ...]) -> Any:
         """``session``'s inputs and outputs bound to these tensors by address."""
-        torch = self.torch
         binding = session.io_binding()
-        where = (self.device.type, self.device.index or 0)
-        dtypes = {torch.int64: np.int64, torch.float32: np.float32}
-        for name, tensor in (*zip(self.INPUTS, inputs, strict=True), *zip(self.OUTPUTS, outputs, strict=True)):
-            bind = binding.bind_input if name in self.INPUTS else binding.bind_output
-            bind(name, *where, dtypes[tensor.dtype], tuple(tensor.shape), tensor.data_ptr())
+        for name, tensor in zip(self.INPUTS, inputs, strict=True):
+            bind_tensor(binding.bind_input, name, tensor)
+        for name, tensor in zip(self.OUTPUTS, outputs, strict=True):
+            bind_tensor(binding.bind_output, name, tensor)
         return binding
 
     def prefill(self, slot: int, ids: list[int], start: int = 0) -> np.ndarray[Any, Any]:
@@ -505,7 +531,7 @@ class GraphKVDecoder(DeviceKVDecoder):
 
     def __init__(self, onnx_path: str, shape: CacheShape, slots: int, threads: int = 0, session: Any = None) -> None:
         super().__init__(onnx_path, shape, slots, threads, session)
-        self.step = self.open_step_session(onnx_path, shape, slots, threads)
+        self.step = fixed_step_session(onnx_path, slots, shape.context, threads, self.device.type == "cuda")
         torch, (layers, _, heads, _, head_dim) = self.torch, self.shape
         self.step_ids = torch.zeros((slots, 1), dtype=torch.int64, device=self.device)
         self.step_lengths = torch.zeros(slots, dtype=torch.int64, device=self.device)
@@ -514,18 +540,6 @@ class GraphKVDecoder(DeviceKVDecoder):
         self.step_values = torch.empty_like(self.step_keys)
         self.binding = self.bind(self.step, (self.step_ids, self.keys, self.values, self.step_lengths),
                                  (self.step_logits, self.step_keys, self.step_values))
-
-    def open_step_session(self, onnx_path: str, shape: CacheShape, slots: int, threads: int) -> Any:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        for axis, size in (("batch", slots), ("new", 1), ("past", shape.context)):  # export_decoder's axis names
-            options.add_free_dimension_override_by_name(axis, size)
-        on_gpu = self.device.type == "cuda"
-        providers: list[Any] = [("CUDAExecutionProvider", {"use_tf32": "0", "enable_cuda_graph": "1"})] if on_gpu else []
-        return ort.InferenceSession(onnx_path, options, providers=[*providers, "CPUExecutionProvider"])
 
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
         torch = self.torch
@@ -543,6 +557,79 @@ class GraphKVDecoder(DeviceKVDecoder):
         self.values[:, index, :, at] = self.step_values[:, index, :, 0].permute(1, 0, 2, 3)
         self.lengths[rows] += 1
         return self.step_logits.index_select(0, index).cpu().numpy()  # type: ignore[no-any-return]
+
+
+class DeviceFusedKVDecoder(FusedKVDecoder):
+    """The fused decoder with its cache in the accelerator's memory (torch tensors, in the
+    decoder's precision: ONNX Runtime's GroupQueryAttention runs on CUDA in float16 or bfloat16
+    only, so a GPU runs the half-precision build, ``decoder_graph.build(half=True)``), its decode
+    step one CUDA graph over every slot (:func:`fixed_step_session`; the total length fixed at the
+    context, each row's own length read from ``seqlens_k``), prefills on the first session. On
+    the CPU (the tests) the same code without a graph."""
+
+    providers = staticmethod(KVDecoder.providers)
+
+    def allocate(self) -> None:
+        import torch
+
+        self.torch = torch
+        cuda = self.session.get_providers()[0] != "CPUExecutionProvider"
+        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        half = next(i.type for i in self.session.get_inputs() if i.name == "past_key_0") == "tensor(float16)"
+        self.keys = torch.zeros(self.shape, dtype=torch.float16 if half else torch.float32, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        self.vocab = int(next(o.shape[-1] for o in self.session.get_outputs() if o.name == "logits"))
+        _, slots, _, context, _ = self.shape
+        self.step = fixed_step_session(self.onnx_path, slots, context, 0, cuda)
+        self.step_ids = torch.zeros((slots, 1), dtype=torch.int64, device=self.device)
+        self.step_last = torch.zeros(slots, dtype=torch.int32, device=self.device)
+        self.step_logits = torch.empty((slots, self.vocab), dtype=torch.float32, device=self.device)
+        self.step_total = np.asarray(context, np.int32)  # a host input of the operator: one value for the graph
+        self.binding = self.bind(self.step, self.step_ids, self.step_last, self.step_total, 0, slots,
+                                 self.step_logits)
+
+    def bind(self, session: Any, ids: Any, last: Any, total: np.ndarray[Any, Any], first: int, end: int,
+             logits: Any) -> Any:
+        binding = session.io_binding()
+        bind_tensor(binding.bind_input, "input_ids", ids)
+        bind_tensor(binding.bind_input, "seqlens_k", last)
+        binding.bind_cpu_input("total_sequence_length", total)
+        for layer in range(self.shape[0]):
+            for kind, cache in (("key", self.keys), ("value", self.values)):
+                rows = cache[layer, first:end]  # contiguous: read and written in place
+                bind_tensor(binding.bind_input, f"past_{kind}_{layer}", rows)
+                bind_tensor(binding.bind_output, f"present_{kind}_{layer}", rows)
+        bind_tensor(binding.bind_output, "logits", logits)
+        return binding
+
+    def synchronized(self) -> None:
+        """torch's writes done before ONNX Runtime's stream reads them."""
+        if self.device.type == "cuda":
+            self.torch.cuda.current_stream(self.device).synchronize()
+
+    def run(self, first: int, end: int, ids: np.ndarray[Any, Any], last: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        torch = self.torch
+        logits = torch.empty((end - first, self.vocab), dtype=torch.float32, device=self.device)
+        # named: bound by address, they must outlive the run
+        ids_there, last_there = torch.from_numpy(ids).to(self.device), torch.from_numpy(last).to(self.device)
+        total = np.asarray(int(last.max()) + 1, np.int32)
+        binding = self.bind(self.session, ids_there, last_there, total, first, end, logits)
+        self.synchronized()
+        self.session.run_with_iobinding(binding)
+        return logits.cpu().numpy()  # type: ignore[no-any-return]
+
+    def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
+        rows, count = np.asarray(slots), len(self.lengths)
+        ids = np.zeros((count, 1), np.int64)
+        ids[rows, 0] = tokens
+        last = np.minimum(self.lengths, self.shape[3] - 1).astype(np.int32)
+        last[rows] = self.lengths[rows]
+        self.step_ids.copy_(self.torch.from_numpy(ids))
+        self.step_last.copy_(self.torch.from_numpy(last))
+        self.synchronized()
+        self.step.run_with_iobinding(self.binding)
+        self.lengths[rows] += 1
+        return self.step_logits[self.torch.from_numpy(rows).to(self.device)].cpu().numpy()  # type: ignore[no-any-return]
 
 
 class Detokenizer:
