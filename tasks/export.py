@@ -142,10 +142,10 @@ def generation_shape(model: GPT, special: tokens.SpecialTokens) -> dict[str, Any
 
 @torch.no_grad()
 def check_decoder(model: GPT, decoder_path: Path, vocabulary: tokens.Vocabulary, prompts: list[str],
-                  windows: list[np.ndarray[Any, Any]], params: ExportSettings, fused: bool = False) -> dict[str, Any]:
-    """The KV-cache decoder (``fused``: the fused one, run as the engine runs it) against PyTorch
-    (see the module docstring), within ``parity_atol``, up to ``parity_new_tokens`` greedy tokens
-    a prompt; raises StepError."""
+                  windows: list[np.ndarray[Any, Any]], params: ExportSettings) -> dict[str, Any]:
+    """The KV-cache decoder (``decoder.onnx`` or the fused one, each run as the engine runs it)
+    against PyTorch (see the module docstring), within ``parity_atol``, up to
+    ``parity_new_tokens`` greedy tokens a prompt; raises StepError."""
     from tasks.serving.triton_models.llm_generate.engine import (
         CacheShape,
         Engine,
@@ -163,7 +163,7 @@ def check_decoder(model: GPT, decoder_path: Path, vocabulary: tokens.Vocabulary,
     # teacher forcing on whole-context windows: each row prefilled to its own length (ragged
     # caches, up to half the window), the rest decoded a token at a time, all rows in one batch
     rows = np.concatenate([w for w in windows if w.shape[1] == c.seq_len])[:6]
-    kind = FusedKVDecoder if fused else KVDecoder
+    kind = FusedKVDecoder if decoder_path.name == FusedKVDecoder.FILE else KVDecoder
     decoder = kind(str(decoder_path), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len),
                    max(len(rows), len(prompts)))
     worst = 0.0
@@ -219,7 +219,7 @@ def export_fused_decoder(model: GPT, scratch: Path, vocabulary: tokens.Vocabular
         return None, {"skipped": reason}
     path = scratch / decoder_graph.FILE
     decoder_graph.export(model, path)
-    checked = check_decoder(model, path, vocabulary, prompts, windows, params, fused=True)
+    checked = check_decoder(model, path, vocabulary, prompts, windows, params)
     log.info("%s parity: max |logit diff| %.3g (KV cache in place, %d windows), greedy continuations of %d prompts "
              "identical to PyTorch's", path.name, checked["max_abs_logit_diff"], checked["windows"], len(prompts))
     return path, {key: checked[key] for key in ("max_abs_logit_diff", "windows", "greedy_tokens_compared")}

@@ -296,16 +296,17 @@ class KVDecoder:
 
     @classmethod
     def open(cls, onnx_path: str, shape: CacheShape, slots: int, threads: int = 0,
-             tensorrt: bool = False, cuda_graph: bool = False, fused_path: str | None = None) -> KVDecoder:
+             tensorrt: bool = False, cuda_graph: bool = False) -> KVDecoder:
         """The decoder for wherever ONNX Runtime runs it: on a GPU (CUDA or TensorRT provider) the
         cache lives in the GPU's memory (:class:`DeviceKVDecoder`), its decode step a CUDA graph
         on the CUDA provider where asked (:class:`GraphKVDecoder`), else in the host's, updated in
-        place by the fused decoder at ``fused_path`` where there is one (:class:`FusedKVDecoder`)."""
+        place by the fused decoder where the export wrote one beside ``onnx_path``
+        (:class:`FusedKVDecoder`)."""
         import onnxruntime as ort
 
-        best = cls.providers(ort, shape, slots, tensorrt)[0]
-        if best == "CPUExecutionProvider" and fused_path:
-            return FusedKVDecoder(fused_path, shape, slots, threads)
+        fused = os.path.join(os.path.dirname(onnx_path), FusedKVDecoder.FILE)
+        if cls.providers(ort, shape, slots, tensorrt)[0] == "CPUExecutionProvider" and os.path.exists(fused):
+            return FusedKVDecoder(fused, shape, slots, threads)
         session, asked = cls.open_session(onnx_path, shape, slots, threads, tensorrt)
         if session.get_providers()[0] != asked[0]:  # ONNX Runtime logs a provider that failed to start, then goes on
             raise RuntimeError(f"{onnx_path}: ONNX Runtime runs it on {session.get_providers()[0]}, not {asked[0]} "
@@ -332,7 +333,11 @@ class KVDecoder:
         return session, [p if isinstance(p, str) else p[0] for p in providers]
 
     def allocate(self) -> None:
-        self.keys, self.values = np.zeros(self.shape, np.float32), np.zeros(self.shape, np.float32)
+        # written once here, so the memory is taken at load (what deploy counted), not page by
+        # page as slots fill under load (np.zeros' pages are mapped on first write)
+        self.keys, self.values = np.empty(self.shape, np.float32), np.empty(self.shape, np.float32)
+        self.keys.fill(0.0)
+        self.values.fill(0.0)
         layers, _, heads, _, head_dim = self.shape
         self.placeholder = np.zeros((layers, 1, heads, 1, head_dim), np.float32)
 
@@ -585,20 +590,22 @@ class DeviceFusedKVDecoder(FusedKVDecoder):
         self.step_last = torch.zeros(slots, dtype=torch.int32, device=self.device)
         self.step_logits = torch.empty((slots, self.vocab), dtype=torch.float32, device=self.device)
         self.step_total = np.asarray(context, np.int32)  # a host input of the operator: one value for the graph
-        self.binding = self.bind(self.step, self.step_ids, self.step_last, self.step_total, 0, slots,
+        self.binding = self.bind(self.step, (self.step_ids, self.step_last, self.step_total), slice(0, slots),
                                  self.step_logits)
 
-    def bind(self, session: Any, ids: Any, last: Any, total: np.ndarray[Any, Any], first: int, end: int,
-             logits: Any) -> Any:
+    def bind(self, session: Any, step: tuple[Any, Any, np.ndarray[Any, Any]], rows: slice, logits: Any) -> Any:
+        """``session`` bound to a step's token ids, last positions and total length (``step``),
+        the cache's ``rows`` and ``logits``."""
+        ids, last, total = step
         binding = session.io_binding()
         bind_tensor(binding.bind_input, "input_ids", ids)
         bind_tensor(binding.bind_input, "seqlens_k", last)
         binding.bind_cpu_input("total_sequence_length", total)
         for layer in range(self.shape[0]):
             for kind, cache in (("key", self.keys), ("value", self.values)):
-                rows = cache[layer, first:end]  # contiguous: read and written in place
-                bind_tensor(binding.bind_input, f"past_{kind}_{layer}", rows)
-                bind_tensor(binding.bind_output, f"present_{kind}_{layer}", rows)
+                held = cache[layer, rows]  # contiguous: read and written in place
+                bind_tensor(binding.bind_input, f"past_{kind}_{layer}", held)
+                bind_tensor(binding.bind_output, f"present_{kind}_{layer}", held)
         bind_tensor(binding.bind_output, "logits", logits)
         return binding
 
@@ -613,7 +620,7 @@ class DeviceFusedKVDecoder(FusedKVDecoder):
         # named: bound by address, they must outlive the run
         ids_there, last_there = torch.from_numpy(ids).to(self.device), torch.from_numpy(last).to(self.device)
         total = np.asarray(int(last.max()) + 1, np.int32)
-        binding = self.bind(self.session, ids_there, last_there, total, first, end, logits)
+        binding = self.bind(self.session, (ids_there, last_there, total), slice(first, end), logits)
         self.synchronized()
         self.session.run_with_iobinding(binding)
         return logits.cpu().numpy()  # type: ignore[no-any-return]
@@ -814,9 +821,8 @@ class Engine:
             shape = json.load(fh)
         cache = CacheShape.of_generation(shape)
         limits = replace(limits, slots=limits.slots_for(cache))
-        fused = os.path.join(folder, FusedKVDecoder.FILE)
         decoder = KVDecoder.open(os.path.join(folder, "decoder.onnx"), cache, limits.slots, threads, tensorrt,
-                                 cuda_graph, fused if os.path.exists(fused) else None)
+                                 cuda_graph)
         tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         # a checkpoint's special tokens (exports before them: <|endoftext|>, no BOS)
         return cls(decoder, tokenizer, int(shape["seq_len"]), limits, shape.get("eos_ids") or (), shape.get("bos_id"))
