@@ -281,8 +281,8 @@ benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(RT_PY) benchmarks/fsdp_units.py
 	$(RT_PY) benchmarks/serve.py
 	$(RT_PY) benchmarks/serve_llm.py
-	$(RT_PY) benchmarks/serve_engine.py   # the engine alone, host and device caches (on a GPU: docs/benchmarks.md)
-	$(RT_PY) benchmarks/serve_engine.py --preset cpu-small --prompt 128 --new 128 --slots 8 32 --decoders host
+	$(RT_PY) benchmarks/serve_engine.py   # the engine alone: host, fused and device caches (on a GPU: docs/benchmarks.md)
+	$(RT_PY) benchmarks/serve_engine.py --preset cpu-small --prompt 128 --new 128 --slots 8 32 --decoders host fused
 	$(RT_PY) benchmarks/serve_path.py     # each hop of the served path: engine, Triton, front, router
 	$(RT_PY) benchmarks/canary_aa.py
 	$(RT_PY) benchmarks/shadow.py
