@@ -279,3 +279,11 @@ def export(version: str, out: Path, env: dict[str, str], eval_text: Path) -> dic
                       "--eval-set", str(eval_text), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return step_result(proc)
+
+
+def cuda_provider_present() -> bool:
+    """A GPU, and ONNX Runtime's CUDA build to run on it (the engine's GPU tests)."""
+    import onnxruntime as ort
+    import torch
+
+    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()

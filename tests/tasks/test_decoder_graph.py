@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import cuda_provider_present
 
 from tasks.lib import decoder_graph
 from tasks.lib.model import GPT, GPTConfig
@@ -70,12 +71,6 @@ def test_what_the_fused_decoder_cannot_be_built_for_is_said_in_one_line() -> Non
     with pytest.raises(ValueError, match=r"^fused decoder: head size 8 "):
         decoder_graph.build(narrow)
     assert decoder_graph.supported(random_model(n_heads=2, d_model=32)) is None
-
-
-def cuda_provider_present() -> bool:
-    import onnxruntime as ort
-
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
 
 
 @pytest.mark.skipif(not cuda_provider_present(), reason="no GPU or no onnxruntime-gpu: run on a GPU machine "

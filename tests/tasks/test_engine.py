@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import cuda_provider_present
 
 from tasks.lib import tokens
 from tasks.lib.model import GPT, GPTConfig, generate_greedy
@@ -37,12 +38,6 @@ from tasks.serving.triton_models.llm_generate.engine import (  # the file Triton
 
 TEXTS = [f"Return the number of items in bucket {i}; raise ValueError if it is empty. café {i % 7}" for i in range(300)]
 CONTEXT = 48
-
-
-def cuda_provider_present() -> bool:
-    import onnxruntime as ort
-
-    return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
 
 
 # every decoder on this machine's provider; the fused one bound by address only off a GPU (there

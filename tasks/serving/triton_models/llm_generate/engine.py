@@ -256,10 +256,20 @@ class CacheShape:
 
 
 def bind_tensor(bind: Any, name: str, tensor: Any) -> None:
-    """A torch tensor bound by address (``bind``: an IO binding's bind_input or bind_output)."""
+    """A torch tensor or numpy array bound by address (``bind``: an IO binding's bind_input or
+    bind_output)."""
+    if isinstance(tensor, np.ndarray):
+        bind(name, "cpu", 0, tensor.dtype, tensor.shape, tensor.ctypes.data)
+        return
     dtype = {"torch.int64": np.int64, "torch.int32": np.int32, "torch.float32": np.float32,
              "torch.float16": np.float16}[str(tensor.dtype)]
     bind(name, tensor.device.type, tensor.device.index or 0, dtype, tuple(tensor.shape), tensor.data_ptr())
+
+
+def settle(torch: Any, device: Any) -> None:
+    """torch's writes to bound buffers done before ONNX Runtime's CUDA stream reads them."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def fixed_step_session(onnx_path: str, slots: int, context: int, threads: int, cuda: bool) -> Any:
@@ -290,6 +300,7 @@ class KVDecoder:
     def __init__(self, onnx_path: str, shape: CacheShape, slots: int, threads: int = 0, session: Any = None) -> None:
         self.onnx_path = onnx_path
         self.session = session or self.open_session(onnx_path, shape, slots, threads)[0]
+        self.vocab = int(next(o.shape[-1] for o in self.session.get_outputs() if o.name == "logits"))
         self.shape = (shape.layers, slots, shape.kv_heads, shape.context, shape.head_dim)
         self.lengths = np.zeros(slots, np.int64)
         self.allocate()
@@ -422,34 +433,43 @@ class FusedKVDecoder(KVDecoder):
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
         rows = np.asarray(slots)
         span = int(rows.max()) + 1
-        ids = np.zeros((span, 1), np.int64)
-        ids[rows, 0] = tokens
-        last = np.minimum(self.lengths[:span], self.shape[3] - 1).astype(np.int32)  # each row's new position
-        last[rows] = self.lengths[rows]
-        logits = self.run(0, span, ids, last)
+        logits = self.run(0, span, *self.step_inputs(rows, tokens, span))
         self.lengths[rows] += 1
         return logits[rows]  # type: ignore[no-any-return]
+
+    def step_inputs(self, rows: np.ndarray[Any, Any], tokens: list[int],
+                    span: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """A decode step's token ids and new positions for cache rows 0..``span`` - 1: ``tokens``
+        at ``rows``; a dummy token at each other row's own length (where its next one lands)."""
+        ids = np.zeros((span, 1), np.int64)
+        ids[rows, 0] = tokens
+        last = np.minimum(self.lengths[:span], self.shape[3] - 1).astype(np.int32)
+        last[rows] = self.lengths[rows]
+        return ids, last
 
     def run(self, first: int, end: int, ids: np.ndarray[Any, Any], last: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """The decoder over cache rows ``first``..``end`` - 1, each with new tokens ``ids`` of which
         the last lands at position ``last``; returns the logits after each row's last token."""
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("seqlens_k", last)
-        binding.bind_cpu_input("total_sequence_length", np.asarray(int(last.max()) + 1, np.int32))
-        for layer in range(self.shape[0]):
-            for kind, cache in (("key", self.keys), ("value", self.values)):
-                rows = cache[layer, first:end]  # contiguous: bound by address, read and written in place
-                binding.bind_input(f"past_{kind}_{layer}", "cpu", 0, np.float32, rows.shape, rows.ctypes.data)
-                binding.bind_output(f"present_{kind}_{layer}", "cpu", 0, np.float32, rows.shape, rows.ctypes.data)
         logits = np.empty((end - first, self.vocab), np.float32)
-        binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
-        self.session.run_with_iobinding(binding)
+        total = np.asarray(int(last.max()) + 1, np.int32)
+        self.session.run_with_iobinding(self.bind(self.session, (ids, last, total), slice(first, end), logits))
         return logits
 
-    def allocate(self) -> None:
-        super().allocate()
-        self.vocab = int(next(o.shape[-1] for o in self.session.get_outputs() if o.name == "logits"))
+    def bind(self, session: Any, step: tuple[Any, Any, np.ndarray[Any, Any]], rows: slice, logits: Any) -> Any:
+        """``session`` bound to a step's token ids, last positions and total length (``step``),
+        the cache's ``rows`` (read and written in place) and ``logits``."""
+        ids, last, total = step
+        binding = session.io_binding()
+        bind_tensor(binding.bind_input, "input_ids", ids)
+        bind_tensor(binding.bind_input, "seqlens_k", last)
+        binding.bind_cpu_input("total_sequence_length", total)
+        for layer in range(self.shape[0]):
+            for kind, cache in (("key", self.keys), ("value", self.values)):
+                held = cache[layer, rows]  # contiguous
+                bind_tensor(binding.bind_input, f"past_{kind}_{layer}", held)
+                bind_tensor(binding.bind_output, f"present_{kind}_{layer}", held)
+        bind_tensor(binding.bind_output, "logits", logits)
+        return binding
 
 
 class DeviceKVDecoder(KVDecoder):
@@ -469,7 +489,6 @@ class DeviceKVDecoder(KVDecoder):
         self.values = torch.zeros_like(self.keys)
         layers, _, heads, _, head_dim = self.shape
         self.placeholder = torch.zeros((layers, 1, heads, 1, head_dim), dtype=torch.float32, device=self.device)
-        self.vocab = int(next(o.shape[-1] for o in self.session.get_outputs() if o.name == "logits"))
 
     def run(self, ids: Any, past_keys: Any, past_values: Any, past_lengths: Any) -> tuple[Any, Any, Any]:
         """One run of the decoder on tensors already on the device; returns its outputs there."""
@@ -481,8 +500,7 @@ class DeviceKVDecoder(KVDecoder):
         present_values = torch.empty_like(present_keys)
         binding = self.bind(self.session, (ids, past_keys, past_values, past_lengths),
                             (logits, present_keys, present_values))
-        if self.device.type == "cuda":  # torch's writes of the inputs done before ONNX Runtime's stream reads
-            torch.cuda.current_stream(self.device).synchronize()
+        settle(torch, self.device)
         self.session.run_with_iobinding(binding)  # returns once the outputs are written
         return logits, present_keys, present_values
 
@@ -553,8 +571,7 @@ class GraphKVDecoder(DeviceKVDecoder):
         ids[rows, 0], lengths[rows] = tokens, self.lengths[rows]
         self.step_ids.copy_(torch.from_numpy(ids))
         self.step_lengths.copy_(torch.from_numpy(lengths))
-        if self.device.type == "cuda":  # the refilled buffers written before ONNX Runtime's stream reads them
-            torch.cuda.current_stream(self.device).synchronize()
+        settle(torch, self.device)
         self.step.run_with_iobinding(self.binding)  # the first runs capture the graph, later ones replay it
         index = torch.from_numpy(rows).to(self.device)
         at = self.step_lengths.index_select(0, index)
@@ -583,7 +600,6 @@ class DeviceFusedKVDecoder(FusedKVDecoder):
         half = next(i.type for i in self.session.get_inputs() if i.name == "past_key_0") == "tensor(float16)"
         self.keys = torch.zeros(self.shape, dtype=torch.float16 if half else torch.float32, device=self.device)
         self.values = torch.zeros_like(self.keys)
-        self.vocab = int(next(o.shape[-1] for o in self.session.get_outputs() if o.name == "logits"))
         _, slots, _, context, _ = self.shape
         self.step = fixed_step_session(self.onnx_path, slots, context, 0, cuda)
         self.step_ids = torch.zeros((slots, 1), dtype=torch.int64, device=self.device)
@@ -593,27 +609,6 @@ class DeviceFusedKVDecoder(FusedKVDecoder):
         self.binding = self.bind(self.step, (self.step_ids, self.step_last, self.step_total), slice(0, slots),
                                  self.step_logits)
 
-    def bind(self, session: Any, step: tuple[Any, Any, np.ndarray[Any, Any]], rows: slice, logits: Any) -> Any:
-        """``session`` bound to a step's token ids, last positions and total length (``step``),
-        the cache's ``rows`` and ``logits``."""
-        ids, last, total = step
-        binding = session.io_binding()
-        bind_tensor(binding.bind_input, "input_ids", ids)
-        bind_tensor(binding.bind_input, "seqlens_k", last)
-        binding.bind_cpu_input("total_sequence_length", total)
-        for layer in range(self.shape[0]):
-            for kind, cache in (("key", self.keys), ("value", self.values)):
-                held = cache[layer, rows]  # contiguous: read and written in place
-                bind_tensor(binding.bind_input, f"past_{kind}_{layer}", held)
-                bind_tensor(binding.bind_output, f"present_{kind}_{layer}", held)
-        bind_tensor(binding.bind_output, "logits", logits)
-        return binding
-
-    def synchronized(self) -> None:
-        """torch's writes done before ONNX Runtime's stream reads them."""
-        if self.device.type == "cuda":
-            self.torch.cuda.current_stream(self.device).synchronize()
-
     def run(self, first: int, end: int, ids: np.ndarray[Any, Any], last: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         torch = self.torch
         logits = torch.empty((end - first, self.vocab), dtype=torch.float32, device=self.device)
@@ -621,19 +616,16 @@ class DeviceFusedKVDecoder(FusedKVDecoder):
         ids_there, last_there = torch.from_numpy(ids).to(self.device), torch.from_numpy(last).to(self.device)
         total = np.asarray(int(last.max()) + 1, np.int32)
         binding = self.bind(self.session, (ids_there, last_there, total), slice(first, end), logits)
-        self.synchronized()
+        settle(torch, self.device)
         self.session.run_with_iobinding(binding)
         return logits.cpu().numpy()  # type: ignore[no-any-return]
 
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
-        rows, count = np.asarray(slots), len(self.lengths)
-        ids = np.zeros((count, 1), np.int64)
-        ids[rows, 0] = tokens
-        last = np.minimum(self.lengths, self.shape[3] - 1).astype(np.int32)
-        last[rows] = self.lengths[rows]
+        rows = np.asarray(slots)
+        ids, last = self.step_inputs(rows, tokens, len(self.lengths))  # every slot: the graph's shape
         self.step_ids.copy_(self.torch.from_numpy(ids))
         self.step_last.copy_(self.torch.from_numpy(last))
-        self.synchronized()
+        settle(self.torch, self.device)
         self.step.run_with_iobinding(self.binding)
         self.lengths[rows] += 1
         return self.step_logits[self.torch.from_numpy(rows).to(self.device)].cpu().numpy()  # type: ignore[no-any-return]
