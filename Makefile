@@ -34,7 +34,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env test-env up down status pipeline retrain replay drift report import predict repro test test-fast config-docs lint benchmark clean
+.PHONY: help env test-env up down status pipeline retrain replay drift report import predict repro test test-fast \
+  test-slow-serving test-slow-runtime test-slow-orchestrator config-docs lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (launcher.mode local by default: steps as processes)"
@@ -79,36 +80,49 @@ help:
 	@command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
 	@touch $@
 
+# The locks install with uv (pinned; pip puts it in each venv in seconds): it fetches and unpacks
+# in parallel, ~35 s for the runtime's 250 packages where pip took 3-5 min. uv reads no pip.conf:
+# a package mirror is UV_DEFAULT_INDEX (or PIP_INDEX_URL, passed on below). torch alone comes
+# through pip, from its own index or a wheel folder in pip's configuration (find-links), which
+# uv would not see.
+UV_VERSION := 0.13.8
+ifdef PIP_INDEX_URL
+export UV_DEFAULT_INDEX ?= $(PIP_INDEX_URL)
+endif
+uv = $(1)/bin/uv pip install -q --python $(1)/bin/python
+
 # Runtime environment: what the step images hold. deepspeed builds against the installed torch,
 # so it comes after the lock file, with its ops left to JIT (no CUDA here).
 $(RUNTIME)/.installed: requirements/runtime.txt .venvs/.system-deps
-	@echo "installing the runtime environment (first time: ~2-5 min)"
+	@echo "installing the runtime environment (first time: ~1 min)"
 	test -x $(RT_PY) || $(PYTHON) -m venv $(RUNTIME)
+	$(RT_PY) -m pip install -q uv==$(UV_VERSION)
 	grep '^torch==' requirements/runtime.txt > $(RUNTIME)/torch.txt
 	grep -v '^torch==' requirements/runtime.txt > $(RUNTIME)/runtime-no-torch.txt
 	$(RT_PY) -m pip install -q --no-deps --index-url $(TORCH_INDEX_URL) -r $(RUNTIME)/torch.txt
-	$(RT_PY) -m pip install -q -r $(RUNTIME)/runtime-no-torch.txt
-	DS_BUILD_OPS=0 $(RT_PY) -m pip install -q --no-build-isolation --no-deps $(DEEPSPEED)
+	$(call uv,$(RUNTIME)) -r $(RUNTIME)/runtime-no-torch.txt
+	DS_BUILD_OPS=0 $(call uv,$(RUNTIME)) --no-build-isolation --no-deps $(DEEPSPEED)
 	$(RT_PY) -m pip check
 	touch $@
 
 # Orchestrator environment: Airflow + the Kubernetes provider.
 $(ORCH)/.installed: requirements/orchestrator.txt .venvs/.system-deps
-	@echo "installing the orchestrator environment (first time: ~1 min)"
+	@echo "installing the orchestrator environment (first time: ~20 s)"
 	test -x $(ORCH_PY) || $(PYTHON) -m venv $(ORCH)
-	$(ORCH_PY) -m pip install -q -r requirements/orchestrator.txt
+	$(ORCH_PY) -m pip install -q uv==$(UV_VERSION)
+	$(call uv,$(ORCH)) -r requirements/orchestrator.txt
 	$(ORCH_PY) -m pip check
 	touch $@
 
 # The test and lint tools of each environment: locks of their own, on top of the environment's
 # (constrained by it), so neither `make pipeline` nor the images install them.
 $(RUNTIME)/.test-installed: requirements/runtime-test.txt $(RUNTIME)/.installed
-	$(RT_PY) -m pip install -q -r requirements/runtime-test.txt -c requirements/runtime.txt
+	$(call uv,$(RUNTIME)) -r requirements/runtime-test.txt -c requirements/runtime.txt
 	$(RT_PY) -m pip check
 	touch $@
 
 $(ORCH)/.test-installed: requirements/orchestrator-test.txt $(ORCH)/.installed
-	$(ORCH_PY) -m pip install -q -r requirements/orchestrator-test.txt -c requirements/orchestrator.txt
+	$(call uv,$(ORCH)) -r requirements/orchestrator-test.txt -c requirements/orchestrator.txt
 	$(ORCH_PY) -m pip check
 	touch $@
 
@@ -253,9 +267,23 @@ RT_TESTS := tests/tasks tests/stack tests/containers tests/observability tests/d
 ORCH_TESTS := tests/dags tests/plugins
 FAST := not integration and not torchrun
 
+# The slow tier in three lanes side by side, each a pytest process with servers of its own on
+# ports of its own (TEST_PORT_OFFSET): alone, a lane keeps under one of two cores busy (it waits on
+# servers, DAG runs and subprocesses), so one after the other left a core idle. Each lane's output
+# is printed whole when it ends (--output-sync); make fails if any lane failed.
+SERVING_TESTS := tests/tasks/test_serving.py tests/tasks/serving tests/stack tests/observability tests/containers
 test: test-fast
-	$(RT_PY) -m pytest -m "not ($(FAST))" $(RT_TESTS)
-	$(ORCH_PY) -m pytest -m "not ($(FAST))" $(ORCH_TESTS)
+	@$(MAKE) --no-print-directory -j3 --output-sync=target test-slow-serving test-slow-runtime test-slow-orchestrator
+
+test-slow-serving: test-env
+	$(RT_PY) -m pytest -m "not ($(FAST))" $(SERVING_TESTS)
+
+test-slow-runtime: test-env
+	TEST_PORT_OFFSET=50 $(RT_PY) -m pytest -m "not ($(FAST))" tests/tasks tests/docs \
+	  --ignore=tests/tasks/test_serving.py --ignore=tests/tasks/serving
+
+test-slow-orchestrator: test-env
+	TEST_PORT_OFFSET=100 $(ORCH_PY) -m pytest -m "not ($(FAST))" $(ORCH_TESTS)
 
 # the fast tier starts no server: its modules run in a process per core (a module's tests together,
 # its fixtures built once); the slow tier shares one stack on fixed ports, in one process

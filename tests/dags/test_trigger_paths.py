@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 AIRFLOW = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
 DAG_ID = "llm_retrain"
 # a short run: enough to reach register (whose arguments read the run's date), export and deploy
-# one training node: six runs share two cores, and this test is about how runs start
+# one training node: runs share two cores, and this test is about how runs start
 CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_nodes": 1,
         "train_max_steps": 12}  # 12: apart from other tests' runs
 # The backfill: two weekly intervals (Sundays at midnight; the other DAG tests run at 06:00, so
@@ -41,6 +41,8 @@ CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_nodes": 1,
 # window (11-01..11-07) has no data, the second (11-08..11-14) a week.
 BACKFILL_FROM, BACKFILL_TO = "2026-11-08", "2026-11-15"
 BACKFILL_RAW = "s3://raw/test-backfill"
+# The CLI's run asks for a week before that raw data: its first task refuses the window it names
+CLI_END, CLI_WINDOW = "2026-10-31", "2026-10-25..2026-10-31"
 SCREENSHOTS = REPO_ROOT / ".test-artifacts" / "ui"
 REVIEWER = "reviewer"  # the approver who did not trigger the approval's run (admin did)
 
@@ -132,7 +134,7 @@ def airflow_api(airflow_db: None, seeded_raw: str, stack_env: dict[str, str], st
     # the models (tests/tasks/test_serving.py tests the latency rollback); this test is about
     # how runs are triggered
     params["canary"].update(max_latency_ratio=1e9, text_max_latency_ratio=1e9)
-    # six runs share two cores: lighter than the defaults where that changes nothing checked
+    # runs share two cores: lighter than the defaults where that changes nothing checked
     # here (the evaluation, export parity and canary steps have tests of their own)
     params["evaluate"]["max_eval_tokens"] = 4096
     params["export"]["parity_windows"] = 4
@@ -258,7 +260,7 @@ def check_a_run_cannot_weaken_the_approval_nor_the_gate(api: AirflowApi) -> None
         assert refused.value.code == 400 and why in refused.value.read().decode(), conf
 
 
-# five runs of the whole chain on two cores, then the held rollout twice: its waits below add up
+# three runs of the whole chain on two cores (two more fail at their first task), then the held rollout twice: its waits below add up
 # to 30 minutes, past the suite's default per-test limit
 @pytest.mark.timeout(1800)
 def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
@@ -281,13 +283,15 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         skip_deploy=True)
     # the two runs without a logical date: the REST API's, triggered by admin, deploys (deploy's
     # arguments read the run's date too) and waits for a person's approval (required here: no
-    # Param asks for it), the CLI's skips the canary to spare the test's time. The REST API's
-    # first: two runs run at once (max_active_runs), and the one with the longest tail starts
-    # beside the form's instead of waiting for a slot behind every other run
+    # Param asks for it). The CLI's makes the same kind of run (manual, no logical date, the conf
+    # as given) for a week with no raw data: its first task fails naming the window the CLI's conf
+    # asked for, which shows that conf reaching the tasks, and the whole chain is not run a
+    # fourth time on two cores. The REST API's first: two runs run at once (max_active_runs), and
+    # the one with the longest tail starts beside the form's instead of waiting for a slot
     rest = airflow_api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                             {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-22"}})
     assert rest["logical_date"] is None and "approval" not in rest["conf"]
-    airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "end_date": "2026-11-21", "skip_deploy": True}))
+    airflow_cli("dags", "trigger", DAG_ID, "-c", json.dumps({**CONF, "raw_data_uri": BACKFILL_RAW, "end_date": CLI_END}))
 
     def ours() -> list[dict[str, Any]]:
         runs = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")["dag_runs"]
@@ -316,28 +320,22 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         runs = ours()
         return runs if all(r["state"] in ("success", "failed") for r in runs) else None
 
-    runs = wait_for("five runs to finish", finished, timeout_s=1200, every_s=5)
+    runs = wait_for("the five runs to finish", finished, timeout_s=1200, every_s=5)
     backfill = sorted((r for r in runs if r["run_type"] == "backfill"), key=lambda r: r["logical_date"])
     manual = [r for r in runs if r["run_type"] == "manual"]
     assert [r["logical_date"][:10] for r in backfill] == ["2026-11-08", "2026-11-15"]
     assert len(manual) == 3 and from_the_form in {r["dag_run_id"] for r in manual}
     assert sum(r["logical_date"] is None for r in manual) == 2
+    from_the_cli = next(r for r in manual if r["conf"].get("end_date") == CLI_END)
+    assert from_the_cli["logical_date"] is None and from_the_cli["conf"]["raw_data_uri"] == BACKFILL_RAW, from_the_cli
 
-    # the interval with no raw data fails its first task, once (bad input is not retried), with
-    # one line naming the window; nothing after it ran, and the report says so
-    empty = backfill[0]
-    states = task_states(airflow_api, empty)
-    assert empty["state"] == "failed" and states["snapshot"] == "failed", states
-    assert {states[t] for t in states if t not in ("snapshot", "release_hold", "report")} <= {"upstream_failed"}, states
-    assert states["release_hold"] == "success", states  # a teardown: nothing held, nothing done
-    log = json.dumps(airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(empty['dag_run_id'])}"
-                                             "/taskInstances/snapshot/logs/1?full_content=true"))
-    assert f"{BACKFILL_RAW}: no partitions with data for 2026-11-01..2026-11-07 (empty interval)" in log
-    snapshot_try = airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(empty['dag_run_id'])}"
-                                           "/taskInstances/snapshot")
-    assert snapshot_try["try_number"] == 1, snapshot_try
+    # the backfill's interval with no raw data, and the CLI's week without any: each fails its
+    # first task once (bad input is not retried), one line naming the window
+    check_failed_at_snapshot(airflow_api, backfill[0], "2026-11-01..2026-11-07")
+    check_failed_at_snapshot(airflow_api, from_the_cli, CLI_WINDOW)
 
-    for run in [*backfill[1:], *manual]:
+    whole = [*backfill[1:], *(r for r in manual if r is not from_the_cli)]
+    for run in whole:
         states = task_states(airflow_api, run)
         # (the tasks that did not succeed, named: pytest cuts a long dict short)
         assert run["state"] == "success" and states["register"] == "success", \
@@ -355,12 +353,25 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         assert tags["logical_date"] == when[:10], (run["dag_run_id"], tags)
         end = run["conf"].get("end_date") or run["logical_date"][:10]  # a backfill reads its interval's window
         assert tags["data_version"].startswith(f"data-{end}-7d-") and tags["data_end"] == end, tags
-    # four runs at once, four windows: four data versions and four registered versions, none
+    # three runs, three windows: three data versions and three registered versions, none
     # overwriting another's
-    registered = dict(registered_version(r["dag_run_id"]) for r in [*backfill[1:], *manual])
-    assert len(registered) == 4 and len({tags["data_version"] for tags in registered.values()}) == 4, registered
+    registered = dict(registered_version(r["dag_run_id"]) for r in whole)
+    assert len(registered) == 3 and len({tags["data_version"] for tags in registered.values()}) == 3, registered
     screenshot_run(airflow_api, from_the_form)
     check_the_approval(airflow_api, approval_run)
+
+
+def check_failed_at_snapshot(api: AirflowApi, run: dict[str, Any], window: str) -> None:
+    """``run`` failed its first task, once, with one line naming ``window`` of the backfill's raw
+    data; nothing after it ran but the teardowns (nothing held, nothing done; the report)."""
+    states = task_states(api, run)
+    assert run["state"] == "failed" and states["snapshot"] == "failed", (run["dag_run_id"], states)
+    assert {states[t] for t in states if t not in ("snapshot", "release_hold", "report")} <= {"upstream_failed"}, states
+    assert states["release_hold"] == "success", states
+    path = f"/api/v2/dags/{DAG_ID}/dagRuns/{quoted(run['dag_run_id'])}/taskInstances/snapshot"
+    log = json.dumps(api.call("GET", f"{path}/logs/1?full_content=true"))
+    assert f"{BACKFILL_RAW}: no partitions with data for {window} (empty interval)" in log, run["dag_run_id"]
+    assert api.call("GET", path)["try_number"] == 1
 
 
 def waiting_for_a_person(api: AirflowApi, run_id: str) -> dict[str, Any] | None:
