@@ -34,8 +34,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env test-env up down status pipeline retrain replay drift report import predict repro test test-fast \
-  test-slow-serving test-slow-runtime test-slow-orchestrator config-docs lint benchmark clean
+.PHONY: help env test-env up down status pipeline retrain replay drift report import predict repro test test-fast config-docs lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (launcher.mode local by default: steps as processes)"
@@ -267,23 +266,9 @@ RT_TESTS := tests/tasks tests/stack tests/containers tests/observability tests/d
 ORCH_TESTS := tests/dags tests/plugins
 FAST := not integration and not torchrun
 
-# The slow tier in three lanes side by side, each a pytest process with servers of its own on
-# ports of its own (TEST_PORT_OFFSET): alone, a lane keeps under one of two cores busy (it waits on
-# servers, DAG runs and subprocesses), so one after the other left a core idle. Each lane's output
-# is printed whole when it ends (--output-sync); make fails if any lane failed.
-SERVING_TESTS := tests/tasks/test_serving.py tests/tasks/serving tests/stack tests/observability tests/containers
 test: test-fast
-	@$(MAKE) --no-print-directory -j3 --output-sync=target test-slow-serving test-slow-runtime test-slow-orchestrator
-
-test-slow-serving: test-env
-	$(RT_PY) -m pytest -m "not ($(FAST))" $(SERVING_TESTS)
-
-test-slow-runtime: test-env
-	TEST_PORT_OFFSET=50 $(RT_PY) -m pytest -m "not ($(FAST))" tests/tasks tests/docs \
-	  --ignore=tests/tasks/test_serving.py --ignore=tests/tasks/serving
-
-test-slow-orchestrator: test-env
-	TEST_PORT_OFFSET=100 $(ORCH_PY) -m pytest -m "not ($(FAST))" $(ORCH_TESTS)
+	$(RT_PY) -m pytest -m "not ($(FAST))" $(RT_TESTS)
+	$(ORCH_PY) -m pytest -m "not ($(FAST))" $(ORCH_TESTS)
 
 # the fast tier starts no server: its modules run in a process per core (a module's tests together,
 # its fixtures built once); the slow tier shares one stack on fixed ports, in one process

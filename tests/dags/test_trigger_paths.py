@@ -42,7 +42,7 @@ CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_nodes": 1,
 BACKFILL_FROM, BACKFILL_TO = "2026-11-08", "2026-11-15"
 BACKFILL_RAW = "s3://raw/test-backfill"
 # The CLI's run asks for a week before that raw data: its first task refuses the window it names
-CLI_END, CLI_WINDOW = "2026-10-31", "2026-10-25..2026-10-31"
+CLI_END, CLI_WINDOW = "2026-10-31", "2026-10-24..2026-10-30"  # the week before the end date
 SCREENSHOTS = REPO_ROOT / ".test-artifacts" / "ui"
 REVIEWER = "reviewer"  # the approver who did not trigger the approval's run (admin did)
 
