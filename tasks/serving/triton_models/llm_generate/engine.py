@@ -444,6 +444,9 @@ class FusedKVDecoder(KVDecoder):
     next token will overwrite it. The CPU's decoder where the export built one."""
 
     FILE = "decoder_fused.onnx"
+    step_ids: Any  # a decode step's buffers: numpy here, torch in DeviceFusedKVDecoder
+    step_last: Any
+    step_logits: Any
 
     @staticmethod
     def providers(ort: Any, shape: CacheShape, slots: int, tensorrt: bool = False) -> list[Any]:
@@ -455,12 +458,36 @@ class FusedKVDecoder(KVDecoder):
         self.lengths[slot] = end
         return logits[0]  # type: ignore[no-any-return]
 
+    def allocate(self) -> None:
+        super().allocate()
+        slots = self.shape[1]
+        # a decode step's inputs and logits, rows 0..span - 1 of them bound for a step over that span
+        self.step_ids, self.step_last = np.zeros((slots, 1), np.int64), np.zeros(slots, np.int32)
+        self.step_logits = np.empty((slots, self.vocab), np.float32)
+        self.step_bindings: dict[int, Any] = {}
+
     def decode_kept(self, slots: list[int], tokens: list[int]) -> Any:
         rows = np.asarray(slots)
         span = int(rows.max()) + 1
-        logits = self.run(0, span, *self.step_inputs(rows, tokens, span))
+        ids, last = self.step_inputs(rows, tokens, span)
+        self.step_ids[:span], self.step_last[:span] = ids, last
+        total = np.asarray(int(last.max()) + 1, np.int32)  # named: it must outlive the run
+        self.session.run_with_iobinding(self.step_binding(span, total))
         self.lengths[rows] += 1
-        return logits[rows]  # type: ignore[no-any-return]
+        return self.step_logits[rows]
+
+    def step_binding(self, span: int, total: np.ndarray[Any, Any]) -> Any:
+        """The binding of a decode step over cache rows 0..``span`` - 1, made once per span: the
+        cache's rows (two buffers a layer) and the step's buffers stay bound by address, and a
+        step rebinds only its total length, where it bound every tensor anew."""
+        binding = self.step_bindings.get(span)
+        if binding is None:
+            binding = self.step_bindings[span] = self.bind(
+                self.session, (self.step_ids[:span], self.step_last[:span], total), slice(0, span),
+                self.step_logits[:span])
+        else:
+            binding.bind_cpu_input("total_sequence_length", total)
+        return binding
 
     def step_inputs(self, rows: np.ndarray[Any, Any], tokens: list[int],
                     span: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
