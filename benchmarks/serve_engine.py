@@ -8,7 +8,7 @@ and with each number of slots asked for, side by side, rounds interleaved.
 
     .venvs/runtime/bin/python benchmarks/serve_engine.py [--preset cpu-tiny] [--prompt 32] [--new 64]
         [--concurrency 1 8 32] [--slots 8 32] [--prefill-tokens 256] [--rounds 3]
-        [--decoders host fused device graph fused-half] [--output FILE]
+        [--decoders host fused device graph fused-half] [--one-prompt-a-run] [--vary-prompts] [--output FILE]
 
 A GPT of the preset (random weights: speed does not depend on them; ``params.yaml``'s
 ``train.presets`` and ``tokenize.vocab_size``), exported to ``decoder.onnx`` by the export step's
@@ -64,6 +64,7 @@ DECODERS = {"host": KVDecoder, "device": DeviceKVDecoder, "graph": GraphKVDecode
             "fused-half": DeviceFusedKVDecoder}
 FILES = {"fused": FusedKVDecoder.FILE, "fused-half": "decoder_fused_half.onnx"}
 HALF = {"fused-half"}  # greedy text may differ from PyTorch's float32: agreement reported, not required
+ONE_A_RUN = "/one-a-run"  # a fused decoder whose waiting prompts are prefilled one a run (--one-prompt-a-run)
 
 
 def random_texts(count: int, seed: int = 0) -> list[str]:
@@ -88,9 +89,12 @@ def build(preset: str, folder: Path) -> tuple[GPT, Any, Path]:
 
 
 def open_engine(kind: str, model: GPT, tokenizer: Any, path: Path, limits: EngineLimits) -> Engine:
+    """``kind``: a decoder's name, ``/one-a-run`` after it: its prompts prefilled one a run."""
     c = model.config
-    onnx = path.with_name(FILES[kind]) if kind in FILES else path
-    decoder = DECODERS[kind](str(onnx), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), limits.slots)
+    name, _, one_a_run = kind.partition(ONE_A_RUN)
+    onnx = path.with_name(FILES[name]) if name in FILES else path
+    decoder = DECODERS[name](str(onnx), CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), limits.slots)
+    decoder.batches_prefills &= not one_a_run
     return Engine(decoder, tokenizer, c.seq_len, limits).start()
 
 
@@ -119,10 +123,13 @@ def check_parity(engine: Engine, model: GPT, vocab: int, prompt: int, new: int) 
             sum(agreed) / sum(len(want) for want in expected))
 
 
-def measure(engine: Engine, vocab: int, prompt: int, new: int, concurrency: int) -> dict[str, float]:
+def measure(engine: Engine, vocab: int, prompt: int, new: int, concurrency: int, vary: int = -1) -> dict[str, float]:
+    """``vary``: prompt lengths drawn from ``prompt`` / 2 .. ``prompt``, anew for each value (a
+    round's), as traffic brings lengths the engine has not run yet; -1: every prompt ``prompt`` long."""
     requests = max(16, concurrency)
-    rng = np.random.default_rng(concurrency)
-    prompts = [rng.integers(0, vocab, size=prompt).tolist() for _ in range(requests)]
+    rng = np.random.default_rng([concurrency, vary + 1])
+    lengths = rng.integers(prompt // 2, prompt + 1, requests) if vary >= 0 else [prompt] * requests
+    prompts = [rng.integers(0, vocab, size=length).tolist() for length in lengths]
     started = time.perf_counter()
     done = run_all(engine, prompts, sampling(engine, prompt, new), concurrency)
     wall = time.perf_counter() - started
@@ -150,18 +157,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is shown)")
     parser.add_argument("--decoders", nargs="+", choices=list(DECODERS), default=["host", "fused", "device"],
                         help="graph: on a CPU it only shows the fixed shape's cost (every slot, the whole context)")
+    parser.add_argument("--vary-prompts", action="store_true",
+                        help="prompts of --prompt / 2 to --prompt tokens, lengths drawn anew each round")
+    parser.add_argument("--one-prompt-a-run", action="store_true",
+                        help="beside each fused decoder, the same with its waiting prompts prefilled one a run "
+                             "(as before batched prefill)")
     parser.add_argument("--output", type=Path, help="write the figures here as JSON")
     args = parser.parse_args()
+    kinds = [*args.decoders, *(f"{kind}{ONE_A_RUN}" for kind in args.decoders
+                               if args.one_prompt_a_run and kind in FILES)]
 
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         model, tokenizer, path = build(args.preset, Path(tmp))
         vocab = model.config.vocab_size
         engines = {f"{kind} {slots}": open_engine(kind, model, tokenizer, path, EngineLimits(
             slots, max(args.concurrency), 16, 600.0, prefill_tokens=args.prefill_tokens))
-            for kind in args.decoders for slots in args.slots}
+            for kind in kinds for slots in args.slots}
         provider = next(iter(engines.values())).decoder.session.get_providers()[0]
         print(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, context "
-              f"{model.config.seq_len}, prompts of {args.prompt}, {args.new} new tokens, {args.prefill_tokens} prompt "
+              f"{model.config.seq_len}, prompts of {f'{args.prompt // 2}..' if args.vary_prompts else ''}{args.prompt}, "
+              f"{args.new} new tokens, {args.prefill_tokens} prompt "
               f"tokens prefilled a step; "
               f"ONNX Runtime on {provider}", flush=True)
         parity = {kind: check_parity(engine, model, vocab, args.prompt, args.new) for kind, engine in engines.items()}
@@ -171,11 +186,11 @@ def main() -> None:
         runs: dict[tuple[str, int], list[dict[str, float]]] = {}
         for engine in engines.values():  # warm-up: first runs allocate and tune
             measure(engine, vocab, args.prompt, args.new, max(args.concurrency))
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for concurrency in args.concurrency:
                 for kind, engine in engines.items():
-                    runs.setdefault((kind, concurrency), []).append(
-                        measure(engine, vocab, args.prompt, args.new, concurrency))
+                    runs.setdefault((kind, concurrency), []).append(measure(
+                        engine, vocab, args.prompt, args.new, concurrency, round_ if args.vary_prompts else -1))
         for engine in engines.values():
             engine.stop()
 
@@ -189,10 +204,11 @@ def main() -> None:
               f"| {row['itl_p50_ms']:.2f} |")
     if args.output:
         args.output.write_text(json.dumps({"preset": args.preset, "provider": provider, "prompt": args.prompt,
-                                           "new": args.new, "slots": args.slots, "prefill_tokens": args.prefill_tokens,
+                                           "vary_prompts": args.vary_prompts, "new": args.new, "slots": args.slots,
+                                           "prefill_tokens": args.prefill_tokens,
                                            "mismatches": mismatches,
                                            "rows": rows}, indent=1))
-    if any(n for kind, n in mismatches.items() if kind.split()[0] not in HALF):
+    if any(n for kind, n in mismatches.items() if kind.split()[0].partition(ONE_A_RUN)[0] not in HALF):
         sys.exit(1)
 
 

@@ -73,8 +73,9 @@ class Generate:
     """How long a request may hold its slot."""
     prefill_tokens: int = 256
     """Prompt tokens the engine prefills per step before the running sequences' next token: a
-    longer prompt, or many arriving at once, goes in chunks over several steps instead of stalling
-    every stream (vLLM's chunked prefill); 0: every admitted prompt whole."""
+    longer prompt goes in chunks over several steps, and many arriving at once over several steps,
+    instead of stalling every stream (vLLM's chunked prefill); 0: every admitted prompt whole. On
+    a GPU 1024 gave 32 streams 3.1-3.4x the tokens of 8 on gpu-125m, 256 2.9x (docs/benchmarks.md)."""
     tensorrt: bool = False
     """On a GPU, run the engine's decoder on ONNX Runtime's TensorRT provider (FP16) where
     TensorRT's library loads; off: its CUDA provider in full float32. FP16 changes greedy text,

@@ -11,7 +11,8 @@ per layer ``past_key_<i>``/``past_value_<i>`` (batch, kv_heads, context, head_di
 ``logits`` (batch, vocab) after each row's last new token, and per layer
 ``present_key_<i>``/``present_value_<i>``, bound to the past's buffers. ONNX Runtime allows new
 tokens after a past for one row at a time (a prefill chunk), any rows for one new token each (a
-decode step).
+decode step), and first prompts of any rows, right-padded to the longest (a batched prefill:
+``total_sequence_length`` is then the padded length, ``seqlens_k`` each row's own).
 
 Built from the model's weights (no tracing), for the Llama layout whose head size is a multiple
 of 16 (the operator's kernels); :func:`supported` says why another model is not.
@@ -28,6 +29,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from tasks.lib.model import GPT, Block, SwiGLU, rope_tables
+from tasks.serving.triton_models.llm_generate.engine import FusedKVDecoder
 
 FILE = "decoder_fused.onnx"  # beside decoder.onnx in the engine's version folder (engine.FusedKVDecoder.FILE)
 MS_DOMAIN = "com.microsoft"
@@ -114,8 +116,7 @@ def build(model: GPT, half: bool = False) -> onnx.ModelProto:
         silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.sigmoid")[0]], f"{p}.silu")[0]
         down = g.linear(g.op("Mul", [silu, up], f"{p}.gated")[0], mlp.down, f"{p}.down")
         x = g.op("Add", [x, down], f"{p}.residual2")[0]
-    g.initializers.append(numpy_helper.from_array(np.array(-1, np.int64), "last"))
-    last = g.op("Gather", [x, "last"], "last_position", axis=1)[0]  # (batch, d_model)
+    last = g.op("GatherND", [x, last_positions(g)], "last_position", batch_dims=1)[0]  # (batch, d_model)
     normed = g.rms_norm(last, model.norm, "norm")
     head = embedding if c.tie_embeddings else g.weight("head.weight", model.head.weight)
     if half:
@@ -133,8 +134,23 @@ def build(model: GPT, half: bool = False) -> onnx.ModelProto:
                *(helper.make_tensor_value_info(f"present_{kind}_{i}", cache_type, cache)
                  for i in range(c.n_layers) for kind in ("key", "value"))]
     graph = helper.make_graph(g.nodes, "decoder_fused", inputs, outputs, g.initializers)
-    return helper.make_model(graph, ir_version=IR_VERSION, producer_name="llm-pipeline",
-                             opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS_DOMAIN, 1)])
+    proto = helper.make_model(graph, ir_version=IR_VERSION, producer_name="llm-pipeline",
+                              opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS_DOMAIN, 1)])
+    helper.set_model_props(proto, {FusedKVDecoder.BATCHED_PREFILL: "1"})
+    return proto
+
+
+def last_positions(g: GraphBuilder) -> str:
+    """Each row's last real new position, (batch, 1): ``min(seqlens_k, new - 1)``. That is
+    ``new - 1`` for a decode step and for a later chunk of one prompt (the row's length is at
+    least its new tokens), and ``seqlens_k`` for a row of a batch of first prompts right-padded
+    to the longest (whose positions start at 0): several prompts prefilled in one run."""
+    new = g.op("Shape", ["input_ids"], "new_count", start=1, end=2)[0]  # (1,)
+    g.initializers.append(numpy_helper.from_array(np.array([1], np.int64), "one"))
+    newest = g.op("Sub", [new, "one"], "newest_position")[0]
+    lengths = g.op("Cast", ["seqlens_k"], "seqlens_k_int64", to=TensorProto.INT64)[0]
+    row_last = g.op("Min", [lengths, newest], "row_last")[0]  # (batch,)
+    return g.op("Unsqueeze", [row_last, "one"], "row_last_index")[0]  # (batch, 1)
 
 
 def export(model: GPT, path: Path, half: bool = False) -> None:

@@ -205,6 +205,48 @@ def test_a_long_prompt_does_not_stall_the_running_streams(exported: tuple[GPT, A
         assert ("decode", 1) in after[one:two], after  # the running stream's token between chunks
 
 
+def group_logging(kind: type[FusedKVDecoder]) -> type[FusedKVDecoder]:
+    """``kind``, recording the rows of each run of whole prompts (their lengths) in ``groups``."""
+
+    def prefill_rows(self: Any, first: int, prompts: list[list[int]]) -> np.ndarray[Any, Any]:
+        self.groups.append([len(p) for p in prompts])
+        return kind.prefill_rows(self, first, prompts)
+
+    return type(f"GroupLogging{kind.__name__}", (kind,), {"prefill_rows": prefill_rows})
+
+
+@pytest.mark.parametrize("decoder_kind", DECODER_KINDS[3:], ids=["fused-in-place", "fused-bound"])
+def test_prompts_waiting_together_are_prefilled_in_one_run_within_the_budget(
+        exported: tuple[GPT, Any, Path], decoder_kind: type[FusedKVDecoder]) -> None:
+    """Five prompts queued before the engine starts, four slots, 24 prompt tokens a step: the
+    first four take slots 0..3 and go in as few runs as the budget allows (each run's rows times
+    its longest prompt within it), the fifth alone when a slot frees; every greedy continuation
+    equals PyTorch's."""
+    model, tokenizer, path = exported
+    c = model.config
+    decoder: Any = group_logging(decoder_kind)(str(path.with_name(FusedKVDecoder.FILE)),
+                                               CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), 4,
+                                               threads=1)
+    decoder.groups = []
+    engine = Engine(decoder, tokenizer, c.seq_len, EngineLimits(4, 8, 8, 30, prefill_tokens=24))
+    prompts = [prompt_ids(tokenizer, t) for t in ("Return the", "raise ValueError", "café", "items in bucket 3",
+                                                   "if it is")]
+    done = threading.Semaphore(0)
+    sequences = [engine.submit(ids, check_sampling(SamplingRequest(CONTEXT - len(ids)), 8, len(ids), CONTEXT),
+                               lambda s, d, r: done.release() if r else None) for ids in prompts]
+    engine.start()
+    try:
+        for _ in prompts:
+            assert done.acquire(timeout=60)
+    finally:
+        engine.stop()
+    for ids, sequence in zip(prompts, sequences, strict=True):
+        assert sequence.tokens == generate_greedy(model, ids, CONTEXT - len(ids), engine.eos_ids)
+    assert all(len(rows) * max(rows) <= 24 for rows in decoder.groups), decoder.groups
+    assert sorted(n for rows in decoder.groups for n in rows) == sorted(map(len, prompts)), decoder.groups
+    assert max(map(len, decoder.groups)) > 1 and decoder.groups[-1] == [len(prompts[4])], decoder.groups
+
+
 def test_an_exported_folder_gets_the_slots_its_budget_holds(exported: tuple[GPT, Any, Path], tmp_path: Path) -> None:
     """Engine.from_folder (what Triton's model.py calls): slots from kv_cache_bytes, at most
     max_slots; on a CPU the fused decoder where the export wrote one, else decoder.onnx."""

@@ -17,7 +17,8 @@ both).
   submit fails at once with :class:`Overloaded`, memory never grows), takes a slot as soon as one
   is free, is prefilled within the step's budget of prompt tokens (``serve.generate.prefill_tokens``:
   a long prompt, or many arriving at once, is spread over steps, and the running sequences get a
-  token between its chunks instead of waiting for every prompt), then decodes one token per step
+  token between its chunks instead of waiting for every prompt; whole prompts of consecutive
+  slots in one run where the decoder allows), then decodes one token per step
   with everyone else, and leaves when done, freeing its slot: continuous (in-flight) batching.
 - Per-request sampling (:class:`SamplingParams`): greedy (temperature 0, deterministic and equal
   to the PyTorch reference), or temperature / top-k / top-p with a seeded generator (same seed,
@@ -284,6 +285,13 @@ def argmax_to_host(logits: Any) -> np.ndarray[Any, Any]:
     return logits.argmax(-1).cpu().numpy()  # type: ignore[no-any-return]
 
 
+def total_length(ids: np.ndarray[Any, Any], last: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """GroupQueryAttention's ``total_sequence_length`` of a run of new tokens ``ids`` whose last
+    land at ``last``: the longest row's length after them, or the padded width of first prompts
+    (equal to the new tokens' count: how the operator tells first prompts)."""
+    return np.asarray(max(int(last.max()) + 1, ids.shape[1]), np.int32)
+
+
 def fixed_step_session(onnx_path: str, slots: int, context: int, threads: int, cuda: bool) -> Any:
     """A session of a decoder whose decode step has one shape (ONNX Runtime's free dimension
     overrides of the exports' axis names: every slot, one new token, the whole context as the
@@ -308,6 +316,10 @@ class KVDecoder:
     keys: Any  # (layers, slots, heads, context, head_dim): numpy here, torch in DeviceKVDecoder
     values: Any
     placeholder: Any  # the masked one-position past of a prefill
+    # the metadata key of a decoder whose logits are each row's last real position
+    # (decoder_graph.build), so that first prompts of several slots prefill in one run; a fused
+    # decoder exported before it reads the batch's last position: one prompt a run
+    BATCHED_PREFILL = "batched_prefill"
 
     def __init__(self, onnx_path: str, shape: CacheShape, slots: int, threads: int = 0, session: Any = None) -> None:
         self.onnx_path = onnx_path
@@ -315,6 +327,7 @@ class KVDecoder:
         self.vocab = int(next(o.shape[-1] for o in self.session.get_outputs() if o.name == "logits"))
         self.shape = (shape.layers, slots, shape.kv_heads, shape.context, shape.head_dim)
         self.lengths = np.zeros(slots, np.int64)
+        self.batches_prefills = self.session.get_modelmeta().custom_metadata_map.get(self.BATCHED_PREFILL) == "1"
         self.allocate()
 
     @classmethod
@@ -407,6 +420,16 @@ class KVDecoder:
         self.lengths[slot] = end
         return logits[0]  # type: ignore[no-any-return]
 
+    def prefill_rows(self, first: int, prompts: list[list[int]]) -> np.ndarray[Any, Any]:
+        """The whole ``prompts`` of slots ``first``, ``first`` + 1, ... (each slot's first
+        tokens); returns the next-token logits after each (rows, vocab). One run where the
+        decoder :attr:`batches_prefills` (a GPU step is launch-bound: four prompts cost what one
+        does), else one a prompt."""
+        return np.stack([self.prefill(first + row, prompt) for row, prompt in enumerate(prompts)])
+
+    def warm(self, prefill_tokens: int) -> None:
+        """Run what a first request would otherwise wait for, before the engine takes any (none here)."""
+
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
         """One token for each of ``slots`` at once; returns their next-token logits (batch, vocab)."""
         return self.host(self.decode_kept(slots, tokens), np.arange(len(slots)))
@@ -458,6 +481,23 @@ class FusedKVDecoder(KVDecoder):
         self.lengths[slot] = end
         return logits[0]  # type: ignore[no-any-return]
 
+    def prefill_rows(self, first: int, prompts: list[list[int]]) -> np.ndarray[Any, Any]:
+        if not self.batches_prefills or len(prompts) == 1:
+            return super().prefill_rows(first, prompts)
+        return self.first_prompts(first, prompts, max(map(len, prompts)))
+
+    def first_prompts(self, first: int, prompts: list[list[int]], width: int) -> np.ndarray[Any, Any]:
+        """One run of ``prompts`` into slots ``first``.. (:meth:`prefill_rows`), right-padded to
+        ``width`` (at least the longest; the padding's keys land past each row's length, where
+        its next tokens overwrite them)."""
+        lengths = np.fromiter(map(len, prompts), np.int64, len(prompts))
+        ids = np.zeros((len(prompts), width), np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = prompt
+        logits = self.run(first, first + len(prompts), ids, (lengths - 1).astype(np.int32))
+        self.lengths[first:first + len(prompts)] = lengths
+        return logits
+
     def allocate(self) -> None:
         super().allocate()
         slots = self.shape[1]
@@ -503,7 +543,7 @@ class FusedKVDecoder(KVDecoder):
         """The decoder over cache rows ``first``..``end`` - 1, each with new tokens ``ids`` of which
         the last lands at position ``last``; returns the logits after each row's last token."""
         logits = np.empty((end - first, self.vocab), np.float32)
-        total = np.asarray(int(last.max()) + 1, np.int32)
+        total = total_length(ids, last)
         self.session.run_with_iobinding(self.bind(self.session, (ids, last, total), slice(first, end), logits))
         return logits
 
@@ -664,12 +704,49 @@ class DeviceFusedKVDecoder(FusedKVDecoder):
         self.binding = self.bind(self.step, (self.step_ids, self.step_last, self.step_total), slice(0, slots),
                                  self.step_logits)
 
+    def prefill(self, slot: int, ids: list[int], start: int = 0) -> np.ndarray[Any, Any]:
+        if start or not self.batches_prefills:  # a later chunk: its own shape, after the slot's past
+            return super().prefill(slot, ids, start)
+        return self.prefill_rows(slot, [ids])[0]  # type: ignore[no-any-return]
+
+    def prefill_rows(self, first: int, prompts: list[list[int]]) -> np.ndarray[Any, Any]:
+        """Whole prompts in runs of a few shapes only: rows a power of two, padded to a width of
+        :meth:`padded_width`. ONNX Runtime's CUDA provider took 40-75 ms for the first run of
+        each new input shape (gpu-125m on an H200, measured alone), where a warm run takes 2-3 ms;
+        the few shapes are run once when the engine starts (:meth:`warm`: 1.4 s there)."""
+        if not self.batches_prefills:
+            return super().prefill_rows(first, prompts)
+        runs, done = [], 0
+        while done < len(prompts):
+            rows = 1 << (len(prompts) - done).bit_length() - 1  # the largest power of two left
+            part = prompts[done:done + rows]
+            runs.append(self.first_prompts(first + done, part, self.padded_width(max(map(len, part)))))
+            done += rows
+        return np.concatenate(runs)
+
+    def padded_width(self, longest: int) -> int:
+        """The next power of two from 16, at most the context."""
+        return min(max(16, 1 << (longest - 1).bit_length()), self.shape[3])
+
+    def warm(self, prefill_tokens: int) -> None:
+        """Each shape :meth:`prefill_rows` runs within ``prefill_tokens`` a step (one row of any
+        width), once, before any sequence takes a slot: on a GPU only (see there)."""
+        if self.device.type != "cuda" or not self.batches_prefills:
+            return
+        slots, context = self.shape[1], self.shape[3]
+        for width in sorted({self.padded_width(1 << n) for n in range(4, context.bit_length() + 1)}):
+            rows = 1
+            while rows <= slots and (rows == 1 or rows * width <= prefill_tokens):
+                self.first_prompts(0, [[0] * width] * rows, width)
+                rows *= 2
+        self.lengths[:] = 0
+
     def run(self, first: int, end: int, ids: np.ndarray[Any, Any], last: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         torch = self.torch
         logits = torch.empty((end - first, self.vocab), dtype=torch.float32, device=self.device)
         # named: bound by address, they must outlive the run
         ids_there, last_there = torch.from_numpy(ids).to(self.device), torch.from_numpy(last).to(self.device)
-        total = np.asarray(int(last.max()) + 1, np.int32)
+        total = total_length(ids, last)
         binding = self.bind(self.session, (ids_there, last_there, total), slice(first, end), logits)
         settle(torch, self.device)
         self.session.run_with_iobinding(binding)
@@ -845,6 +922,7 @@ class Engine:
         self.slots, self.max_queue = limits.slots, limits.max_queue
         self.default_max_tokens, self.request_timeout_s = limits.default_max_tokens, limits.request_timeout_s
         self.prefill_tokens = limits.prefill_tokens or context * limits.slots  # 0: no bound
+        decoder.warm(self.prefill_tokens)
         stops = list(eos_ids) or [tokenizer.token_to_id(EOS)]
         if stops[0] is None:
             raise ValueError(f"the tokenizer has no {EOS} token, and no eos_ids were given")
@@ -984,21 +1062,64 @@ class Engine:
     def prefill_within_budget(self) -> None:
         """Prompt tokens of the sequences still prefilling, oldest first, ``prefill_tokens`` of
         them this step: a sequence whose prompt is all in takes its first token and decodes from
-        the next step on."""
+        the next step on. Whole prompts of consecutive slots go in one run where the decoder
+        batches them (:meth:`prefill_group`; padding counted against the budget). A prompt that
+        the whole budget holds goes in whole, the next step where this one has no room left: cut
+        at a step's edge, its second part runs after the slot's past, in a shape of its own
+        (prompts of 64-128 tokens at 32 streams on an H200: 10.0k output tok/s with such cuts,
+        19.1k without; docs/benchmarks.md)."""
         budget = self.prefill_tokens
-        for sequence in [s for s in self.running.values() if not s.decoding]:
-            if budget <= 0:
+        waiting = [s for s in self.running.values() if not s.decoding]
+        while waiting and budget > 0:
+            oldest = waiting[0]
+            whole = not oldest.prefilled and len(oldest.prompt_ids) <= self.prefill_tokens
+            if whole and len(oldest.prompt_ids) > budget:
                 return
-            chunk = sequence.prompt_ids[sequence.prefilled:sequence.prefilled + budget]
-            try:
-                logits = self.decoder.prefill(sequence.slot, chunk, sequence.prefilled)
-            except Exception as exc:  # a failed run fails this request only
-                self.fail([sequence], exc)
+            group = self.prefill_group(waiting, budget)
+            waiting = [s for s in waiting if all(s is not taken for taken in group)]
+            if not whole:
+                budget -= self.prefill_chunk(oldest, budget)
                 continue
-            budget -= len(chunk)
-            sequence.prefilled += len(chunk)
-            if sequence.decoding:
-                self.sample_and_take(sequence, logits)
+            try:
+                logits = self.decoder.prefill_rows(group[0].slot, [s.prompt_ids for s in group])
+            except Exception as exc:  # a failed run fails its requests only
+                self.fail(group, exc)
+                continue
+            budget -= len(group) * max(len(s.prompt_ids) for s in group)
+            for sequence, row in zip(group, logits, strict=True):
+                sequence.prefilled = len(sequence.prompt_ids)
+                self.sample_and_take(sequence, row)
+
+    def prefill_group(self, waiting: list[Sequence], budget: int) -> list[Sequence]:
+        """The oldest of ``waiting``, with the sequences of the slots next to its (in slot order)
+        that also wait for their whole prompt, as many as fit ``budget`` padded to the longest."""
+        oldest = waiting[0]
+        group = [oldest]
+        if oldest.prefilled or not self.decoder.batches_prefills:
+            return group
+        fresh = {s.slot: s for s in waiting if not s.prefilled}
+
+        def fits(extra: Sequence) -> bool:
+            return (len(group) + 1) * max(len(extra.prompt_ids), *(len(s.prompt_ids) for s in group)) <= budget
+
+        while (after := fresh.get(group[-1].slot + 1)) and fits(after):
+            group.append(after)
+        while (before := fresh.get(group[0].slot - 1)) and fits(before):
+            group.insert(0, before)
+        return group
+
+    def prefill_chunk(self, sequence: Sequence, budget: int) -> int:
+        """The next ``budget`` prompt tokens of ``sequence`` alone; returns how many went in."""
+        chunk = sequence.prompt_ids[sequence.prefilled:sequence.prefilled + budget]
+        try:
+            logits = self.decoder.prefill(sequence.slot, chunk, sequence.prefilled)
+        except Exception as exc:  # a failed run fails this request only
+            self.fail([sequence], exc)
+            return 0
+        sequence.prefilled += len(chunk)
+        if sequence.decoding:
+            self.sample_and_take(sequence, logits)
+        return len(chunk)
 
     def sample_and_take(self, sequence: Sequence, logits: np.ndarray[Any, Any]) -> None:
         try:
