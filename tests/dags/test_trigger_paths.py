@@ -41,8 +41,10 @@ CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_nodes": 1,
 # window (11-01..11-07) has no data, the second (11-08..11-14) a week.
 BACKFILL_FROM, BACKFILL_TO = "2026-11-08", "2026-11-15"
 BACKFILL_RAW = "s3://raw/test-backfill"
-# The CLI's run asks for a week before that raw data: its first task refuses the window it names
-CLI_END, CLI_WINDOW = "2026-10-31", "2026-10-24..2026-10-30"  # the week before the end date
+# The CLI's and the form's runs ask for weeks before that raw data: the first task of each refuses
+# the window its conf names (the week before the end date)
+CLI_END, CLI_WINDOW = "2026-10-31", "2026-10-24..2026-10-30"
+FORM_END, FORM_WINDOW = "2026-10-24", "2026-10-17..2026-10-23"
 SCREENSHOTS = REPO_ROOT / ".test-artifacts" / "ui"
 REVIEWER = "reviewer"  # the approver who did not trigger the approval's run (admin did)
 
@@ -260,8 +262,8 @@ def check_a_run_cannot_weaken_the_approval_nor_the_gate(api: AirflowApi) -> None
         assert refused.value.code == 400 and why in refused.value.read().decode(), conf
 
 
-# three runs of the whole chain on two cores (two more fail at their first task), then the held rollout twice: its waits below add up
-# to 30 minutes, past the suite's default per-test limit
+# two runs of the whole chain at once on two cores (three more fail at their first task), then the held rollout twice: its waits
+# below add up to 30 minutes, past the suite's default per-test limit
 @pytest.mark.timeout(1800)
 def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
     check_a_run_cannot_weaken_the_approval_nor_the_gate(airflow_api)
@@ -277,17 +279,19 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
                 "--dag-run-conf", json.dumps({**CONF, "raw_data_uri": BACKFILL_RAW, "skip_deploy": True}),
                 attempts=3)
     airflow_cli("dags", "unpause", DAG_ID)
-    # non-default Params typed into the form; the run skips deploy (its form switch)
+    # non-default Params typed into the form, for a week with no raw data: its first task fails
+    # naming the window the form asked for, which shows the typed Params reaching the tasks (a run
+    # with a logical date, as the backfill's whole one and dag.test()'s); the run skips deploy (its
+    # form switch)
     from_the_form = trigger_from_the_form(
-        airflow_api, {"end_date": "2026-11-19", **{name: str(value) for name, value in CONF.items()}},
-        skip_deploy=True)
+        airflow_api, {**{name: str(value) for name, value in CONF.items()}, "end_date": FORM_END,
+                      "raw_data_uri": BACKFILL_RAW}, skip_deploy=True)
     # the two runs without a logical date: the REST API's, triggered by admin, deploys (deploy's
     # arguments read the run's date too) and waits for a person's approval (required here: no
     # Param asks for it). The CLI's makes the same kind of run (manual, no logical date, the conf
     # as given) for a week with no raw data: its first task fails naming the window the CLI's conf
-    # asked for, which shows that conf reaching the tasks, and the whole chain is not run a
-    # fourth time on two cores. The REST API's first: two runs run at once (max_active_runs), and
-    # the one with the longest tail starts beside the form's instead of waiting for a slot
+    # asked for, which shows that conf reaching the tasks; the whole chain runs twice on two
+    # cores, not four times
     rest = airflow_api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
                             {"logical_date": None, "conf": {**CONF, "end_date": "2026-11-22"}})
     assert rest["logical_date"] is None and "approval" not in rest["conf"]
@@ -328,13 +332,18 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
     assert sum(r["logical_date"] is None for r in manual) == 2
     from_the_cli = next(r for r in manual if r["conf"].get("end_date") == CLI_END)
     assert from_the_cli["logical_date"] is None and from_the_cli["conf"]["raw_data_uri"] == BACKFILL_RAW, from_the_cli
+    form = next(r for r in manual if r["dag_run_id"] == from_the_form)
+    assert form["logical_date"] is not None and form["conf"]["skip_deploy"] is True, form
+    assert {key: form["conf"][key] for key in CONF if key != "raw_data_uri"} == \
+        {key: value for key, value in CONF.items() if key != "raw_data_uri"}, form["conf"]
 
-    # the backfill's interval with no raw data, and the CLI's week without any: each fails its
-    # first task once (bad input is not retried), one line naming the window
+    # the backfill's interval with no raw data, and the CLI's and the form's weeks without any:
+    # each fails its first task once (bad input is not retried), one line naming the window
     check_failed_at_snapshot(airflow_api, backfill[0], "2026-11-01..2026-11-07")
     check_failed_at_snapshot(airflow_api, from_the_cli, CLI_WINDOW)
+    check_failed_at_snapshot(airflow_api, form, FORM_WINDOW)
 
-    whole = [*backfill[1:], *(r for r in manual if r is not from_the_cli)]
+    whole = [backfill[1], next(r for r in manual if r["dag_run_id"] == approval_run)]
     for run in whole:
         states = task_states(airflow_api, run)
         # (the tasks that did not succeed, named: pytest cuts a long dict short)
@@ -345,19 +354,17 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         else:  # deploy's arguments read the run's date too; a person rolled it back: a gate (skipped)
             assert states["deploy"] == "success" and states["approve_rollout"] == "success", (run["dag_run_id"], states)
             assert states["deploy_finish"] == "skipped", states
-        if run["dag_run_id"] == from_the_form:
-            assert run["conf"]["num_shards"] == 1 and run["conf"]["train_nodes"] == 1, run["conf"]
         _, tags = registered_version(run["dag_run_id"])
         # a run without a logical date is dated by when it was triggered
         when = run["logical_date"] or run["run_after"]
         assert tags["logical_date"] == when[:10], (run["dag_run_id"], tags)
         end = run["conf"].get("end_date") or run["logical_date"][:10]  # a backfill reads its interval's window
         assert tags["data_version"].startswith(f"data-{end}-7d-") and tags["data_end"] == end, tags
-    # three runs, three windows: three data versions and three registered versions, none
-    # overwriting another's
+    # two runs at once, two windows: two data versions and two registered versions, neither
+    # overwriting the other's
     registered = dict(registered_version(r["dag_run_id"]) for r in whole)
-    assert len(registered) == 3 and len({tags["data_version"] for tags in registered.values()}) == 3, registered
-    screenshot_run(airflow_api, from_the_form)
+    assert len(registered) == 2 and len({tags["data_version"] for tags in registered.values()}) == 2, registered
+    screenshot_run(airflow_api, backfill[1]["dag_run_id"])
     check_the_approval(airflow_api, approval_run)
 
 
