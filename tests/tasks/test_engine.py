@@ -247,6 +247,29 @@ def test_prompts_waiting_together_are_prefilled_in_one_run_within_the_budget(
     assert max(map(len, decoder.groups)) > 1 and decoder.groups[-1] == [len(prompts[4])], decoder.groups
 
 
+@pytest.mark.skipif(cuda_provider_present(), reason="on a GPU the fused decoder runs in float16")
+@pytest.mark.parametrize("budget", [16, 24, 40, 64, 0])
+def test_every_prefill_shape_the_engine_can_ask_for_is_warmed(exported: tuple[GPT, Any, Path], budget: int) -> None:
+    """A GPU's decoder runs whole prompts in a few shapes, each run once at load (its first run
+    costs 40-75 ms): whatever group of waiting prompts the engine forms within the step's budget
+    (rows times the longest, each at most the context), every run it makes is one of them."""
+    model, _, path = exported
+    c = model.config
+    slots = 8
+    decoder = DeviceFusedKVDecoder(str(path.with_name(FusedKVDecoder.FILE)),
+                                   CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), slots, threads=1)
+    engine_budget = budget or c.seq_len * slots  # what Engine makes of 0
+    warmed = set(decoder.warm_shapes(engine_budget))
+    assert len(warmed) <= 16
+    for rows in range(1, slots + 1):
+        for longest in range(1, c.seq_len):
+            if rows * longest <= engine_budget or rows == 1:
+                # prompts all as long as the longest: the worst case (a narrower run of as many
+                # rows is warmed where a wider one is)
+                runs = decoder.shapes_of([longest] * rows)
+                assert set(runs) <= warmed, (rows, longest, runs, sorted(warmed))
+
+
 def test_an_exported_folder_gets_the_slots_its_budget_holds(exported: tuple[GPT, Any, Path], tmp_path: Path) -> None:
     """Engine.from_folder (what Triton's model.py calls): slots from kv_cache_bytes, at most
     max_slots; on a CPU the fused decoder where the export wrote one, else decoder.onnx."""

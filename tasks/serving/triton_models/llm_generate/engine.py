@@ -685,6 +685,7 @@ class DeviceFusedKVDecoder(FusedKVDecoder):
     the CPU (the tests) the same code without a graph."""
 
     providers = staticmethod(KVDecoder.providers)
+    NARROWEST = 16  # the narrowest width a whole prompt is padded to
 
     def allocate(self) -> None:
         import torch
@@ -717,29 +718,48 @@ class DeviceFusedKVDecoder(FusedKVDecoder):
         if not self.batches_prefills:
             return super().prefill_rows(first, prompts)
         runs, done = [], 0
-        while done < len(prompts):
-            rows = 1 << (len(prompts) - done).bit_length() - 1  # the largest power of two left
-            part = prompts[done:done + rows]
-            runs.append(self.first_prompts(first + done, part, self.padded_width(max(map(len, part)))))
+        for rows, width in self.shapes_of([len(p) for p in prompts]):
+            runs.append(self.first_prompts(first + done, prompts[done:done + rows], width))
             done += rows
         return np.concatenate(runs)
 
+    def shapes_of(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """The (rows, width) of each run :meth:`prefill_rows` makes of whole prompts of
+        ``lengths``: the largest power of two of rows left, the next padded width."""
+        shapes, done = [], 0
+        while done < len(lengths):
+            rows = 1 << (len(lengths) - done).bit_length() - 1
+            shapes.append((rows, self.padded_width(max(lengths[done:done + rows]))))
+            done += rows
+        return shapes
+
     def padded_width(self, longest: int) -> int:
-        """The next power of two from 16, at most the context."""
-        return min(max(16, 1 << (longest - 1).bit_length()), self.shape[3])
+        """The next power of two from :attr:`NARROWEST`, at most the context."""
+        return min(max(self.NARROWEST, 1 << (longest - 1).bit_length()), self.shape[3])
 
     def warm(self, prefill_tokens: int) -> None:
         """Each shape :meth:`prefill_rows` runs within ``prefill_tokens`` a step (one row of any
-        width), once, before any sequence takes a slot: on a GPU only (see there)."""
+        width), once, before any sequence takes a slot: on a GPU only (see there). The engine
+        groups rows whose longest prompt times their count fits the budget; rounded down to a
+        power of two rows and up to a power of two wide, that is within the budget's next power
+        of two, or the narrowest width."""
         if self.device.type != "cuda" or not self.batches_prefills:
             return
+        for rows, width in self.warm_shapes(prefill_tokens):
+            self.first_prompts(0, [[0] * width] * rows, width)
+        self.lengths[:] = 0
+
+    def warm_shapes(self, prefill_tokens: int) -> list[tuple[int, int]]:
+        """The (rows, width) :meth:`warm` runs."""
         slots, context = self.shape[1], self.shape[3]
+        limit = 1 << (max(prefill_tokens, 1) - 1).bit_length()
+        shapes = []
         for width in sorted({self.padded_width(1 << n) for n in range(4, context.bit_length() + 1)}):
             rows = 1
-            while rows <= slots and (rows == 1 or rows * width <= prefill_tokens):
-                self.first_prompts(0, [[0] * width] * rows, width)
+            while rows <= slots and (rows == 1 or rows * width <= limit or width == self.NARROWEST):
+                shapes.append((rows, width))
                 rows *= 2
-        self.lengths[:] = 0
+        return shapes
 
     def run(self, first: int, end: int, ids: np.ndarray[Any, Any], last: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         torch = self.torch
