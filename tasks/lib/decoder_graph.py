@@ -6,7 +6,8 @@ takes the batch's past as an input padded to its longest row and concatenates it
 positions in every layer, so each step copies every running sequence's whole past.
 
 Inputs: ``input_ids`` (batch, new), ``seqlens_k`` (batch,) int32, each row's length after the new
-tokens minus one, ``total_sequence_length`` () int32 (the longest row's length after them), and
+tokens minus one, ``total_sequence_length`` () int32 (the longest row's length after them, or
+the padded width of first prompts), and
 per layer ``past_key_<i>``/``past_value_<i>`` (batch, kv_heads, context, head_dim). Outputs:
 ``logits`` (batch, vocab) after each row's last new token, and per layer
 ``present_key_<i>``/``present_value_<i>``, bound to the past's buffers. ONNX Runtime allows new

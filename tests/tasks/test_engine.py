@@ -7,7 +7,7 @@ import itertools
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -245,6 +245,70 @@ def test_prompts_waiting_together_are_prefilled_in_one_run_within_the_budget(
     assert all(len(rows) * max(rows) <= 24 for rows in decoder.groups), decoder.groups
     assert sorted(n for rows in decoder.groups for n in rows) == sorted(map(len, prompts)), decoder.groups
     assert max(map(len, decoder.groups)) > 1 and decoder.groups[-1] == [len(prompts[4])], decoder.groups
+
+
+class RecordingDecoder:
+    """What the engine asks a decoder that batches prefills, recorded: ("rows", first slot,
+    prompt lengths) or ("chunk", slot, start, tokens); its logits pick token 5."""
+
+    batches_prefills = True
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.runs: list[tuple[Any, ...]] = []
+
+    def warm(self, prefill_tokens: int) -> None:
+        pass
+
+    def logits(self, rows: int) -> np.ndarray[Any, Any]:
+        found = np.zeros((rows, self.vocab), np.float32)
+        found[:, 5] = 1.0
+        return found
+
+    def prefill(self, slot: int, ids: list[int], start: int = 0) -> np.ndarray[Any, Any]:
+        self.runs.append(("chunk", slot, start, len(ids)))
+        return self.logits(1)[0]
+
+    def prefill_rows(self, first: int, prompts: list[list[int]]) -> np.ndarray[Any, Any]:
+        self.runs.append(("rows", first, [len(p) for p in prompts]))
+        return self.logits(len(prompts))
+
+
+def prefills_of(exported: tuple[GPT, Any, Path], budget: int, lengths: list[int],
+                slots_in_order: list[int], steps: int) -> list[list[tuple[Any, ...]]]:
+    """The prefill runs of each of ``steps`` engine steps for prompts of ``lengths``, queued
+    together and given slots in ``slots_in_order`` (the free list's order), oldest first."""
+    _, tokenizer, _ = exported
+    decoder = RecordingDecoder(tokenizer.get_vocab_size())
+    engine = Engine(cast(KVDecoder, decoder), tokenizer, CONTEXT, EngineLimits(4, 8, 8, 30, prefill_tokens=budget))
+    engine.free = list(reversed(slots_in_order))  # pop() takes the last
+    params = check_sampling(SamplingRequest(4), 8, max(lengths), CONTEXT)
+    for length in lengths:
+        engine.admit(engine.submit([7] * length, params, lambda s, d, r: None))
+    per_step = []
+    for _ in range(steps):
+        before = len(decoder.runs)
+        engine.prefill_within_budget()
+        per_step.append(decoder.runs[before:])
+    return per_step
+
+
+def test_the_prefill_budget_groups_neighbours_waits_for_room_and_starts_long_prompts_whole(
+        exported: tuple[GPT, Any, Path]) -> None:
+    """Whole prompts of neighbouring slots go in one run as far as the budget holds them padded
+    to the longest (the oldest's neighbours below it too); a prompt the budget holds waits for a
+    step with room rather than being cut; a prompt longer than the budget starts its chunks with
+    a whole budget, so they are all of its size but the last."""
+    assert prefills_of(exported, 24, [10, 10, 10], [0, 1, 2], 3) == [
+        [("rows", 0, [10, 10])], [("rows", 2, [10])], []]
+    # the oldest took slot 1, the younger slot 0: one run from slot 0
+    assert prefills_of(exported, 24, [6, 9], [1, 0], 1) == [[("rows", 0, [9, 6])]]
+    # slot 0's 5 tokens leave 3 of 8: the 20-token prompt starts at the next step, in chunks of 8
+    assert prefills_of(exported, 8, [5, 20], [0, 1], 5) == [
+        [("rows", 0, [5])], [("chunk", 1, 0, 8)], [("chunk", 1, 8, 8)], [("chunk", 1, 16, 4)], []]
+    # a whole prompt behind a long one being chunked: never in its run, next in line
+    assert prefills_of(exported, 8, [20, 3], [0, 1], 4) == [
+        [("chunk", 0, 0, 8)], [("chunk", 0, 8, 8)], [("chunk", 0, 16, 4), ("rows", 1, [3])], []]
 
 
 @pytest.mark.skipif(cuda_provider_present(), reason="on a GPU the fused decoder runs in float16")

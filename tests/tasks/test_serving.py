@@ -831,16 +831,18 @@ def _changing_add(self, token):
     return (text.upper() if self.changed else text), stopped
 Detokenizer.__init__, Detokenizer.add = _changing_init, _changing_add
 """
-# the decoder's prefill 300 ms slower (a slower build), after the request took its slot: what
-# the engine's own time to first token measures (the wait for a slot is not the version's)
+# each of the decoder's prefill runs 300 ms slower (a slower build; one prompt or several
+# prompts' in one run), after the request took its slot: what the engine's own time to first
+# token measures (the wait for a slot is not the version's)
 LATE_FIRST_TOKEN = """
-def _late(prefill_on_time):
-    def late_prefill(self, slot, ids, start=0):
+def _late(run_on_time):
+    def late_run(self, *args, **kwargs):
         time.sleep(0.3)
-        return prefill_on_time(self, slot, ids, start)
-    return late_prefill
+        return run_on_time(self, *args, **kwargs)
+    return late_run
 for _decoder in (KVDecoder, FusedKVDecoder, DeviceKVDecoder):
     _decoder.prefill = _late(_decoder.__dict__["prefill"])
+FusedKVDecoder.first_prompts = _late(FusedKVDecoder.__dict__["first_prompts"])
 """
 FAILING_STREAMS = """
 import itertools

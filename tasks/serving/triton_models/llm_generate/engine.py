@@ -428,7 +428,8 @@ class KVDecoder:
         return np.stack([self.prefill(first + row, prompt) for row, prompt in enumerate(prompts)])
 
     def warm(self, prefill_tokens: int) -> None:
-        """Run what a first request would otherwise wait for, before the engine takes any (none here)."""
+        """Run the prefill shapes a first request would otherwise wait for, before the engine
+        takes any (none here: :meth:`DeviceFusedKVDecoder.warm`)."""
 
     def decode(self, slots: list[int], tokens: list[int]) -> np.ndarray[Any, Any]:
         """One token for each of ``slots`` at once; returns their next-token logits (batch, vocab)."""
@@ -461,7 +462,8 @@ class FusedKVDecoder(KVDecoder):
     """``decoder_fused.onnx`` (built by the export, ``tasks/lib/decoder_graph.py``): ONNX
     Runtime's GroupQueryAttention writes each new key and value into the cache where it lies
     (past and present bound to the same buffer) and attends over each row's own length, so a step
-    copies no past. A prefill runs on its slot's row of the cache; a decode step on the rows up to
+    copies no past. A prefill runs on its slot's row of the cache (the first prompts of
+    consecutive slots on their rows at once: :meth:`prefill_rows`); a decode step on the rows up to
     the highest running slot (contiguous in memory; free slots are taken lowest first), where a
     row that is not decoding computes a dummy token at its own length and writes it where its
     next token will overwrite it. The CPU's decoder where the export built one."""
@@ -754,7 +756,8 @@ class DeviceFusedKVDecoder(FusedKVDecoder):
         slots, context = self.shape[1], self.shape[3]
         limit = 1 << (max(prefill_tokens, 1) - 1).bit_length()
         shapes = []
-        for width in sorted({self.padded_width(1 << n) for n in range(4, context.bit_length() + 1)}):
+        narrowest = self.NARROWEST.bit_length() - 1
+        for width in sorted({self.padded_width(1 << n) for n in range(narrowest, context.bit_length() + 1)}):
             rows = 1
             while rows <= slots and (rows == 1 or rows * width <= limit or width == self.NARROWEST):
                 shapes.append((rows, width))
@@ -1083,7 +1086,8 @@ class Engine:
         """Prompt tokens of the sequences still prefilling, oldest first, ``prefill_tokens`` of
         them this step: a sequence whose prompt is all in takes its first token and decodes from
         the next step on. Whole prompts of consecutive slots go in one run where the decoder
-        batches them (:meth:`prefill_group`; padding counted against the budget). A prompt that
+        batches them (:meth:`prefill_group`; padding to the longest counted against the budget,
+        not a GPU decoder's further padding to its few shapes). A prompt that
         the whole budget holds goes in whole, the next step where this one has no room left: cut
         at a step's edge, its second part runs after the slot's past, in a shape of its own
         (prompts of 64-128 tokens at 32 streams on an H200: 10.0k output tok/s with such cuts,
@@ -1093,16 +1097,19 @@ class Engine:
         while waiting and budget > 0:
             oldest = waiting[0]
             whole = not oldest.prefilled and len(oldest.prompt_ids) <= self.prefill_tokens
-            if whole and len(oldest.prompt_ids) > budget:
+            # a whole prompt waits for a step with room for it; a longer one starts its chunks
+            # with a whole budget (chunks of one size: on a GPU each new shape's first run costs)
+            starting = not oldest.prefilled and budget < self.prefill_tokens
+            if (whole and len(oldest.prompt_ids) > budget) or (not whole and starting):
                 return
-            group = self.prefill_group(waiting, budget)
+            group = self.prefill_group(waiting, budget) if whole else [oldest]
             waiting = [s for s in waiting if all(s is not taken for taken in group)]
             if not whole:
                 budget -= self.prefill_chunk(oldest, budget)
                 continue
             try:
                 logits = self.decoder.prefill_rows(group[0].slot, [s.prompt_ids for s in group])
-            except Exception as exc:  # a failed run fails its requests only
+            except Exception as exc:  # the run's requests fail (its ids come from the tokenizer: not one client's input)
                 self.fail(group, exc)
                 continue
             budget -= len(group) * max(len(s.prompt_ids) for s in group)
@@ -1111,11 +1118,12 @@ class Engine:
                 self.sample_and_take(sequence, row)
 
     def prefill_group(self, waiting: list[Sequence], budget: int) -> list[Sequence]:
-        """The oldest of ``waiting``, with the sequences of the slots next to its (in slot order)
-        that also wait for their whole prompt, as many as fit ``budget`` padded to the longest."""
+        """The oldest of ``waiting`` (waiting for its whole prompt, which ``budget`` holds), with
+        the sequences of the slots next to its (in slot order) that also wait for their whole
+        prompt, as many as fit ``budget`` padded to the longest."""
         oldest = waiting[0]
         group = [oldest]
-        if oldest.prefilled or not self.decoder.batches_prefills:
+        if not self.decoder.batches_prefills:
             return group
         fresh = {s.slot: s for s in waiting if not s.prefilled}
 
