@@ -484,7 +484,7 @@ class FusedKVDecoder(KVDecoder):
         return logits[0]  # type: ignore[no-any-return]
 
     def prefill_rows(self, first: int, prompts: list[list[int]]) -> np.ndarray[Any, Any]:
-        if not self.batches_prefills or len(prompts) == 1:
+        if not self.batches_prefills:
             return super().prefill_rows(first, prompts)
         return self.first_prompts(first, prompts, max(map(len, prompts)))
 
