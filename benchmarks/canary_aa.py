@@ -14,8 +14,9 @@ B over A, ...: every rollout is a canary of the weights already serving). Then `
 each of:
 
 - slow: a bigger GPT (d_model 256, 8 layers; ~5x the compute per token): its latency must fail;
-- wrong: a copy's export with another model's KV-cache decoder in place of its own (the logits
-  model and the reference text are the champion's): its text must fail. (The other model's
+- wrong: a copy's export with another model's KV-cache decoders in place of its own (both
+  ``decoder.onnx`` and the CPU's ``decoder_fused.onnx``; the logits model and the reference text
+  are the champion's): its text must fail. (The other model's
   matrices are scaled 10x: random-weight GPTs of any seed otherwise all repeat the last token.)
 
 An outside client (users, as issue 42 item 11 met them) streams completions through the router's
@@ -78,15 +79,27 @@ def register_copy(name: str, version: str) -> str:
     return str(mlflow.register_model(source.source, name, tags=dict(source.tags)).version)
 
 
+DECODER_FILES = ("decoder.onnx", "decoder.onnx.data", "decoder_fused.onnx", "decoder_fused.onnx.data")
+
+
 def swap_decoder(export: Path, version: str, donor: Path, donor_version: str, out: Path) -> Path:
-    """A copy of ``export`` with ``donor``'s KV-cache decoder in place of its own, committed again
-    as the export step would: the logits model and the reference stay, the engine's text does not."""
+    """A copy of ``export`` with ``donor``'s KV-cache decoders in place of its own (``decoder.onnx``,
+    which GPUs serve, and ``decoder_fused.onnx``, which CPUs serve wherever the export wrote one),
+    committed again as the export step would: the logits model and the reference stay, the
+    engine's text does not. A decoder file of ``export`` that the donor lacks is an error: the
+    engine would serve the champion's weights from it, and the "wrong" build would be an A/A one."""
     from tasks.lib import storage
 
+    mine = Path("triton") / "llm_generate" / version
+    theirs = donor / "triton" / "llm_generate" / donor_version
+    swapped = [name for name in DECODER_FILES if (export / mine / name).exists()]
+    if missing := [name for name in swapped if not (theirs / name).exists()]:
+        raise SystemExit(f"donor export {donor} lacks {', '.join(missing)}: the wrong build would keep its own")
     with storage.staged_output(str(out)) as staging:
         shutil.copytree(export, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns(storage.SUCCESS_MARKER))
-        decoder = Path("triton") / "llm_generate" / version / "decoder.onnx"
-        shutil.copyfile(donor / "triton" / "llm_generate" / donor_version / "decoder.onnx", staging / decoder)
+        for name in swapped:
+            shutil.copyfile(theirs / name, staging / mine / name)
+    print(f"wrong build: {', '.join(swapped)} of v{donor_version} in v{version}'s export", flush=True)
     return out
 
 
@@ -198,6 +211,7 @@ def rollout(kind: str, version: str, export: Path, output: Path, env: dict[str, 
                "measured": {"latency": s["latency_test"].get("measured", ""),
                             **{key.removesuffix("_ms"): test.get("measured", "")
                                for key, test in s["text"].get("tests", {}).items()}},
+               "figures": {who: engine_p50s(s["text"].get(who, {})) for who in ("canary", "stable")},
                "triton": triton_ms(s.get("triton", {}))} for s in report["steps"]]
     result = {"kind": kind, "version": version, "stable": stable, "verdict": report["verdict"],
               "reason": report.get("reason", ""), "seconds": round(time.monotonic() - started, 1), "steps": steps,
@@ -212,6 +226,13 @@ def rollout(kind: str, version: str, export: Path, output: Path, env: dict[str, 
                  f"ITL p50 {o['itl_p50_ms']:.2f} ms" + (f"; first error: {o['first_error'][:160]}" if o["errors"] else ""))
     print(line, flush=True)
     return result
+
+
+def engine_p50s(stats: dict[str, Any]) -> dict[str, float | None]:
+    """A version's time to first token and inter-token latency at a step (p50 ms, as its engine
+    timed them): the milliseconds behind a step's ratios."""
+    return {key: round(v, 3) if isinstance(v := stats.get(f"engine_{key}_p50_ms"), float) and math.isfinite(v) else None
+            for key in ("ttft", "itl")}
 
 
 def triton_ms(delta: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
