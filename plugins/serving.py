@@ -234,11 +234,12 @@ def track_service(params: Settings, track: str) -> dict[str, Any]:
 
 def public_triton_paths(serve: ServeSettings) -> list[str]:
     """What clients may call of Triton's: the logits model's inference (text goes through the
-    OpenAI front's /v1: contract's ``PUBLIC_LOGITS_ACTIONS``), each served model's metadata, the
-    server's health and metadata."""
+    OpenAI front's /v1: contract's ``PUBLIC_LOGITS_ACTIONS``), each served model's metadata and
+    readiness (tritonclient's ``is_model_ready``), the server's health and metadata."""
     models = (serve.triton_model, serve.generate_model)
     return [*(f"/v2/models/{serve.triton_model}/{a}" for a in PUBLIC_LOGITS_ACTIONS),
-            *(f"/v2/models/{m}" for m in models), "/v2", "/v2/health/live", "/v2/health/ready"]
+            *(f"/v2/models/{m}" for m in models), *(f"/v2/models/{m}/ready" for m in models),
+            "/v2", "/v2/health/live", "/v2/health/ready"]
 
 
 def without_internal_headers() -> dict[str, Any]:

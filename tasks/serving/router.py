@@ -120,8 +120,8 @@ def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: Cl
     """The router's static configuration; the split itself lives in ``split.conf``.
 
     Two listeners. The public one (``listen.public_port``, what clients call) serves an allowlist: the
-    split's inference, generate and stream paths, ``/v1/*``, health, server and model metadata,
-    the route state; anything else (Triton's repository control: load, unload, index; a path
+    split's inference paths, ``/v1/*``, health, server and model metadata, a model's readiness
+    (the version the split picks for the request), the route state; anything else (Triton's repository control: load, unload, index; a path
     naming a version) is a 404 with a one-line reason, so no client can unload the champion or
     pick a version. The internal one (``listen.internal_port``, deploy's) adds each version's own
     inference paths: the smoke test and stable's baseline through the same nginx hop as the
@@ -174,6 +174,13 @@ def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: Cl
             proxy_set_header Connection "";
             {internal_headers(to_shadow)}
             proxy_pass http://openai$request_uri;
+        }}
+        location ~ ^/v2/models/(?<model>{models})/ready$ {{  # tritonclient's is_model_ready: the routed version's
+            limit_except GET HEAD {{ deny all; }}
+            if ($model_version = "") {{ return 503; }}
+            {to_triton}
+            proxy_pass http://triton/v2/models/$model/versions/$model_version/ready;
+            add_header {VERSION_HEADER} $model_version always;
         }}
         location ~ ^/v2(/health/(live|ready)|/models/({models}))?$ {{
             limit_except GET HEAD {{ deny all; }}

@@ -139,7 +139,8 @@ def test_public_route_splits_an_allowlist_and_only_the_internal_one_reaches_a_tr
             [("triton-stable", port, 1000), ("triton-canary", port, 0)]
     for track in ("", "canary", "stable"):
         headers = {serving.TRACK_HEADER: track} if track else {}
-        for path in ("/v2/models/llm/infer", "/v2/health/ready", "/v2/models/llm", "/v2/models/llm_generate"):
+        for path in ("/v2/models/llm/infer", "/v2/health/ready", "/v2/models/llm", "/v2/models/llm_generate",
+                     "/v2/models/llm/ready", "/v2/models/llm_generate/ready"):
             assert matching_rule(public, path, headers) == 0, path
         assert matching_rule(public, "/v1/chat/completions", headers) == 1
         # text goes through /v1 only: Triton's generate paths would let an abandoned request run on

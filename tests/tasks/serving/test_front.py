@@ -26,7 +26,7 @@ from helpers import export, params_with_model_name, register_gpt, served_alone, 
 
 from tasks.serving.contract import MAX_BODY_BYTES
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timed]  # an abandoned request's slot: within 2x idle
 # long enough that an abandoned request would still be generating a second later
 MODEL = {"seq_len": 256, "d_model": 128, "n_layers": 4, "n_heads": 4}
 
@@ -292,6 +292,34 @@ def test_huge_prompts_are_refused_by_size_before_they_are_tokenized(served: dict
         assert status == 404 and "not served by this router" in str(answer), (path, status, answer)
     status, answer, _ = post(f"{served['ROUTER_URL']}/v1/completions", {"prompt": "x" * (2 << 20)})
     assert status == 413 and is_openai_error(answer), (status, answer)
+
+
+def test_a_triton_client_through_the_router_sees_the_routed_version_ready(served: dict[str, str]) -> None:
+    """tritonclient against the router's public URL, as a Triton user points it: the server live
+    and ready, each served model ready and described, and an inference answered, each by the
+    version the split routes to; a version's own readiness path stays closed to clients (it
+    said 404 for ``is_model_ready`` before the router passed a model's ``ready``)."""
+    import numpy as np
+    import tritonclient.http as triton_http
+
+    router = urllib.parse.urlsplit(served["ROUTER_URL"])
+    client = triton_http.InferenceServerClient(router.netloc)
+    assert client.is_server_live() and client.is_server_ready()
+    for model in ("llm", "llm_generate"):
+        assert client.is_model_ready(model), model
+        assert client.get_model_metadata(model)["name"] == model
+        with urllib.request.urlopen(f"{served['ROUTER_URL']}/v2/models/{model}/ready", timeout=10) as resp:
+            assert resp.headers["X-Model-Version"] == served["VERSION"], model
+    ids = triton_http.InferInput("input_ids", [1, 4], "INT64")
+    ids.set_data_from_numpy(np.ones((1, 4), dtype=np.int64))
+    answer = client.infer("llm", [ids])
+    assert answer.get_response()["model_version"] == served["VERSION"]
+    for path, method, status in ((f"/v2/models/llm/versions/{served['VERSION']}/ready", "GET", 404),
+                                 ("/v2/models/llm/ready", "POST", 403)):
+        request = urllib.request.Request(served["ROUTER_URL"] + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == status, (path, method, refused.value.code)
 
 
 def test_a_refused_request_is_captured_as_its_refusal_alone(served: dict[str, str]) -> None:
