@@ -72,6 +72,8 @@ class CanarySettings:
     """Canary completions equal to the reference text."""
     text_max_latency_ratio: float
     """TTFT and inter-token latency: the Mann-Whitney rule with this ratio."""
+    ttft_min_slowdown_ms: float
+    """A time to first token counts as slower only when also this many ms above stable's (median difference)."""
     warmup_streams: int
     """Streams straight to the new version before the first step (discarded)."""
     clearly_slower_factor: float
@@ -96,4 +98,4 @@ class CanarySettings:
                "expected at least 1 (1: no inconclusive latency band)")
         fractions(self, "max_error_rate", "min_agreement", "latency_alpha", "min_text_agreement",
                    "shadow_min_stable_agreement")
-        at_least_zero(self, "warmup_streams")
+        at_least_zero(self, "warmup_streams", "ttft_min_slowdown_ms")

@@ -138,32 +138,47 @@ def summarize_text(samples: list[TextSample], version: int | None) -> TextStats:
 
 
 def latency_test(canary_ms: list[float], baseline_ms: list[float]) -> LatencyTest:
-    """One-sided Mann-Whitney U: small p means the canary's latencies are stochastically larger."""
+    """One-sided Mann-Whitney U: small p means the canary's latencies are stochastically larger.
+    ``median_difference_ms``: the Hodges-Lehmann shift, the median of every canary-minus-stable
+    difference (the effect size that goes with the U test)."""
     from scipy.stats import mannwhitneyu
 
     test = mannwhitneyu(canary_ms, baseline_ms, alternative="greater")
-    return LatencyTest(u=float(test.statistic), p_value=float(test.pvalue),
+    shift = float(np.median(np.subtract.outer(np.asarray(canary_ms), np.asarray(baseline_ms))))
+    return LatencyTest(u=float(test.statistic), p_value=float(test.pvalue), median_difference_ms=shift,
                        median_ratio=float(np.median(canary_ms)) / max(float(np.median(baseline_ms)), 1e-9))
 
 
-def latency_verdict(test: LatencyTest, max_ratio: float, params: CanarySettings) -> Verdict:
-    """Pass unless slower (p < alpha) by more than ``max_ratio``; fail past ``max_ratio`` times
+def latency_verdict(test: LatencyTest, max_ratio: float, params: CanarySettings, min_slowdown_ms: float = 0.0
+                    ) -> Verdict:
+    """Pass unless slower (p < alpha) by more than ``max_ratio`` and by more than
+    ``min_slowdown_ms`` (the test's median difference; 0: any); fail past ``max_ratio`` times
     ``clearly_slower_factor``; inconclusive between the two."""
     if test.p_value >= params.latency_alpha or test.median_ratio <= max_ratio:
+        return PASS
+    if test.median_difference_ms is not None and test.median_difference_ms <= min_slowdown_ms:
         return PASS
     return FAIL if test.median_ratio > max_ratio * params.clearly_slower_factor else INCONCLUSIVE
 
 
+def min_slowdown_ms(key: str, params: CanarySettings) -> float:
+    """The milliseconds a text latency (``ttft_ms``, ``itl_ms``) must grow by, besides its
+    ratio, to count as slower: ``canary.ttft_min_slowdown_ms`` for the time to first token."""
+    return params.ttft_min_slowdown_ms if key == "ttft_ms" else 0.0
+
+
 def judge_latency(checks: Checks, name: str, label: str, timings: Timings, max_ratio: float,
-                  params: CanarySettings) -> LatencyTest:
+                  params: CanarySettings, slowdown_ms: float = 0.0) -> LatencyTest:
     """``name``'s verdict (:func:`latency_verdict`) on the canary's latencies against stable's
     (Mann-Whitney U; ``timings.measured``: how they were timed, for the detail); returns the test."""
     test = latency_test(timings.canary_ms, timings.baseline_ms)
     measured = timings.measured
-    checks.add(name, latency_verdict(test, max_ratio, params), test.median_ratio, max_ratio,
-               f"median {label} {test.median_ratio:.2f}x stable's{', ' + measured if measured else ''} "
-               f"(Mann-Whitney U p={test.p_value:.2g}, alpha {params.latency_alpha})")
-    return LatencyTest(test.p_value, test.median_ratio, u=test.u, measured=measured)
+    checks.add(name, latency_verdict(test, max_ratio, params, slowdown_ms), test.median_ratio, max_ratio,
+               f"median {label} {test.median_ratio:.2f}x stable's ({test.median_difference_ms:+.2f} ms)"
+               f"{', ' + measured if measured else ''} (Mann-Whitney U p={test.p_value:.2g}, alpha "
+               f"{params.latency_alpha}" + (f"; slower only past +{slowdown_ms:g} ms" if slowdown_ms else "") + ")")
+    return LatencyTest(test.p_value, test.median_ratio, u=test.u, median_difference_ms=test.median_difference_ms,
+                       measured=measured)
 
 
 def step_timings(mine: list[TextSample], theirs: list[TextSample], key: str, wanted: int) -> Timings:
@@ -221,7 +236,7 @@ def judge_text(traffic: StepTraffic, scope: StepScope, params: CanarySettings) -
         timings = step_timings(canary_ok, stable_ok, key, wanted)
         if timings.enough(wanted):
             tests[key] = judge_latency(checks, key.removesuffix("_ms"), label, timings,
-                                       params.text_max_latency_ratio, params)
+                                       params.text_max_latency_ratio, params, min_slowdown_ms(key, params))
         elif stable is not None and len(timings.baseline_ms) < wanted:  # (a canary short of samples: text_samples)
             checks.add(f"stable_{key.removesuffix('_ms')}_samples", INCONCLUSIVE, len(timings.baseline_ms), wanted,
                        f"{len(timings.baseline_ms)} stable streams with a {label} at {weight:g}%: no baseline to "
@@ -357,10 +372,13 @@ def judge_shadow(pairs: list[dict[str, Any]], stable: int, shadow: int, params: 
         found = paired_test([a for a, _ in paired], [b for _, b in paired])
         test = tests[key] = LatencyTest(found.p_value, found.median_ratio,
                                         median_difference_ms=found.median_difference_ms, measured=measured)
-        checks.add(name, latency_verdict(test, params.text_max_latency_ratio, params), test.median_ratio,
+        slowdown_ms = min_slowdown_ms(key, params)
+        checks.add(name, latency_verdict(test, params.text_max_latency_ratio, params, slowdown_ms), test.median_ratio,
                    params.text_max_latency_ratio,
-                   f"median {label} {test.median_ratio:.2f}x stable's on the same {len(paired)} requests, "
-                   f"{measured} (Wilcoxon signed-rank p={test.p_value:.2g}, alpha {params.latency_alpha})")
+                   f"median {label} {test.median_ratio:.2f}x stable's on the same {len(paired)} requests "
+                   f"(per request {found.median_difference_ms:+.2f} ms), {measured} (Wilcoxon signed-rank "
+                   f"p={test.p_value:.2g}, alpha {params.latency_alpha}"
+                   + (f"; slower only past +{slowdown_ms:g} ms" if slowdown_ms else "") + ")")
     users: list[TextSample] = [p["user"] for p in pairs]
     users_ttft = np.asarray([u.ttft_ms for u in users if u.ok and math.isfinite(u.ttft_ms)])
     agreement = Agreement(reference=reference, stable_exact=exact,

@@ -186,6 +186,7 @@ def test_mann_whitney_flags_a_slower_canary_only() -> None:
     assert latency_test(list(rng.lognormal(0, 0.2, 40)), base).p_value > 0.01
     slow = latency_test(list(5 * rng.lognormal(0, 0.2, 40)), base)
     assert slow.p_value < 1e-6 and slow.median_ratio > 4
+    assert 3.5 < slow.median_difference_ms < 4.5  # Hodges-Lehmann: median 5x of ~1 ms against ~1 ms
 
 
 def canary_settings(**overrides: Any) -> Any:
@@ -206,6 +207,12 @@ def test_each_check_passes_fails_or_is_inconclusive() -> None:
     assert latency_verdict(LatencyTest(p_value=1e-6, median_ratio=1.4), 1.5, params) == PASS  # clearly fine
     assert latency_verdict(LatencyTest(p_value=1e-6, median_ratio=2.0), 1.5, params) == INCONCLUSIVE
     assert latency_verdict(LatencyTest(p_value=1e-6, median_ratio=3.1), 1.5, params) == FAIL  # clearly bad
+    # past the ratio by fewer milliseconds than a check's floor (ttft_min_slowdown_ms): not slower
+    few_ms = LatencyTest(p_value=1e-6, median_ratio=3.1, median_difference_ms=4.0)
+    assert latency_verdict(few_ms, 1.5, params, min_slowdown_ms=5.0) == PASS
+    assert latency_verdict(few_ms, 1.5, params) == FAIL
+    assert latency_verdict(LatencyTest(p_value=1e-6, median_ratio=3.1, median_difference_ms=6.0), 1.5, params,
+                           min_slowdown_ms=5.0) == FAIL
     assert enough(7, 8) == INCONCLUSIVE and enough(8, 8) == PASS
     checks = Checks()
     checks.add("samples", INCONCLUSIVE, 3, 8, "3 canary streams")
