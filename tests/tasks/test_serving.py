@@ -787,6 +787,7 @@ def serving_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.mark.integration
+@pytest.mark.timed
 def test_a_route_change_returns_once_the_old_router_workers_are_gone(stack_env: dict[str, str]) -> None:
     """Until its old worker exits, nginx can still answer a request by the old split: a 100%
     canary step once counted a request answered by stable; an unloaded version would fail one."""
@@ -1025,6 +1026,7 @@ def generate_text(env: dict[str, str], prompt: str) -> tuple[str, str]:
 
 
 @pytest.mark.integration
+@pytest.mark.timed
 def test_rollout_promotion_rollbacks_and_restart(
     serving_env: dict[str, str], stack_env: dict[str, str], tokenizer_uri: str, eval_text: Path, tmp_path: Path
 ) -> None:
