@@ -277,7 +277,7 @@ test: test-fast
 	$(ORCH_PY) -m pytest -n 2 --dist loadgroup -m "not ($(FAST))" $(ORCH_TESTS)
 
 # the fast tier starts no server: its modules run in a process per core (a module's tests together,
-# its fixtures built once); the slow tier shares one stack on fixed ports, in one process
+# its fixtures built once)
 test-fast: test-env
 	$(RT_PY) -m pytest -n auto --dist loadfile -m "$(FAST)" $(RT_TESTS)
 	$(ORCH_PY) -m pytest -n auto --dist loadfile -m "$(FAST)" $(ORCH_TESTS)

@@ -52,6 +52,7 @@ PASS, FAIL, INCONCLUSIVE = Verdict.PASS, Verdict.FAIL, Verdict.INCONCLUSIVE
 CLIENT_TIMED = "as deploy's client received them"
 ENGINE_TIMED, FRONT_TIMED = "as the engines timed them", "as the chunks reached the front"
 TRITON_TIMED = "compute time per request as Triton timed it, per interval"
+HODGES_LEHMANN_PAIRS = 1_000_000  # the differences a shift is the median of, at most (8 MB)
 
 
 @dataclass
@@ -144,35 +145,40 @@ def latency_test(canary_ms: list[float], baseline_ms: list[float]) -> LatencyTes
     from scipy.stats import mannwhitneyu
 
     test = mannwhitneyu(canary_ms, baseline_ms, alternative="greater")
-    shift = float(np.median(np.subtract.outer(np.asarray(canary_ms), np.asarray(baseline_ms))))
+    canary, baseline = np.asarray(canary_ms), np.asarray(baseline_ms)
+    if canary.size * baseline.size > HODGES_LEHMANN_PAIRS:  # every n1 x n2 difference: thin both evenly
+        step = math.ceil(math.sqrt(canary.size * baseline.size / HODGES_LEHMANN_PAIRS))
+        canary, baseline = np.sort(canary)[::step], np.sort(baseline)[::step]
+    shift = float(np.median(np.subtract.outer(canary, baseline)))
     return LatencyTest(u=float(test.statistic), p_value=float(test.pvalue), median_difference_ms=shift,
                        median_ratio=float(np.median(canary_ms)) / max(float(np.median(baseline_ms)), 1e-9))
 
 
 def latency_verdict(test: LatencyTest, max_ratio: float, params: CanarySettings, min_slowdown_ms: float = 0.0
                     ) -> Verdict:
-    """Pass unless slower (p < alpha) by more than ``max_ratio`` and by more than
-    ``min_slowdown_ms`` (the test's median difference; 0: any); fail past ``max_ratio`` times
+    """Pass unless slower (p < alpha) by more than ``max_ratio`` and by at least
+    ``min_slowdown_ms`` (the test's median difference; 0: no floor); fail past ``max_ratio`` times
     ``clearly_slower_factor``; inconclusive between the two."""
     if test.p_value >= params.latency_alpha or test.median_ratio <= max_ratio:
         return PASS
-    if test.median_difference_ms is not None and test.median_difference_ms <= min_slowdown_ms:
+    if min_slowdown_ms > 0 and test.median_difference_ms is not None and test.median_difference_ms < min_slowdown_ms:
         return PASS
     return FAIL if test.median_ratio > max_ratio * params.clearly_slower_factor else INCONCLUSIVE
 
 
-def min_slowdown_ms(key: str, params: CanarySettings) -> float:
-    """The milliseconds a text latency (``ttft_ms``, ``itl_ms``) must grow by, besides its
+def min_slowdown_ms(figure: str, params: CanarySettings) -> float:
+    """The milliseconds a latency (``latency``, ``ttft``, ``itl``) must grow by, besides its
     ratio, to count as slower: ``canary.ttft_min_slowdown_ms`` for the time to first token."""
-    return params.ttft_min_slowdown_ms if key == "ttft_ms" else 0.0
+    return params.ttft_min_slowdown_ms if figure == "ttft" else 0.0
 
 
 def judge_latency(checks: Checks, name: str, label: str, timings: Timings, max_ratio: float,
-                  params: CanarySettings, slowdown_ms: float = 0.0) -> LatencyTest:
-    """``name``'s verdict (:func:`latency_verdict`) on the canary's latencies against stable's
-    (Mann-Whitney U; ``timings.measured``: how they were timed, for the detail); returns the test."""
+                  params: CanarySettings) -> LatencyTest:
+    """``name``'s verdict (:func:`latency_verdict`, with its floor: :func:`min_slowdown_ms`) on
+    the canary's latencies against stable's (Mann-Whitney U; ``timings.measured``: how they were
+    timed, for the detail); returns the test."""
     test = latency_test(timings.canary_ms, timings.baseline_ms)
-    measured = timings.measured
+    measured, slowdown_ms = timings.measured, min_slowdown_ms(name, params)
     checks.add(name, latency_verdict(test, max_ratio, params, slowdown_ms), test.median_ratio, max_ratio,
                f"median {label} {test.median_ratio:.2f}x stable's ({test.median_difference_ms:+.2f} ms)"
                f"{', ' + measured if measured else ''} (Mann-Whitney U p={test.p_value:.2g}, alpha "
@@ -236,7 +242,7 @@ def judge_text(traffic: StepTraffic, scope: StepScope, params: CanarySettings) -
         timings = step_timings(canary_ok, stable_ok, key, wanted)
         if timings.enough(wanted):
             tests[key] = judge_latency(checks, key.removesuffix("_ms"), label, timings,
-                                       params.text_max_latency_ratio, params, min_slowdown_ms(key, params))
+                                       params.text_max_latency_ratio, params)
         elif stable is not None and len(timings.baseline_ms) < wanted:  # (a canary short of samples: text_samples)
             checks.add(f"stable_{key.removesuffix('_ms')}_samples", INCONCLUSIVE, len(timings.baseline_ms), wanted,
                        f"{len(timings.baseline_ms)} stable streams with a {label} at {weight:g}%: no baseline to "
@@ -372,7 +378,7 @@ def judge_shadow(pairs: list[dict[str, Any]], stable: int, shadow: int, params: 
         found = paired_test([a for a, _ in paired], [b for _, b in paired])
         test = tests[key] = LatencyTest(found.p_value, found.median_ratio,
                                         median_difference_ms=found.median_difference_ms, measured=measured)
-        slowdown_ms = min_slowdown_ms(key, params)
+        slowdown_ms = min_slowdown_ms(key.removesuffix("_ms"), params)
         checks.add(name, latency_verdict(test, params.text_max_latency_ratio, params, slowdown_ms), test.median_ratio,
                    params.text_max_latency_ratio,
                    f"median {label} {test.median_ratio:.2f}x stable's on the same {len(paired)} requests "
