@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from helpers import REPO_ROOT, RUNTIME_PY
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("retrain_run")]  # make test: one process
+pytestmark = pytest.mark.integration
 CLIENTS = 6  # stack.traffic's: 127.0.0.2 .. 127.0.0.7, each a client of its own (drift.min_clients: 3)
 
 

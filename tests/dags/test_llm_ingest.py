@@ -13,9 +13,6 @@ import pytest
 import yaml
 from helpers import REPO_ROOT, RUNTIME_PY, SEED_DOCUMENTS, sync_dags_to_db
 
-# make test runs the modules of the shared retrain run in one process (pytest-xdist: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("retrain_run")
-
 
 @pytest.fixture(scope="module")
 def dags() -> dict[str, Any]:

@@ -13,9 +13,6 @@ from tasks.contract import ERROR_XCOM_KEY
 
 MODEL = "llm-retrain"
 
-# make test runs the modules of the shared retrain run in one process (pytest-xdist: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("retrain_run")
-
 
 def ti_states(run: Any) -> dict[str, str]:
     return {ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): ti.state for ti in run.get_task_instances()}

@@ -27,9 +27,6 @@ HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", 
 ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train", "evaluate",
          "register", "export", "deploy_gate", "deploy", "approval_gate", "approve_rollout", "deploy_finish", "release_hold", "report"]
 
-# make test runs the modules of the shared retrain run in one process (pytest-xdist: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("retrain_run")
-
 
 @pytest.fixture(scope="module")
 def dag() -> Any:

@@ -28,7 +28,7 @@ import pytest
 import yaml
 from helpers import REPO_ROOT, SEED_URI, mlflow_rest, run_module
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("airflow_servers")]  # make test: one process
+pytestmark = pytest.mark.integration
 
 AIRFLOW = str(REPO_ROOT / ".venvs" / "orchestrator" / "bin" / "airflow")
 DAG_ID = "llm_retrain"
