@@ -172,6 +172,11 @@ def min_slowdown_ms(figure: str, params: CanarySettings) -> float:
     return params.ttft_min_slowdown_ms if figure == "ttft" else 0.0
 
 
+def floor_note(slowdown_ms: float) -> str:
+    """A latency check's detail names its floor, where it has one."""
+    return f"; slower only past +{slowdown_ms:g} ms" if slowdown_ms else ""
+
+
 def judge_latency(checks: Checks, name: str, label: str, timings: Timings, max_ratio: float,
                   params: CanarySettings) -> LatencyTest:
     """``name``'s verdict (:func:`latency_verdict`, with its floor: :func:`min_slowdown_ms`) on
@@ -182,7 +187,7 @@ def judge_latency(checks: Checks, name: str, label: str, timings: Timings, max_r
     checks.add(name, latency_verdict(test, max_ratio, params, slowdown_ms), test.median_ratio, max_ratio,
                f"median {label} {test.median_ratio:.2f}x stable's ({test.median_difference_ms:+.2f} ms)"
                f"{', ' + measured if measured else ''} (Mann-Whitney U p={test.p_value:.2g}, alpha "
-               f"{params.latency_alpha}" + (f"; slower only past +{slowdown_ms:g} ms" if slowdown_ms else "") + ")")
+               f"{params.latency_alpha}{floor_note(slowdown_ms)})")
     return LatencyTest(test.p_value, test.median_ratio, u=test.u, median_difference_ms=test.median_difference_ms,
                        measured=measured)
 
@@ -383,8 +388,7 @@ def judge_shadow(pairs: list[dict[str, Any]], stable: int, shadow: int, params: 
                    params.text_max_latency_ratio,
                    f"median {label} {test.median_ratio:.2f}x stable's on the same {len(paired)} requests "
                    f"(per request {found.median_difference_ms:+.2f} ms), {measured} (Wilcoxon signed-rank "
-                   f"p={test.p_value:.2g}, alpha {params.latency_alpha}"
-                   + (f"; slower only past +{slowdown_ms:g} ms" if slowdown_ms else "") + ")")
+                   f"p={test.p_value:.2g}, alpha {params.latency_alpha}{floor_note(slowdown_ms)})")
     users: list[TextSample] = [p["user"] for p in pairs]
     users_ttft = np.asarray([u.ttft_ms for u in users if u.ok and math.isfinite(u.ttft_ms)])
     agreement = Agreement(reference=reference, stable_exact=exact,
