@@ -59,9 +59,9 @@ import torch
 
 from tasks.config import REPO_ROOT, ExportSettings, ServeSettings, Settings, TensorRT
 from tasks.contract import from_json, to_json
-from tasks.lib import decoder_graph, hf_checkpoint, storage, tokens, triton
+from tasks.lib import decoder_graph, hf_checkpoint, onnx_graphs, storage, tokens, triton
 from tasks.lib.errors import StepError, first_line
-from tasks.lib.model import GPT, empty_cache, generate_greedy
+from tasks.lib.model import GPT, generate_greedy
 from tasks.lib.model_store import load_version
 from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
@@ -69,9 +69,7 @@ from tasks.lib.tracking import find_dag_run
 from tasks.results import DecoderParity, ExportParity, ExportResult, HfCheckpointParity
 
 TRITON_MODELS = REPO_ROOT / "tasks" / "serving" / "triton_models"
-ONNX_INPUTS, ONNX_OUTPUTS = ["input_ids"], ["logits", "next_token"]
-DECODER_INPUTS = ["input_ids", "past_keys", "past_values", "past_lengths"]
-DECODER_OUTPUTS = ["logits", "present_keys", "present_values"]
+ONNX_OUTPUTS = list(onnx_graphs.LOGITS_OUTPUTS)
 ENGINE_FILES = ("model.py", "engine.py", "chat.py")
 CONTRACT = REPO_ROOT / "tasks" / "serving" / "contract.py"  # the limits the engine shares with the front
 
@@ -88,45 +86,16 @@ class NextToken(torch.nn.Module):
         return logits, logits.argmax(dim=-1, keepdim=True)
 
 
-def export_onnx(model: GPT, path: Path, opset: int, max_batch: int) -> None:
-    """The dynamo exporter, batch and sequence axes dynamic (sequence up to the model's seq_len)."""
-    seq_len = model.config.seq_len
-    example = torch.zeros((2, min(16, seq_len)), dtype=torch.long)
-    dynamic = {"input_ids": {0: torch.export.Dim("batch", min=1, max=max_batch),
-                             1: torch.export.Dim("seq", min=1, max=seq_len)}}
-    program = torch.onnx.export(NextToken(model).eval(), (example,), dynamo=True, opset_version=opset,
-                                input_names=ONNX_INPUTS, output_names=ONNX_OUTPUTS, dynamic_shapes=dynamic)
-    if program is None:
-        raise RuntimeError("torch.onnx.export returned no program")
-    program.save(str(path))
-
-
-class CachedDecoder(torch.nn.Module):
-    """What the generation engine runs: :meth:`GPT.forward_cached` (new tokens after a cache)."""
-
-    def __init__(self, model: GPT) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor,
-                past_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.model.forward_cached(input_ids, past_keys, past_values, past_lengths)
+def export_onnx(model: GPT, path: Path, opset: int) -> None:
+    """``model.onnx``, written from the weights (:mod:`tasks.lib.onnx_graphs`): batch and sequence
+    axes dynamic (sequence up to the model's seq_len)."""
+    onnx_graphs.save(onnx_graphs.build_logits(model, opset), path)
 
 
 def export_decoder(model: GPT, path: Path, opset: int) -> None:
-    """``decoder.onnx``: batch, new-token and past axes dynamic (a prefill is new = prompt, past =
-    one masked slot; a decode step new = 1). Example sizes above 1 keep every axis symbolic."""
-    seq_len = model.config.seq_len
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    new, past = torch.export.Dim("new", min=1, max=seq_len), torch.export.Dim("past", min=1, max=seq_len)
-    example = (torch.zeros((2, 3), dtype=torch.long), *empty_cache(model.config, 2, 4), torch.zeros(2, dtype=torch.long))
-    dynamic = {"input_ids": {0: batch, 1: new}, "past_keys": {1: batch, 3: past}, "past_values": {1: batch, 3: past},
-               "past_lengths": {0: batch}}
-    program = torch.onnx.export(CachedDecoder(model).eval(), example, dynamo=True, opset_version=opset,
-                                input_names=DECODER_INPUTS, output_names=DECODER_OUTPUTS, dynamic_shapes=dynamic)
-    if program is None:
-        raise RuntimeError("torch.onnx.export returned no program")
-    program.save(str(path))
+    """``decoder.onnx`` (:mod:`tasks.lib.onnx_graphs`): batch, new-token and past axes dynamic (a
+    prefill is new = prompt, past = one masked slot; a decode step new = 1)."""
+    onnx_graphs.save(onnx_graphs.build_decoder(model, opset), path)
 
 
 def generation_shape(model: GPT, special: tokens.SpecialTokens) -> dict[str, Any]:
@@ -372,6 +341,13 @@ class Built:
     fused: Path | None = None
 
 
+def copy_graph(source: Path, target: Path) -> None:
+    """An ONNX file and, for a graph over 2 GB, its weights beside it (:func:`onnx_graphs.save`)."""
+    shutil.copy(source, target)
+    if onnx_graphs.data_file(source).exists():
+        shutil.copy(onnx_graphs.data_file(source), onnx_graphs.data_file(target))
+
+
 def write_repository(out: Path, version: str, built: Built, vocabulary: tokens.Vocabulary, shape: dict[str, Any],
                      serve: ServeSettings) -> dict[str, Any]:
     """The Triton repository fragment of this version and every backend's configuration (a
@@ -383,7 +359,7 @@ def write_repository(out: Path, version: str, built: Built, vocabulary: tokens.V
     generate_dir = out / "triton" / generate_name / version
     logits_dir.mkdir(parents=True)
     generate_dir.mkdir(parents=True)
-    shutil.copy(built.onnx, logits_dir / "model.onnx")
+    copy_graph(built.onnx, logits_dir / "model.onnx")
     if built.plan.exists():  # where the tensorrt_plan configs look for it
         shutil.copy(built.plan, logits_dir / triton.MODEL_FILES["tensorrt_plan"])
     shutil.copy(TRITON_MODELS / "llm" / "model.py", logits_dir / "model.py")
@@ -392,9 +368,9 @@ def write_repository(out: Path, version: str, built: Built, vocabulary: tokens.V
     for name in ENGINE_FILES:
         shutil.copy(TRITON_MODELS / "llm_generate" / name, generate_dir / name)
     shutil.copy(CONTRACT, generate_dir / "serving_contract.py")  # what engine.py imports there
-    shutil.copy(built.decoder, generate_dir / "decoder.onnx")
+    copy_graph(built.decoder, generate_dir / "decoder.onnx")
     if built.fused is not None:
-        shutil.copy(built.fused, generate_dir / built.fused.name)
+        copy_graph(built.fused, generate_dir / built.fused.name)
     shutil.copy(vocabulary.file, generate_dir / "tokenizer.json")
     if vocabulary.chat_config is not None:
         (generate_dir / tokens.TOKENIZER_CONFIG_FILE).write_text(vocabulary.chat_config, encoding="utf-8")
@@ -510,7 +486,7 @@ def main(args: argparse.Namespace) -> ExportResult:
         check_chat_template(vocabulary)
         eval_text = storage.download(args.eval_set or settings.evaluate.eval_set_uri, scratch / "eval.jsonl")
         onnx_path = scratch / "model.onnx"
-        export_onnx(loaded.model, onnx_path, params.opset, serve.max_batch_size)
+        export_onnx(loaded.model, onnx_path, params.opset)
         prompts = list(settings.evaluate.prompts)
         inputs = parity_inputs(loaded.model, vocabulary, eval_text, prompts, params.parity_windows)
         atol = params.parity_atol

@@ -8,6 +8,10 @@ from typing import Literal
 
 from tasks.config.base import at_least_zero, check, fractions, positive
 
+# the first opset with the operators model.onnx and decoder.onnx are written with (tasks/lib/onnx_graphs.py):
+# ReduceMean's axes as an input, Split's num_outputs
+MIN_OPSET = 18
+
 Backend = Literal["python", "onnxruntime_onnx", "tensorrt_plan"]
 
 
@@ -40,7 +44,7 @@ class TensorRT:
 @dataclasses.dataclass(frozen=True)
 class ExportSettings:
     opset: int
-    """ONNX opset."""
+    """ONNX opset of model.onnx and decoder.onnx (18 or later: the operators they are written with)."""
     parity_atol: float
     """Largest |logit difference| ONNX Runtime vs PyTorch."""
     parity_windows: int
@@ -53,6 +57,7 @@ class ExportSettings:
 
     def __post_init__(self) -> None:
         positive(self, "opset", "parity_atol", "parity_windows", "parity_new_tokens")
+        check(self.opset >= MIN_OPSET, "opset", self.opset, f"expected >= {MIN_OPSET} (the graphs' operators)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,19 +22,20 @@ of 16 (the operator's kernels); :func:`supported` says why another model is not.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from tasks.lib import onnx_graphs
 from tasks.lib.model import GPT, Block, SwiGLU, rope_tables
+from tasks.lib.onnx_graphs import GraphBuilder
 from tasks.serving.triton_models.llm_generate.engine import FusedKVDecoder
 
 FILE = "decoder_fused.onnx"  # beside decoder.onnx in the engine's version folder (engine.FusedKVDecoder.FILE)
 MS_DOMAIN = "com.microsoft"
-IR_VERSION = 10  # what ONNX Runtime 1.31 reads (onnx 1.19 writes 11)
 
 
 def supported(model: GPT) -> str | None:
@@ -47,40 +48,6 @@ def supported(model: GPT) -> str | None:
     return None
 
 
-class GraphBuilder:
-    """Nodes and initializers of one graph, named as they are added; weights in ``dtype``."""
-
-    def __init__(self, dtype: type[np.floating[Any]] = np.float32) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-        self.dtype = dtype
-
-    def weight(self, name: str, tensor: torch.Tensor | np.ndarray[Any, Any]) -> str:
-        array = tensor.detach().float().numpy() if isinstance(tensor, torch.Tensor) else tensor
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array, self.dtype), name))
-        return name
-
-    def op(self, kind: str, inputs: list[str], name: str, outputs: int | list[str] = 1, domain: str = "",
-           **attrs: Any) -> list[str]:
-        """Adds the node; returns its outputs' names (``outputs``: how many, or their names)."""
-        names = (outputs if isinstance(outputs, list)
-                 else [name] if outputs == 1 else [f"{name}_{i}" for i in range(outputs)])
-        self.nodes.append(helper.make_node(kind, inputs, names, name=name, domain=domain, **attrs))
-        return names
-
-    def linear(self, x: str, layer: torch.nn.Linear, name: str) -> str:
-        """x @ W^T (+ b): the weight stored transposed, as MatMul wants it."""
-        out = self.op("MatMul", [x, self.weight(f"{name}.weight_t", layer.weight.detach().float().T)], f"{name}.matmul")[0]
-        if layer.bias is not None:
-            out = self.op("Add", [out, self.weight(f"{name}.bias", layer.bias)], f"{name}.add")[0]
-        return out
-
-    def rms_norm(self, x: str, norm: torch.nn.RMSNorm, name: str) -> str:
-        eps = norm.eps if norm.eps is not None else float(torch.finfo(torch.float32).eps)
-        return self.op("SimplifiedLayerNormalization", [x, self.weight(f"{name}.weight", norm.weight)], name,
-                       axis=-1, epsilon=float(eps), stash_type=1)[0]
-
-
 @torch.no_grad()
 def build(model: GPT, half: bool = False) -> onnx.ModelProto:
     """The fused decoder of ``model`` (see the module docstring); ``half``: weights, activations
@@ -91,7 +58,7 @@ def build(model: GPT, half: bool = False) -> onnx.ModelProto:
     if reason:
         raise ValueError(f"fused decoder: {reason}")
     c = model.config
-    g = GraphBuilder(np.float16 if half else np.float32)
+    g = GraphBuilder(np.float16 if half else np.float32, contrib_ops=True)
     cache_type = TensorProto.FLOAT16 if half else TensorProto.FLOAT
     cos, sin = rope_tables(c)
     g.weight("rope_cos", cos.numpy())
@@ -134,9 +101,7 @@ def build(model: GPT, half: bool = False) -> onnx.ModelProto:
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", c.vocab_size]),
                *(helper.make_tensor_value_info(f"present_{kind}_{i}", cache_type, cache)
                  for i in range(c.n_layers) for kind in ("key", "value"))]
-    graph = helper.make_graph(g.nodes, "decoder_fused", inputs, outputs, g.initializers)
-    proto = helper.make_model(graph, ir_version=IR_VERSION, producer_name="llm-pipeline",
-                              opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS_DOMAIN, 1)])
+    proto = g.model("decoder_fused", inputs, outputs, {"": 18, MS_DOMAIN: 1})
     helper.set_model_props(proto, {FusedKVDecoder.BATCHED_PREFILL: "1"})
     return proto
 
@@ -156,6 +121,4 @@ def last_positions(g: GraphBuilder) -> str:
 
 def export(model: GPT, path: Path, half: bool = False) -> None:
     """``build(model, half)`` saved to ``path`` (weights inside: under 2 GB; larger beside it)."""
-    proto = build(model, half)
-    large = proto.ByteSize() > 2**31 - 2**20
-    onnx.save_model(proto, str(path), save_as_external_data=large, location=f"{path.name}.data")
+    onnx_graphs.save(build(model, half), path)
