@@ -264,12 +264,19 @@ class GPT(nn.Module):
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
-            self.head.weight = self.embed.weight
+            self.head.weight = self.embed.weight  # the state dict's second name of it: TIED_HEAD
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.activation_checkpointing = False
         self.reset_parameters()
+
+    TIED_HEAD = "head.weight"
+
+    @classmethod
+    def second_names(cls, config: GPTConfig) -> set[str]:
+        """State-dict names that are a second name of another's parameter (stored once)."""
+        return {cls.TIED_HEAD} if config.tie_embeddings else set()
 
     def reset_parameters(self) -> None:
         # GPT-2 initialisation; residual projections scaled by depth

@@ -54,10 +54,8 @@ def save_model_files(weights: dict[str, torch.Tensor], description: dict[str, An
     A tied parameter (the head shares the embedding) is stored once, under its first name."""
     from safetensors.torch import save_file
 
-    with torch.device("meta"):  # the module's names only: which are second names of one parameter
-        skeleton = build_model(description, str(folder))
-    second_names = set(skeleton.state_dict()) - {n for n, _ in skeleton.named_parameters()} - {
-        n for n, _ in skeleton.named_buffers()}
+    # (from the config, not a module built on the meta device: that imports torch's compiler, ~2 s)
+    second_names = GPT.second_names(build_config(description, str(folder)))
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in weights.items() if k not in second_names},
               str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -96,13 +94,17 @@ def load_model_dir(uri: str, scratch: Path) -> LoadedModel:
     return load_model_files(description, storage.download(storage.join(uri, weights), scratch / weights), uri)
 
 
-def build_model(description: dict[str, Any], source: str) -> GPT:
-    """An untrained module of the architecture ``description`` records (any known format)."""
+def build_config(description: dict[str, Any], source: str) -> GPTConfig:
+    """The architecture ``description`` records (any known format)."""
     try:
-        config = GPTConfig.from_saved(description["config"], int(description.get("format_version", 1)))
+        return GPTConfig.from_saved(description["config"], int(description.get("format_version", 1)))
     except (KeyError, TypeError, ValueError) as exc:
         raise StepError(f"{source}: its model description cannot be read by this code ({exc})") from None
-    return GPT(config)
+
+
+def build_model(description: dict[str, Any], source: str) -> GPT:
+    """An untrained module of the architecture ``description`` records (any known format)."""
+    return GPT(build_config(description, source))
 
 
 def load_registered(name: str, alias: str) -> LoadedModel | None:

@@ -118,6 +118,14 @@ def test_saved_model_files_round_trip_and_refuse_what_does_not_fit(config: GPTCo
         load_model_files(tmp_path / "config.json", tmp_path / "model.safetensors", "folder")
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_second_names_are_the_state_dicts_names_no_parameter_goes_by(tied: bool) -> None:
+    """GPT.second_names (what save_model_files leaves out) agrees with the module itself."""
+    model = GPT(GPTConfig(vocab_size=97, seq_len=16, d_model=32, n_layers=1, n_heads=2, tie_embeddings=tied))
+    by_module = set(model.state_dict()) - {n for n, _ in model.named_parameters()}
+    assert GPT.second_names(model.config) == by_module == ({"head.weight"} if tied else set())
+
+
 class RunsCodeWhenUnpickled:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
