@@ -9,6 +9,7 @@ the form and of the finished run are saved under .test-artifacts/ui/.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import re
@@ -36,10 +37,19 @@ DAG_ID = "llm_retrain"
 # one training node: runs share two cores, and this test is about how runs start
 CONF = {"raw_data_uri": SEED_URI, "num_shards": 1, "train_nodes": 1,
         "train_max_steps": 12}  # 12: apart from other tests' runs
-# The backfill: two weekly intervals (Sundays at midnight; the other DAG tests run at 06:00, so
-# these dates are free) over raw data of its own, 14 days ending 11-21: the first interval's
-# window (11-01..11-07) has no data, the second (11-08..11-14) a week.
-BACKFILL_FROM, BACKFILL_TO = "2026-11-08", "2026-11-15"
+# The backfill: the two newest weekly intervals (Sundays at midnight; the other DAG tests run at
+# 06:00, so these dates are free), the second the newest tick: unpausing the DAG makes the scheduler
+# create the newest tick's run unless one exists, and a backfill that holds it leaves none to make
+# (a fixed date falls behind the calendar, and that tick's run would train a whole default chain
+# beside this test's). Over raw data of its own, 14 days from the second interval's window on: the
+# first interval's window (the week before it) has no data, the second's a week.
+def newest_weekly_tick(now: dt.datetime) -> dt.date:
+    """The newest Sunday (``@weekly``: midnight UTC) at or before ``now``."""
+    return (now - dt.timedelta(days=(now.weekday() + 1) % 7)).date()
+
+
+BACKFILL_TO = newest_weekly_tick(dt.datetime.now(dt.UTC))
+BACKFILL_FROM = BACKFILL_TO - dt.timedelta(days=7)
 BACKFILL_RAW = "s3://raw/test-backfill"
 # The CLI's and the form's runs ask for weeks before that raw data: the first task of each refuses
 # the window its conf names (the week before the end date)
@@ -246,7 +256,8 @@ def registered_version(run_id: str) -> tuple[str, dict[str, str]]:
 
 
 def seed_two_weeks() -> None:
-    proc = run_module("tasks.seed", "--output", BACKFILL_RAW, "--end-date", "2026-11-21",
+    end = BACKFILL_TO + dt.timedelta(days=6)
+    proc = run_module("tasks.seed", "--output", BACKFILL_RAW, "--end-date", end.isoformat(),
                       "--heldout-output", f"{BACKFILL_RAW}-heldout", "--set", "days=14", "--set", "max_documents=2700")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -275,7 +286,8 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
     # writes in one SAVEPOINT, and a scheduler commit in between makes its snapshot stale
     # (SQLITE_BUSY_SNAPSHOT, raised at once). Airflow removes the half-made backfill on that error
     # so that it can be rerun, as docs/operations.md tells users; PostgreSQL does not fail so.
-    airflow_cli("backfill", "create", "--dag-id", DAG_ID, "--from-date", BACKFILL_FROM, "--to-date", BACKFILL_TO,
+    airflow_cli("backfill", "create", "--dag-id", DAG_ID, "--from-date", BACKFILL_FROM.isoformat(),
+                "--to-date", BACKFILL_TO.isoformat(),
                 "--dag-run-conf", json.dumps({**CONF, "raw_data_uri": BACKFILL_RAW, "skip_deploy": True}),
                 attempts=3)
     airflow_cli("dags", "unpause", DAG_ID)
@@ -327,7 +339,10 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
     runs = wait_for("the five runs to finish", finished, timeout_s=1200, every_s=5)
     backfill = sorted((r for r in runs if r["run_type"] == "backfill"), key=lambda r: r["logical_date"])
     manual = [r for r in runs if r["run_type"] == "manual"]
-    assert [r["logical_date"][:10] for r in backfill] == ["2026-11-08", "2026-11-15"]
+    assert [r["logical_date"][:10] for r in backfill] == [BACKFILL_FROM.isoformat(), BACKFILL_TO.isoformat()]
+    # and no run of the newest tick beside them (the scheduler's, on unpausing: the backfill holds it)
+    assert not [r for r in airflow_api.call("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=100")["dag_runs"]
+                if r["run_type"] == "scheduled"], "the scheduler made a run of the newest tick"
     assert len(manual) == 3 and from_the_form in {r["dag_run_id"] for r in manual}
     assert sum(r["logical_date"] is None for r in manual) == 2
     from_the_cli = next(r for r in manual if r["conf"].get("end_date") == CLI_END)
@@ -339,7 +354,8 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
 
     # the backfill's interval with no raw data, and the CLI's and the form's weeks without any:
     # each fails its first task once (bad input is not retried), one line naming the window
-    check_failed_at_snapshot(airflow_api, backfill[0], "2026-11-01..2026-11-07")
+    check_failed_at_snapshot(airflow_api, backfill[0], f"{BACKFILL_FROM - dt.timedelta(days=7)}.."
+                                                       f"{BACKFILL_FROM - dt.timedelta(days=1)}")
     check_failed_at_snapshot(airflow_api, from_the_cli, CLI_WINDOW)
     check_failed_at_snapshot(airflow_api, form, FORM_WINDOW)
 
