@@ -240,25 +240,33 @@ def check_opset(opset: int) -> None:
         raise ValueError(f"opset {opset}: the graphs are written for opset {MIN_OPSET} or later")
 
 
+def counted(g: GraphBuilder, tensor: str, axis: int, name: str) -> tuple[str, str]:
+    """Dimension ``axis`` of ``tensor`` (a 1-element tensor) and the positions 0 .. it - 1."""
+    count = g.shape_part(tensor, axis, f"{name}_count")
+    scalar = g.one("Squeeze", [count, g.const([0])], f"{name}_scalar")
+    return count, g.one("Range", [g.const(0), scalar, g.const(1)], f"{name}_steps")
+
+
+def rope_weights(g: GraphBuilder, model: GPT) -> list[tuple[str, str]]:
+    """The rotary tables (context, head_dim / 2) as initializers: (kind, name) for cos and sin."""
+    return [(kind, g.weight(f"rope_{kind}", table.numpy())) for kind, table in zip(("cos", "sin"),
+                                                                                 rope_tables(model.config), strict=True)]
+
+
 @torch.no_grad()
 def build_logits(model: GPT, opset: int) -> onnx.ModelProto:
     """``model.onnx`` (see the module docstring)."""
     check_opset(opset)
-    c = model.config
     g = GraphBuilder()
-    cos, sin = rope_tables(c)
-    new = g.shape_part("input_ids", 1, "new_count")
-    steps = g.one("Range", [g.const(0), g.one("Squeeze", [new, g.const([0])], "new_scalar"), g.const(1)], "steps")
-    tables = []
-    for kind, table in (("cos", cos), ("sin", sin)):  # positions 0 .. new - 1: (new, head_dim / 2)
-        tables.append(g.one("Slice", [g.weight(f"rope_{kind}", table.numpy()), g.const([0]), new, g.const([0])],
-                            f"rope_{kind}_positions"))
+    new, steps = counted(g, "input_ids", 1, "new")
+    tables = [g.one("Slice", [table, g.const([0]), new, g.const([0])], f"rope_{kind}_positions")
+              for kind, table in rope_weights(g, model)]  # positions 0 .. new - 1: (new, head_dim / 2)
     at = Positions((tables[0], tables[1]), (tables[0], tables[1]), additive(g, causal(g, steps), "mask"))
     x, _, _ = blocks(g, model, at, None)
     logits = last_logits(g, model, x, new)
     g.op("ArgMax", [logits], "next_token", axis=-1, keepdims=1)
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", c.vocab_size]),
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", model.config.vocab_size]),
                helper.make_tensor_value_info("next_token", TensorProto.INT64, ["batch", 1])]
     return g.model("next_token", inputs, outputs, {"": opset})
 
@@ -269,17 +277,13 @@ def build_decoder(model: GPT, opset: int) -> onnx.ModelProto:
     check_opset(opset)
     c = model.config
     g = GraphBuilder()
-    cos, sin = rope_tables(c)
-    batch, new = g.shape_part("input_ids", 0, "batch_count"), g.shape_part("input_ids", 1, "new_count")
-    past = g.shape_part("past_keys", 3, "past_count")
-    steps = g.one("Range", [g.const(0), g.one("Squeeze", [new, g.const([0])], "new_scalar"), g.const(1)], "steps")
-    past_steps = g.one("Range", [g.const(0), g.one("Squeeze", [past, g.const([0])], "past_scalar"), g.const(1)],
-                       "past_steps")
+    batch = g.shape_part("input_ids", 0, "batch_count")
+    (new, steps), (past, past_steps) = counted(g, "input_ids", 1, "new"), counted(g, "past_keys", 3, "past")
     lengths = g.one("Unsqueeze", ["past_lengths", g.const([1])], "lengths_column")  # (batch, 1)
     positions = g.one("Add", [lengths, g.one("Unsqueeze", [steps, g.const([0])], "steps_row0")], "positions")
     queries, keys = [], []
-    for kind, table in (("cos", cos), ("sin", sin)):  # each row's positions: (batch, new, head_dim / 2)
-        rows = g.one("Gather", [g.weight(f"rope_{kind}", table.numpy()), positions], f"rope_{kind}_positions", axis=0)
+    for kind, table in rope_weights(g, model):  # each row's positions: (batch, new, head_dim / 2)
+        rows = g.one("Gather", [table, positions], f"rope_{kind}_positions", axis=0)
         keys.append(g.one("Unsqueeze", [rows, g.const([1])], f"rope_{kind}_keys"))
         queries.append(g.one("Unsqueeze", [rows, g.const([1, 2])], f"rope_{kind}_queries"))
     # what each new position sees: its row's past (the first past_lengths slots), then the new
