@@ -84,6 +84,7 @@ class Registry:
             self.git("config", "user.email", "llm-pipeline@localhost")
             self.dvc("init", "-q")
             self.dvc("config", "core.autostage", "true")
+            self.dvc("config", "core.analytics", "false")  # whoever runs DVC in this registry (tasks/__init__.py)
             self.dvc("remote", "add", "-d", "store", self.remote_url)
             self.git("add", "-A")
             self.git("commit", "-q", "-m", "Initialize the data registry")
