@@ -27,7 +27,7 @@ from typing import cast
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from tasks.lib import onnx_graphs
 from tasks.lib.model import GPT, Block, SwiGLU, rope_tables
@@ -70,8 +70,7 @@ def build(model: GPT, half: bool = False) -> onnx.ModelProto:
         mlp = cast(SwiGLU, block.mlp)
         h = g.rms_norm(x, block.norm1, f"{p}.norm1")
         qkv = g.linear(h, block.attn.qkv, f"{p}.qkv")
-        g.initializers.append(numpy_helper.from_array(np.array([c.q_dim, c.kv_dim, c.kv_dim], np.int64), f"{p}.split"))
-        q, k, v = g.op("Split", [qkv, f"{p}.split"], f"{p}.qkv_split", outputs=3, axis=-1)
+        q, k, v = g.op("Split", [qkv, g.const([c.q_dim, c.kv_dim, c.kv_dim])], f"{p}.qkv_split", outputs=3, axis=-1)
         attended = g.op("GroupQueryAttention", [q, k, v, f"past_key_{i}", f"past_value_{i}", "seqlens_k",
                                                 "total_sequence_length", "rope_cos", "rope_sin"],
                         f"{p}.attention", [f"{p}.attended", f"present_key_{i}", f"present_value_{i}"],
@@ -112,11 +111,11 @@ def last_positions(g: GraphBuilder) -> str:
     least its new tokens), and ``seqlens_k`` for a row of a batch of first prompts right-padded
     to the longest (whose positions start at 0): several prompts prefilled in one run."""
     new = g.op("Shape", ["input_ids"], "new_count", start=1, end=2)[0]  # (1,)
-    g.initializers.append(numpy_helper.from_array(np.array([1], np.int64), "one"))
-    newest = g.op("Sub", [new, "one"], "newest_position")[0]
+    one = g.const([1])
+    newest = g.op("Sub", [new, one], "newest_position")[0]
     lengths = g.op("Cast", ["seqlens_k"], "seqlens_k_int64", to=TensorProto.INT64)[0]
     row_last = g.op("Min", [lengths, newest], "row_last")[0]  # (batch,)
-    return g.op("Unsqueeze", [row_last, "one"], "row_last_index")[0]  # (batch, 1)
+    return g.op("Unsqueeze", [row_last, one], "row_last_index")[0]  # (batch, 1)
 
 
 def export(model: GPT, path: Path, half: bool = False) -> None:

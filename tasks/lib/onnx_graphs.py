@@ -34,9 +34,7 @@ from tasks.config.serving import MIN_OPSET
 from tasks.lib.model import GPT, Block, GeluMLP, SwiGLU, rope_tables
 
 IR_VERSION = 10  # what ONNX Runtime 1.31 reads (onnx 1.19 writes 11)
-LOGITS_INPUTS, LOGITS_OUTPUTS = ("input_ids",), ("logits", "next_token")
-DECODER_INPUTS = ("input_ids", "past_keys", "past_values", "past_lengths")
-DECODER_OUTPUTS = ("logits", "present_keys", "present_values")
+LOGITS_OUTPUTS = ("logits", "next_token")  # decoder.onnx's names are the engine's (KVDecoder.INPUTS, OUTPUTS)
 
 
 class GraphBuilder:

@@ -18,6 +18,7 @@ import torch
 from tasks.export import NextToken
 from tasks.lib import onnx_graphs
 from tasks.lib.model import GPT, GPTConfig
+from tasks.serving.triton_models.llm_generate.engine import KVDecoder
 
 VOCAB, CONTEXT = 300, 48
 SHAPES: dict[str, dict[str, Any]] = {
@@ -78,9 +79,9 @@ def test_the_decoder_graph_gives_forward_cacheds_logits_keys_and_values(tmp_path
         past_lengths = torch.tensor(lengths)
         with torch.no_grad():
             expected = [t.numpy() for t in model.forward_cached(ids, keys, values, past_lengths)]
-        got = graph.run(None, {"input_ids": ids.numpy(), "past_keys": keys.numpy(), "past_values": values.numpy(),
-                               "past_lengths": past_lengths.numpy()})
-        for name, ours, theirs in zip(onnx_graphs.DECODER_OUTPUTS, got, expected, strict=True):
+        feed = dict(zip(KVDecoder.INPUTS, (ids.numpy(), keys.numpy(), values.numpy(), past_lengths.numpy()), strict=True))
+        got = graph.run(list(KVDecoder.OUTPUTS), feed)
+        for name, ours, theirs in zip(KVDecoder.OUTPUTS, got, expected, strict=True):
             assert ours.shape == theirs.shape and np.abs(ours - theirs).max() < TOLERANCE, (name, lengths, new)
 
 
