@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers import REPO_ROOT, SEED_URI, mlflow_rest, run_module
+from metadata_db import LOCK_WAIT_S
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +79,9 @@ class AirflowApi:
             headers={"Content-Type": "application/json",
                      **({"Authorization": f"Bearer {self.token}"} if auth else {})},
         )
-        with urllib.request.urlopen(request, timeout=30) as resp:
+        # longer than the api-server's own wait for SQLite's write lock (plugins/metadata_db.py):
+        # a trigger queued behind the scheduler's commits is answered, not cut off by the client
+        with urllib.request.urlopen(request, timeout=2 * LOCK_WAIT_S) as resp:
             return json.loads(resp.read() or b"null")
 
 
