@@ -83,12 +83,15 @@ help:
 # in parallel, ~35 s for the runtime's 250 packages where pip took 3-5 min. uv reads no pip.conf:
 # a package mirror is UV_DEFAULT_INDEX (or PIP_INDEX_URL, passed on below). torch alone comes
 # through pip, from its own index or a wheel folder in pip's configuration (find-links), which
-# uv would not see.
+# uv would not see. uv compiles each module's bytecode as it installs (pip does that by default,
+# uv does not): where PYTHONDONTWRITEBYTECODE is set, as on CI machines, nothing else ever writes
+# it, and every step process compiled transformers, sympy, lm-eval... from source at each start
+# (python -m tasks.train --help: 6.7 CPU-s without, 3.1 with).
 UV_VERSION := 0.13.8
 ifdef PIP_INDEX_URL
 export UV_DEFAULT_INDEX ?= $(PIP_INDEX_URL)
 endif
-uv = $(1)/bin/uv pip install -q --python $(1)/bin/python
+uv = $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python
 
 # Runtime environment: what the step images hold. deepspeed builds against the installed torch,
 # so it comes after the lock file, with its ops left to JIT (no CUDA here).
