@@ -39,7 +39,7 @@ STACK_ENV = set -a && source .stack/stack.env && set +a
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (launcher.mode local by default: steps as processes)"
 	@echo "make test       set up and run the whole test suite (make test-fast first)"
-	@echo "make test-fast  the tests that start no server and no torchrun (~3 min on 2 cores)"
+	@echo "make test-fast  the tests that start no server and no torchrun (~2 min on 2 cores)"
 	@echo "make replay VERSION=N     rebuild a registered version from its lineage, compare the weights"
 	@echo "make drift [TRAFFIC=normal]   demo traffic through the router, then the drift check (llm_drift)"
 	@echo "make report     the newest run's summary (report.json, report.html: paths printed)"
