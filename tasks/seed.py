@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import datetime as dt
 import hashlib
 import json
@@ -32,6 +33,7 @@ from tasks.lib.step import Progress, log, run_step, step_parser
 from tasks.results import SeedResult
 
 MIN_DOC_CHARS = 80
+STATEMENT_HOLDERS = (ast.stmt, ast.excepthandler, ast.match_case)
 HELDOUT_FILE = "eval.jsonl"
 
 
@@ -48,6 +50,21 @@ def python_files(root: Path) -> Iterator[Path]:
         yield path
 
 
+def statements(tree: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of ``tree`` that can hold a definition, in ``ast.walk``'s order (breadth first,
+    children in field order): a class or function is a statement, and statements are found only
+    in the statement lists of statements, exception handlers and match cases, so the expressions
+    (most of a tree's nodes) need not be visited. The corpus's order stays ``ast.walk``'s."""
+    queue = collections.deque([tree])
+    while queue:
+        node = queue.popleft()
+        yield node
+        for field in node._fields:
+            value = getattr(node, field, None)
+            if isinstance(value, list):
+                queue.extend(child for child in value if isinstance(child, STATEMENT_HOLDERS))
+
+
 def docstrings(path: Path, root: Path) -> Iterator[tuple[str, str]]:
     """(qualified name, docstring) of a module and its classes and functions."""
     try:
@@ -56,7 +73,7 @@ def docstrings(path: Path, root: Path) -> Iterator[tuple[str, str]]:
         return
     module = ".".join(path.relative_to(root).with_suffix("").parts)
     nodes: list[tuple[str, ast.AST]] = [(module, tree)]
-    for node in ast.walk(tree):
+    for node in statements(tree):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             nodes.append((f"{module}.{node.name}", node))
     for name, node in nodes:
