@@ -44,6 +44,7 @@ SOURCE = textwrap.dedent('''
     def last():
         """At the top, after the others."""
 ''')
+DEFINED = {"InIf", "method", "inner", "in_try", "in_handler", "in_finally", "in_case", "Deep", "last"}
 
 
 def test_statements_find_every_definition_in_ast_walks_order() -> None:
@@ -53,8 +54,7 @@ def test_statements_find_every_definition_in_ast_walks_order() -> None:
     kinds = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     walked = [node.name for node in ast.walk(tree) if isinstance(node, kinds)]
     assert [node.name for node in seed.statements(tree) if isinstance(node, kinds)] == walked
-    assert sorted(walked) == sorted(["InIf", "method", "inner", "in_try", "in_handler", "in_finally", "in_case",
-                                     "Deep", "last"])
+    assert sorted(walked) == sorted(DEFINED)
     assert not any(isinstance(node, ast.expr) for node in seed.statements(tree))
 
 
@@ -65,6 +65,5 @@ def test_docstrings_name_each_definition_by_module(tmp_path: Path) -> None:
     (package / "broken.py").write_text("def (:\n")
     names = [name for name, _ in seed.docstrings(package / "mod.py", tmp_path)]
     assert names[0] == "pkg.mod" and len(names) == 10
-    assert {name.removeprefix("pkg.mod.") for name in names[1:]} == {
-        "InIf", "method", "inner", "in_try", "in_handler", "in_finally", "in_case", "Deep", "last"}
+    assert {name.removeprefix("pkg.mod.") for name in names[1:]} == DEFINED
     assert list(seed.docstrings(package / "broken.py", tmp_path)) == []
