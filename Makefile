@@ -34,7 +34,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
 
-.PHONY: help env test-env up down status pipeline retrain replay drift report import predict repro test test-fast config-docs lint benchmark clean
+.PHONY: help env test-env up down status pipeline retrain replay drift drift-loop report import predict repro test test-fast config-docs lint benchmark clean
 
 help:
 	@echo "make pipeline   set up and run the retrain DAG end to end (launcher.mode local by default: steps as processes)"
@@ -42,6 +42,7 @@ help:
 	@echo "make test-fast  the tests that start no server and no torchrun (~2 min on 2 cores)"
 	@echo "make replay VERSION=N     rebuild a registered version from its lineage, compare the weights"
 	@echo "make drift [TRAFFIC=normal]   demo traffic through the router, then the drift check (llm_drift)"
+	@echo "make drift-loop  make drift, new data of the drifted domain, a retrain answering it, the check again"
 	@echo "make report     the newest run's summary (report.json, report.html: paths printed)"
 	@echo "                LINE=<name>: retrain, replay, report and import act on that model line (docs/lines.md)"
 	@echo "make import SOURCE=...    a corpus (JSON Lines, Parquet, CSV, text files, datasets) into the raw partitions"
@@ -234,6 +235,15 @@ drift: env .airflow/airflow.db
 	$(STACK_ENV) && $(RT_PY) -m stack traffic $(TRAFFIC) --count 200
 	@$(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_drift > .stack/drift.log 2>&1 || { tail -20 .stack/drift.log; exit 1; }; } && \
 	  echo && LOG_LEVEL=WARNING $(RT_PY) -m tasks.drift show
+
+# The drift loop, closed: `make drift` (drifted traffic -> the drift check), then new raw days
+# partly in the drifted domain (stack/drift_loop.py), a retrain answering that check (its
+# drift_report Param: canary, promotion), and the same check again on the same traffic with the
+# promoted version (the run's drift_recheck): the run report shows each bound before and after
+drift-loop: drift
+	@$(STACK_ENV) && conf=$$($(RT_PY) -m stack drift-data) && echo "llm_retrain run: $$conf" && \
+	  { $(ORCH)/bin/airflow dags test llm_retrain -c "$$conf"; status=$$?; } && \
+	  echo && $(MAKE) --no-print-directory report && exit $$status
 
 # The newest run's summary (what it trained, how good, what serves, how to query it).
 report:

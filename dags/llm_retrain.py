@@ -2,6 +2,8 @@
 -> export -> deploy (a canary on Triton behind the router: promoted to champion, or rolled back;
 with the approval Param, or where params.yaml requires it, it holds for a person: approve_rollout,
 then deploy_finish)
+-> drift_recheck (a run the drift check started: that check again on its window with the promoted
+version, before and after; any other run skips it)
 -> report (a teardown: the run report, whatever happened before it).
 
 This file only wires steps. Each step is ``python -m tasks.<step>`` run by the launcher in
@@ -15,7 +17,7 @@ import datetime as dt
 from typing import Any
 
 from airflow.providers.standard.operators.python import ShortCircuitOperator
-from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param
+from airflow.sdk import DAG, AssetOrTimeSchedule, CronTriggerTimetable, Param, TriggerRule
 from alerts import on_run_failure, step_defaults
 from approval import RolloutApproval
 
@@ -156,10 +158,13 @@ def reported_xcoms(option: str, key: str, steps: list[Any]) -> list[str]:
 # the drift check that started this run, if one did: the extra of the newest raw data Asset event
 # llm_drift emitted (its report, reasons, run) among the events the run consumed, as JSON; {} for
 # a run something else started
-DRIFT_TRIGGER = ("{% set found = namespace(extra={}, at=none) %}{% for events in triggering_asset_events.values() %}"
+# a run started by hand for a drift check (its drift_report Param: make drift-loop) gets {"drift_report": URI}
+DRIFT_TRIGGER = ("{% if params.drift_report %}{{ {'drift_report': params.drift_report} | tojson }}{% else %}"
+                 "{% set found = namespace(extra={}, at=none) %}{% for events in triggering_asset_events.values() %}"
                  "{% for event in events %}{% if (event.extra or {}).get('drift_report') and "
                  "(found.at is none or event.timestamp > found.at) %}{% set found.extra = event.extra %}"
-                 "{% set found.at = event.timestamp %}{% endif %}{% endfor %}{% endfor %}{{ found.extra | tojson }}")
+                 "{% set found.at = event.timestamp %}{% endif %}{% endfor %}{% endfor %}{{ found.extra | tojson }}"
+                 "{% endif %}")
 # names this DAG run's MLflow run and registered version (retries find them by it)
 MLFLOW_RUN_TAG = "{{ dag.dag_id }}/{{ run_id }}"
 
@@ -201,6 +206,13 @@ def retrain_dag(line: str, params: Settings) -> DAG:
                 None, type=["null", "string"], title="Tokenizer",
                 description="Use this tokenizer.json; empty: the base's, the production model's, or train one on "
                             "first run.",
+            ),
+            "drift_report": Param(
+                None, type=["null", "string"], title="Drift report",
+                description="The drift check (its report.html URI) this run answers, as if that check had started "
+                            "it: the window must hold data newer than the champion's, and the check runs again "
+                            "on its window once a version is promoted. Empty: the Asset event that started the "
+                            "run, if the drift check emitted it.",
             ),
         },
         doc_md=__doc__,
@@ -351,6 +363,15 @@ def retrain_dag(line: str, params: Settings) -> DAG:
         # ran) is rolled back, not left at its weight. No setup: a skipped deploy must not skip it.
         release = step("release_hold", "tasks.deploy", ["release", "--held", run_output_uri("deploy")])
 
+        # a run the drift check started: that check again, on its window, with the version this run
+        # promoted (did the loop close?); any other run, or none promoted: skipped (exit 99)
+        recheck = step(
+            "drift_recheck",
+            "tasks.drift",
+            ["recheck", "--trigger", DRIFT_TRIGGER, "--output", run_output_uri("drift_recheck")],
+            trigger_rule=TriggerRule.ALL_DONE,  # after the rollout, however it ended
+        )
+
         # the run report: a teardown runs whatever happened upstream and leaves the run's state to
         # the steps (a failed deploy still fails the run)
         reported = [dag.get_task(task_id) for task_id in REPORTED_STEPS]
@@ -378,7 +399,7 @@ def retrain_dag(line: str, params: Settings) -> DAG:
         validate >> tokenizer  # nothing is tokenized before the snapshot passed validation
         export >> deploy_gate >> deploy  # skip_deploy: the export is kept, the canary is not run
         deploy >> approval_gate >> approve  # (approve's body reads deploy's and evaluate's results)
-        finish >> release.as_teardown() >> report
+        finish >> release.as_teardown() >> recheck >> report
         report.as_teardown()  # after everything it reads, whatever happened to it
     return dag
 

@@ -8,6 +8,8 @@
     python -m stack env      ``export`` lines for a shell: endpoints and generated keys
     python -m stack predict "PROMPT"   a completion from the serving model, through the router
     python -m stack retrain-conf   `make retrain`'s run configuration (JSON) from BASE, EVAL_SET, END_DATE, LOOKBACK
+    python -m stack drift-data     `make drift-loop`'s: land new raw days partly in the drifted domain,
+                                   print the retrain's run configuration (JSON; stack/drift_loop.py)
     python -m stack traffic normal|drifted [--count N]   demo traffic through the router, then the
                                        capture flushed (stack/traffic.py; what the drift check reads)
     python -m stack compose-init   docker-compose.yaml's set-up (buckets, router config, pools), in its container
@@ -136,7 +138,8 @@ def write_compose_s3_identities(folder: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "traffic", "retrain-conf", "compose-init",
+    parser.add_argument("command", choices=["up", "down", "status", "env", "predict", "traffic", "retrain-conf", "drift-data",
+                                            "compose-init",
                                             "reconcile-serving", "mlflow-users", "metrics-auth", "s3-identities"])
     parser.add_argument("prompt", nargs="?", default="",
                         help="with `predict`: the text to continue; with `traffic`: normal or drifted; with "
@@ -162,6 +165,10 @@ def main() -> int:
         return 0 if sent["ok"] and not sent["failed"] else 1
     if args.command == "retrain-conf":
         return retrain_conf()
+    if args.command == "drift-data":
+        from stack import drift_loop
+
+        return drift_loop.main()
     if args.command == "compose-init":
         init_compose_stack()
         return 0

@@ -22,8 +22,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-CYRILLIC = dict(zip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
-                    "абцдефгхийклмнопярстуввхызАБЦДЕФГХИЙКЛМНОПЯРСТУВВХЫЗ", strict=True))
+from tasks.seed import transliterate
+
 KINDS = ("normal", "drifted")
 CLIENTS = 6  # source addresses the demo traffic comes from: more than drift.min_clients (3) + the 2 it discounts
 
@@ -39,7 +39,7 @@ def prompts(documents: list[str], kind: str, count: int, seed: int = 0) -> list[
     for text in rng.choices(texts, k=count):  # the text as written, line breaks and all, to the k-th word's end
         ends = [m.end() for m in re.finditer(r"\S+", text)]
         chosen.append(text[:ends[rng.randint(fewest, min(most, len(ends))) - 1]])
-    return chosen if kind == "normal" else ["".join(CYRILLIC.get(c, c) for c in p) for p in chosen]
+    return chosen if kind == "normal" else [transliterate(p) for p in chosen]
 
 
 def sources(url: str, clients: int) -> list[str]:

@@ -47,7 +47,7 @@ ERROR_XCOM_KEY = "error"
 REPLAY_DAG = "llm_replay"
 # the retrain DAG's tasks whose results the run report gathers (tasks.report's --result options)
 REPORTED_STEPS = ("snapshot", "validate", "tokenizer", "tokenize_merge", "train", "evaluate", "register", "export",
-                  "deploy", "deploy_finish")
+                  "deploy", "deploy_finish", "drift_recheck")
 
 # What a person can answer to a rollout held for approval (the DAG's human-in-the-loop task offers
 # them; ``tasks.deploy finish`` carries the answer out). The first is what a timeout chooses.

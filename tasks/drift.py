@@ -31,12 +31,20 @@
              day is over: the served traffic Asset's event (llm_ingest). A day without traffic:
              exit 99, nothing marked, no event.
     show     the newest check's verdict, figures and report (``make drift`` ends with it).
+    recheck  the check that started a retrain (``--trigger``: its Asset event's extra, or the run's
+             ``drift_report`` Param), again on the same window once the retrain promoted its
+             version: each bound before and after, and whether the loop closed (every bound held);
+             a bound still crossed says why (a vocabulary that did not grow keeps byte fallback
+             where it was). The retrain DAG's ``drift_recheck`` task; its report.json/html beside
+             the run's other outputs, the run report quotes it. Not started by a drift check, or
+             no version promoted: exit 99.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import datetime as dt
 import html
 import io
@@ -55,7 +63,16 @@ from tasks.lib import metrics, storage, tokens
 from tasks.lib.errors import GateRejected, StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
-from tasks.results import DriftCheck, DriftClients, DriftClosed, DriftShown, DriftWindow, TopClient
+from tasks.results import (
+    DriftCheck,
+    DriftClients,
+    DriftClosed,
+    DriftRecheck,
+    DriftShown,
+    DriftWindow,
+    LoopBound,
+    TopClient,
+)
 
 DRIFT, NO_DRIFT, NO_VERDICT = "drift", "no drift", "no verdict"
 FEW_CLIENTS = "drift from too few clients"  # bounds crossed, but by the prompts of fewer than min_clients clients
@@ -72,6 +89,7 @@ FIGURE_HELP = {
     "llm_drift_detected": "1 when the last drift check found drift (from at least drift.min_clients clients)",
     "llm_drift_too_few_clients": "1 when the last drift check saw bounds crossed by the prompts of fewer than drift.min_clients clients",
     "llm_drift_retrain_requested": "1 when the last drift check started a retrain",
+    "llm_drift_loop_closed": "1 when the drift check, run again after the retrain it started, found every bound held",
 }
 
 
@@ -528,6 +546,8 @@ def retrain_wanted(settings: DriftSettings, champion: str, now: dt.datetime,
 
 def heading(report: dict[str, Any]) -> str:
     """What happened, in a line (the report's title)."""
+    if report.get("loop"):
+        return str(report["loop"]["heading"])
     bounds = report.get("bounds") or []
     count = sum(b["crossed"] for b in bounds)
     clients = report.get("clients") or {}
@@ -597,6 +617,16 @@ def render_html(report: dict[str, Any], png: str | None) -> str:
                "<table><tr><th>client</th><th>prompts</th><th>of the window's</th><th>share of the drift</th></tr>"
                f"{rows_top}</table>")
     image = f'<img alt="tokens and lengths" src="data:image/png;base64,{png}">' if png else ""
+    loop = report.get("loop")
+    if loop:  # a recheck: the bounds before and after the retrain, and what started it
+        rows_loop = "".join(f"<tr><td>{html.escape(b['bound'])}</td><td>{html.escape(b['figure'])}</td>{cell(b['before'])}"
+                            f"{cell(b['after'])}{cell(b['limit'])}<td><b>{'crossed' if b['crossed_after'] else 'held'}</b>"
+                            f"</td><td>{html.escape(b['why'])}</td></tr>" for b in loop["bounds"])
+        bounds = (f"<h2>Before and after the retrain</h2><p>The drift check <code>{html.escape(loop['started_by'])}"
+                  f"</code> found {html.escape(loop['verdict_before'])} with v{html.escape(str(loop['champion_before']))}"
+                  f"; the same window again with v{html.escape(str(report.get('champion')))}:</p><table><tr><th>bound"
+                  f"</th><th>figure</th><th>before</th><th>after</th><th>limit</th><th>now</th><th>why still crossed"
+                  f"</th></tr>{rows_loop}</table>") + bounds
     return (f"<!doctype html><meta charset='utf-8'><title>drift check {html.escape(report['window']['end'])}</title>"
             "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 10px;text-align:left}</style>"
             f"<h1>{html.escape(heading(report))}</h1>"
@@ -609,14 +639,12 @@ def render_html(report: dict[str, Any], png: str | None) -> str:
 # -- the sub-commands ---------------------------------------------------------------------------
 
 
-def check(args: argparse.Namespace, settings: Settings) -> DriftCheck:
+def judged(settings: Settings, window: dict[str, Any], served_uri: str) -> tuple[dict[str, Any], str | None]:
+    """The captured prompts of ``window`` (start, end, hours) judged against the champion as it is
+    now: the report (figures, bounds, reasons, clients, verdict; no verdict with its outcome when
+    the window holds too little traffic or there is no champion) and its plots (inline PNG)."""
     drift = settings.drift
-    end = dt.datetime.fromisoformat(args.end) if args.end else dt.datetime.now(dt.UTC)
-    end = end if end.tzinfo else end.replace(tzinfo=dt.UTC)
-    hours = args.window_hours or drift.window_h
-    start = end - dt.timedelta(hours=hours)
-    served_uri = args.served_uri or settings.serve.capture.uri
-    window = {"start": start.isoformat(), "end": end.isoformat(), "hours": hours}
+    start, end = dt.datetime.fromisoformat(window["start"]), dt.datetime.fromisoformat(window["end"])
     captured = window_records(served_uri, start, end)
     texts, asked_by = distinct_prompts(captured)
     base: dict[str, Any] = {"window": window, "served_uri": served_uri, "reasons": [], "bounds": [],
@@ -632,7 +660,7 @@ def check(args: argparse.Namespace, settings: Settings) -> DriftCheck:
                f"{len(texts)} distinct captured prompt(s) in the window, fewer than drift.min_prompts {drift.min_prompts}: "
                "too little traffic to judge")
         log.info("drift check %s..%s: no verdict (%s)", start, end, why)
-        return finish(args, drift, {**base, "verdict": NO_VERDICT, "outcome": why, "champion": champion}, None)
+        return {**base, "verdict": NO_VERDICT, "outcome": why, "champion": champion}, None
 
     rng = random.Random(f"{end.isoformat()}-{champion}")  # the same window, the same samples
     if len(texts) > drift.max_prompts:
@@ -659,8 +687,23 @@ def check(args: argparse.Namespace, settings: Settings) -> DriftCheck:
                       Champion(loaded.model, loaded.model.config.seq_len), drift, rng)
     report = {**base, "figures": {**assessed["figures"], "requests": len(captured)}, "reasons": assessed["reasons"],
               "bounds": assessed["bounds"], "clients": assessed["clients"], "champion": champion,
-              "dataset_uri": dataset_uri, "verdict": assessed["verdict"]}
-    clients = assessed["clients"]
+              "dataset_uri": dataset_uri, "tokenizer_uri": loaded.tokenizer_uri,
+              "vocab_size": tokenizer.get_vocab_size(), "verdict": assessed["verdict"]}
+    traffic = assessed["traffic"]
+    png = plots(traffic.prompts, traffic.lengths, reference, {i: t for t, i in vocab.items()}, vocab_size)
+    return report, png
+
+
+def check(args: argparse.Namespace, settings: Settings) -> DriftCheck:
+    drift = settings.drift
+    end = dt.datetime.fromisoformat(args.end) if args.end else dt.datetime.now(dt.UTC)
+    end = end if end.tzinfo else end.replace(tzinfo=dt.UTC)
+    hours = args.window_hours or drift.window_h
+    window = {"start": (end - dt.timedelta(hours=hours)).isoformat(), "end": end.isoformat(), "hours": hours}
+    report, png = judged(settings, window, args.served_uri or settings.serve.capture.uri)
+    if report["verdict"] == NO_VERDICT:
+        return finish(args, drift, report, None)
+    champion, clients = report["champion"], report["clients"]
     if report["verdict"] == DRIFT:
         wanted, state = retrain_wanted(drift, champion, end, storage.join(args.output, "report.html"))
         report["request_retrain"] = wanted
@@ -674,8 +717,6 @@ def check(args: argparse.Namespace, settings: Settings) -> DriftCheck:
                              f"{drift.min_clients}): no retrain requested")
     else:
         report["outcome"] = "no drift: the traffic reads as the champion's training data"
-    traffic = assessed["traffic"]
-    png = plots(traffic.prompts, traffic.lengths, reference, {i: t for t, i in vocab.items()}, vocab_size)
     return finish(args, drift, report, png)
 
 
@@ -693,13 +734,18 @@ def drift_clients(clients: dict[str, Any]) -> DriftClients | None:
     return DriftClients(**summary, top=None if top is None else tuple(TopClient(**client) for client in top))
 
 
-def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any], png: str | None) -> DriftCheck:
+def write_report(output: str, report: dict[str, Any], png: str | None) -> str:
+    """report.json and report.html under ``output`` (committed together); the HTML's URI."""
     report["written_at"] = dt.datetime.now(dt.UTC).isoformat()
     report["heading"] = heading(report)
-    with storage.staged_output(args.output) as out:
+    with storage.staged_output(output) as out:
         (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
         (out / "report.html").write_text(render_html(report, png), encoding="utf-8")
-    report_uri = storage.join(args.output, "report.html")
+    return storage.join(output, "report.html")
+
+
+def finish(args: argparse.Namespace, drift: DriftSettings, report: dict[str, Any], png: str | None) -> DriftCheck:
+    report_uri = write_report(args.output, report, png)
     # recorded before the DAG updates the Asset: the next check finds it; this one's retry is not held by it
     if report["request_retrain"]:
         storage.write_bytes(drift.state_uri, json.dumps({
@@ -766,12 +812,119 @@ def show(args: argparse.Namespace, settings: Settings) -> DriftShown:
     return DriftShown(verdict=report["verdict"], request_retrain=report["request_retrain"])
 
 
-def main(args: argparse.Namespace) -> DriftCheck | DriftClosed | DriftShown:
+# -- after the retrain the drift started: the same window again ---------------------------------
+
+# each bound's figure, and why a retrain can leave it crossed (the run report and the recheck's)
+LOOP_FIGURES = (("token distribution", "js_excess_bits"), ("byte fallback", "byte_fallback_excess"),
+                ("surprise", "perplexity_ratio"))
+STILL_CROSSED = {
+    "token distribution": "the traffic's tokens still differ from the new training data's (the drifted domain "
+                          "is one part of its mix, and the reference is that mix)",
+    "byte fallback": "the vocabulary did not grow (a retrain keeps its champion's tokenizer): characters it never "
+                     "merged still split into single bytes",
+    "surprise": "the new champion is still surprised by the traffic: too little of the drifted domain in its data, "
+                "or too few steps on it",
+}
+
+
+def started_by(trigger: str) -> dict[str, Any]:
+    """The drift check that started a retrain, from the run's ``--trigger`` (its raw data Asset
+    event's extra, or ``{"drift_report": URI}`` from the run's Param): the event's fields, with
+    the champion, reasons and clients completed from that check's report.json. {}: a run
+    something else started. A report that is not a drift check's, or found no drift: bad input."""
+    try:
+        found = json.loads(trigger or "{}")
+    except json.JSONDecodeError as exc:
+        raise StepError(f"--trigger: invalid JSON ({exc.msg})") from None
+    if not isinstance(found, dict) or not found.get("drift_report"):
+        return {}
+    report = storage.sibling(str(found["drift_report"]), "report.json")
+    if not storage.exists(report):
+        raise StepError(f"--trigger: {found['drift_report']}: no drift check's report.json beside it")
+    checked = storage.read_json(report)
+    if checked.get("verdict") != DRIFT:
+        raise StepError(f"--trigger: the drift check {found['drift_report']} found {checked.get('verdict')!r}, not "
+                        "drift: there is nothing for a retrain to answer")
+    return {"drift_reasons": checked.get("reasons") or [], "drift_clients": client_summary(checked.get("clients") or {}),
+            "champion": checked.get("champion"), **found}
+
+
+def loop_bounds(before: dict[str, Any], after: dict[str, Any], settings: DriftSettings) -> list[LoopBound]:
+    """Each bound on the same window with the champion that drift was found with and the one the
+    retrain promoted; a bound still crossed says why (a vocabulary that did not grow: the same
+    tokenizer before and after)."""
+    limit = {row["figure"]: row["limit"] for row in bounds_table(after["figures"], settings)}
+    was, now = set(crossed(before["figures"], settings)), set(crossed(after["figures"], settings))
+    grown = before.get("tokenizer_uri") not in (None, after.get("tokenizer_uri"))
+    why = {**STILL_CROSSED, "byte fallback": "characters the grown vocabulary still lacks split into single bytes"} \
+        if grown else STILL_CROSSED
+    return [LoopBound(bound=name, figure=key, before=float(before["figures"][key]), after=float(after["figures"][key]),
+                      limit=float(limit[key]), crossed_before=name in was, crossed_after=name in now,
+                      why=why[name] if name in now else "")
+            for name, key in LOOP_FIGURES]
+
+
+def moved(bound: LoopBound) -> str:
+    """A bound's figure before -> after, in its units, and where it stands."""
+    def value(x: float) -> str:
+        return {"js_excess_bits": f"{x:+.3f} bits", "byte_fallback_excess": f"{100 * x:+.1f} points",
+                "perplexity_ratio": f"{x:.1f}x" if x >= 1 else f"{x:.2g}x"}[bound.figure]  # 0.028x, not 0.0x
+    state = "crossed" if bound.crossed_after else "held"
+    return f"{bound.bound} {value(bound.before)} -> {value(bound.after)} ({state}, bound {value(bound.limit)})"
+
+
+def loop_heading(bounds: list[LoopBound], before: str, after: str) -> str:
+    still = [b.bound for b in bounds if b.crossed_after]
+    was = sum(b.crossed_before for b in bounds)
+    if not still:
+        return (f"Drift loop closed: all {len(bounds)} bounds held on the same traffic with v{after} "
+                f"(v{before}: {was} crossed)")
+    return (f"Drift loop not closed: {', '.join(still)} still crossed with v{after} on the same traffic "
+            f"(v{before}: {was} crossed)")
+
+
+def recheck(args: argparse.Namespace, settings: Settings) -> DriftRecheck:
+    """The drift check that started this run, again on its window, with the champion the run
+    promoted: did the loop close? Not started by a drift check, or the champion is still the
+    one the drift was found with (the retrain was rejected or rolled back): exit 99."""
+    trigger = started_by(args.trigger)
+    if not trigger:
+        raise GateRejected("this run was not started by the drift check: nothing to check again",
+                           DriftRecheck(closed=None, heading="not started by the drift check", started_by=""))
+    source = str(trigger["drift_report"])
+    before = storage.read_json(storage.sibling(source, "report.json"))
+    from tasks.lib.registry import CHAMPION, alias_version
+
+    champion = alias_version(settings.pipeline.model_name, CHAMPION)
+    if champion is None or champion == str(before["champion"]):
+        why = (f"the champion is still v{champion}, the version the drift was found with: this run promoted no "
+               "version (its outcome says why), and the drift loop stays open")
+        raise GateRejected(why, DriftRecheck(closed=None, heading=why, started_by=source,
+                                             champion_before=str(before["champion"]), champion_after=champion))
+    report, png = judged(settings, before["window"], before["served_uri"])
+    if report["verdict"] == NO_VERDICT:
+        raise StepError(f"--trigger: the window of {source} can no longer be judged: {report['outcome']}")
+    bounds = loop_bounds(before, report, settings.drift)
+    title = loop_heading(bounds, str(before["champion"]), champion)
+    report.update(request_retrain=False, outcome="; ".join(moved(b) for b in bounds), loop={
+        "heading": title, "closed": not any(b.crossed_after for b in bounds), "started_by": source,
+        "champion_before": before["champion"], "verdict_before": before["verdict"],
+        "bounds": [dataclasses.asdict(b) for b in bounds]})
+    report_uri = write_report(args.output, report, png)
+    closed = report["loop"]["closed"]
+    metrics.push({"line": metrics.line_label(), "dag_id": settings.drift.dag_id},
+                 {"llm_drift_loop_closed": float(closed)}, FIGURE_HELP)
+    log.info("%s: %s; report %s", title, report["outcome"], report_uri)
+    return DriftRecheck(closed=closed, heading=title, started_by=source, champion_before=str(before["champion"]),
+                        champion_after=champion, bounds=tuple(bounds), report_uri=report_uri)
+
+
+def main(args: argparse.Namespace) -> DriftCheck | DriftClosed | DriftShown | DriftRecheck:
     settings = load_settings()
     if args.overrides:
         raise StepError(f"--set {' '.join(args.overrides)}: use the DAG's Params or params.yaml's drift section")
-    commands: dict[str, Callable[[argparse.Namespace, Settings], DriftCheck | DriftClosed | DriftShown]] = {
-        "check": check, "close": close, "show": show}
+    commands: dict[str, Callable[[argparse.Namespace, Settings], DriftCheck | DriftClosed | DriftShown | DriftRecheck]] = {
+        "check": check, "close": close, "show": show, "recheck": recheck}
     return commands[args.command](args, settings)
 
 
@@ -784,6 +937,11 @@ def parser() -> argparse.ArgumentParser:
     checked.add_argument("--served-uri", default="", help="default: serve.capture.uri")
     checked.add_argument("--output", required=True, help="run-scoped output URI (report.json, report.html)")
     sub.add_parser("show", help="the newest drift check's verdict, figures and report")
+    again = sub.add_parser("recheck", help="the drift check that started this retrain, again on its window with "
+                                           "the champion the retrain promoted: did the loop close?")
+    again.add_argument("--trigger", default="", help="JSON: the drift check that started the run (its Asset event's "
+                                                    "extra, or {\"drift_report\": URI}); {}: exit 99")
+    again.add_argument("--output", required=True, help="run-scoped output URI (report.json, report.html)")
     closed = sub.add_parser("close", help="mark a finished day's capture partition complete")
     closed.add_argument("--date", required=True, help="the day (YYYY-MM-DD), over")
     closed.add_argument("--served-uri", default="", help="default: serve.capture.uri")

@@ -27,7 +27,7 @@ from tasks.lib.errors import StepError
 from tasks.lib.params import load_settings
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
-from tasks.results import ReportResult, ReportShown
+from tasks.results import DriftRecheck, ReportResult, ReportShown
 from tasks.serving.canary import Approval, CanaryReport, RolloutSummary
 
 STEPS = REPORTED_STEPS  # the retrain DAG's, in its order
@@ -153,8 +153,10 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
                        "tasks": evaluation.get("tasks"), "samples_uri": evaluation.get("samples_uri")},
         "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
         "canary": {k: rollout.get(k) for k in CANARY_FIELDS},
-        # what started the run when a drift check did (the raw data Asset's event it emitted)
+        # what started the run when a drift check did (the raw data Asset's event it emitted), and
+        # that check again after the rollout (tasks.drift recheck: did the loop close?)
         "trigger": trigger_of(args),
+        "drift_loop": results.get("drift_recheck") or {},
         "serving": {"endpoint": f"{url}/v1", "model": settings.pipeline.model_name,
                     "query": query_command(url, settings.pipeline.model_name),
                     "predict": 'make predict PROMPT="Return the number of"'},
@@ -162,12 +164,23 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
 
 
 def trigger_of(args: argparse.Namespace) -> dict[str, Any]:
-    """The drift check that started this run (``--trigger``: its Asset event's extra), or {}."""
+    """The drift check that started this run (``--trigger``: its Asset event's extra, completed
+    from the check's report where it still is), or {}."""
+    from tasks.drift import started_by
+
     try:
         found = json.loads(getattr(args, "trigger", "") or "{}")
     except json.JSONDecodeError as exc:
         raise StepError(f"--trigger: invalid JSON ({exc.msg})") from None
-    return found if isinstance(found, dict) else {}
+    if not isinstance(found, dict):
+        return {}
+    if not found.get("drift_report") or "drift_reasons" in found:  # an Asset event's extra says it all
+        return found
+    try:  # the drift_report Param's: the report quotes what it can read of that check's report
+        return started_by(json.dumps(found))
+    except Exception as exc:  # noqa: BLE001 (a teardown: the report is written, whatever it cannot read)
+        log.warning("--trigger: the drift check's report could not be read (%s): quoted as given", exc)
+        return found
 
 
 def _fmt(value: Any, spec: str = ".4g") -> str:
@@ -208,6 +221,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if trigger.get("drift_report"):
         lines.append(f"  started by  drift in served traffic ({'; '.join(trigger.get('drift_reasons') or [])}): "
                      f"{trigger['drift_report']} ({trigger.get('drift_run', '')})")
+    lines += drift_loop_lines(report.get("drift_loop") or {})
     if data.get("tag"):
         lines.append(f"  data        {data['tag']}: {data.get('records')} records "
                      f"({data.get('duplicates_removed')} duplicates dropped)")
@@ -249,6 +263,20 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def drift_loop_lines(loop: dict[str, Any]) -> list[str]:
+    """The drift check that started the run, again after its rollout: the heading, each bound
+    before -> after (and why one is still crossed)."""
+    if not loop.get("started_by"):
+        return []
+    from tasks.drift import moved
+
+    recheck = from_json(DriftRecheck, loop)
+    if recheck.closed is None:  # no version promoted: the check was not run again
+        return [f"  drift loop  open: {recheck.heading}"]
+    return [f"  drift loop  {recheck.heading} (report {recheck.report_uri})",
+            *(f"              {moved(b)}" + (f": {b.why}" if b.why else "") for b in recheck.bounds)]
+
+
 def _img(path: Path | None) -> str:
     if path is None or not path.is_file():
         return "<p><em>not available</em></p>"
@@ -282,6 +310,7 @@ def render_html(report: dict[str, Any], lines: list[str], loss_png: Path | None,
              "(artifacts: validation/ holds the Great Expectations Data Docs, report/ this page)</li>"] if mlflow_url else []
     links += [f"<li>{html.escape(k)}: <code>{html.escape(str(v))}</code></li>" for k, v in (
         ("drift report (what started this run)", (report.get("trigger") or {}).get("drift_report")),
+        ("drift report after the rollout (did the loop close?)", (report.get("drift_loop") or {}).get("report_uri")),
         ("validation report", report["validation"].get("report_uri")), ("model", report["training"].get("model_uri")),
         ("canary report", report["canary"].get("report_uri"))) if v]
     states = _table([(t, s) for t, s in report["states"].items()], ("task", "state"))

@@ -27,12 +27,14 @@ from tasks.serving.canary import RolloutSummary
 
 @dataclass(frozen=True)
 class SeedResult:
-    """``tasks.seed``: the raw partitions of a window (written: documents written now, 0 when all existed)."""
+    """``tasks.seed``: the raw partitions of a window (written: documents written now, 0 when all
+    existed; drifted: how many of them in the drifted domain, ``--drifted-share``)."""
 
     output_uri: str
     days: tuple[str, ...]
     heldout_uri: str
     written: int
+    drifted: int = 0
 
 
 @dataclass(frozen=True)
@@ -437,6 +439,38 @@ class DriftClosed:
 
 
 @dataclass(frozen=True)
+class LoopBound:
+    """One bound of the drift check, on the same window before and after the retrain the drift
+    started: the figure it judges, its value with each champion, the bound, and, while it is still
+    crossed, why the retrain could not bring it back."""
+
+    bound: str
+    figure: str
+    before: float
+    after: float
+    limit: float
+    crossed_before: bool
+    crossed_after: bool
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class DriftRecheck:
+    """``tasks.drift recheck``: the drift check that started a retrain, run again on the same
+    window once the retrain promoted its version: whether the loop closed (every bound held), and
+    each bound before and after (empty, ``closed`` None: not started by the drift check, or no
+    version promoted; exit 99)."""
+
+    closed: bool | None
+    heading: str
+    started_by: str
+    champion_before: str | None = None
+    champion_after: str | None = None
+    bounds: tuple[LoopBound, ...] = ()
+    report_uri: str | None = None
+
+
+@dataclass(frozen=True)
 class DriftShown:
     """``tasks.drift show``."""
 
@@ -470,6 +504,7 @@ STEP_RESULTS: dict[str, type] = {
     "tasks.drift check": DriftCheck,
     "tasks.drift close": DriftClosed,
     "tasks.drift show": DriftShown,
+    "tasks.drift recheck": DriftRecheck,
 }
 
 

@@ -10,6 +10,10 @@ hash of its id, so the output is deterministic for a given environment. Days aft
 as a real day would (not the same documents again, which validation refuses as repeats), for as
 long as the installed software has docstrings. Existing partitions are never rewritten (raw data
 is immutable); a second run only reports them.
+
+``--drifted-share S``: a share S of the documents of the days this run writes (by id) lands in the
+drifted domain instead, transliterated to Cyrillic letters as the demo's drifted traffic is
+(``stack traffic drifted``): the new data a drift-started retrain learns from (``make drift-loop``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,22 @@ from tasks.results import SeedResult
 MIN_DOC_CHARS = 80
 STATEMENT_HOLDERS = (ast.stmt, ast.excepthandler, ast.match_case)
 HELDOUT_FILE = "eval.jsonl"
+# the demo's other domain: the same text in Cyrillic letters (other characters, other bytes, tokens
+# the vocabulary never merged), for the drifted traffic (stack/traffic.py) and the data that answers it
+CYRILLIC = dict(zip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                    "абцдефгхийклмнопярстуввхызАБЦДЕФГХИЙКЛМНОПЯРСТУВВХЫЗ", strict=True))
+DRIFTED_SOURCE = "drifted:"  # a drifted document's source: its original's, after this
+
+
+def transliterate(text: str) -> str:
+    """``text`` in the demo's drifted domain: Latin letters as Cyrillic ones."""
+    return "".join(CYRILLIC.get(c, c) for c in text)
+
+
+def drifted(rows: list[dict[str, Any]], share: float) -> list[dict[str, Any]]:
+    """``rows`` with a ``share`` of them (by id) in the drifted domain."""
+    return [{**row, "text": transliterate(row["text"]), "source": DRIFTED_SOURCE + row["source"]}
+            if int(row["id"][12:18], 16) < share * 0x1000000 else row for row in rows]
 
 
 def source_roots() -> list[Path]:
@@ -170,18 +190,27 @@ def main(args: argparse.Namespace) -> SeedResult:
         found, held = build_partitions(spread, params.max_documents, params.heldout_every, block)
         by_day.update({day: rows for day, rows in found.items() if day in by_day})
         heldout = held if block == 0 else heldout
-    written = 0
+    written = in_drift = 0
     for day in days:
         if day not in existing:
             if not by_day[day]:
                 log.warning("%s: no documents left in the installed software's docstrings for this day", day)
-            write_jsonl(records.partition_uri(output, day), "part-00000.jsonl", by_day[day])
-            written += len(by_day[day])
+            rows = drifted(by_day[day], args.drifted_share)
+            write_jsonl(records.partition_uri(output, day), "part-00000.jsonl", rows)
+            written += len(rows)
+            in_drift += sum(row["source"].startswith(DRIFTED_SOURCE) for row in rows)
     if not heldout_exists:
         write_jsonl(heldout_uri, HELDOUT_FILE, heldout)
-    log.info("seeded %d documents into %d partitions under %s; %d held out for evaluation at %s",
-             written, len(days) - len(existing), output, len(heldout), heldout_uri)
-    return replace(result, written=written)
+    log.info("seeded %d documents (%d in the drifted domain) into %d partitions under %s; %d held out for "
+             "evaluation at %s", written, in_drift, len(days) - len(existing), output, len(heldout), heldout_uri)
+    return replace(result, written=written, drifted=in_drift)
+
+
+def share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a share is between 0 and 1")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -189,6 +218,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="raw data URI (default: seed.output in params.yaml)")
     p.add_argument("--end-date", help="last partition date, YYYY-MM-DD (default: seed.end_date)")
     p.add_argument("--heldout-output", help="URI of the held-out evaluation text (default: seed.heldout_output)")
+    p.add_argument("--drifted-share", type=share, default=0.0,
+                   help="share of the documents written now that land in the drifted domain (0..1; default 0)")
     return p
 
 

@@ -198,8 +198,9 @@ def main(args: argparse.Namespace) -> SnapshotResult:
     end = dt.date.fromisoformat(args.end_date)
     logical = dt.date.fromisoformat(args.logical_date) if args.logical_date else end
     days = records.interval_days(end, args.lookback_days or settings.pipeline.lookback_days)
-    check_a_drift_retrain_has_new_data(json.loads(args.trigger or "{}"), args.source, days,
-                                       settings.pipeline.model_name)
+    from tasks.drift import started_by
+
+    check_a_drift_retrain_has_new_data(started_by(args.trigger), args.source, days, settings.pipeline.model_name)
     log.info("snapshot of %s for %s..%s", args.source, days[0], days[-1])
     with storage.scratch() as scratch, storage.staged_output(args.output) as out_dir:
         result, partitions = collect(args.source, days, params.max_record_bytes, scratch / "dedup")
@@ -225,8 +226,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lookback-days", type=int, help="days before --end-date to read (default: params)")
     p.add_argument("--output", required=True, help="run-scoped output URI")
     p.add_argument("--run-id", help="the DAG run's id: claims the run's storage folder (see claim_run_folder)")
-    p.add_argument("--trigger", help="the drift check's Asset event extra (JSON) when it started this run: the "
-                                     "window must hold data newer than the champion's")
+    p.add_argument("--trigger", help="the drift check's Asset event extra (JSON) when it started this run, or "
+                                     "{\"drift_report\": URI}: the window must hold data newer than the champion's")
     return p
 
 

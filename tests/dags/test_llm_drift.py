@@ -12,7 +12,7 @@ import subprocess
 from typing import Any
 
 import pytest
-from helpers import REPO_ROOT, RUNTIME_PY
+from helpers import REPO_ROOT, RUNTIME_PY, SEED_DOCUMENTS, SEED_URI
 
 pytestmark = pytest.mark.integration
 CLIENTS = 6  # stack.traffic's: 127.0.0.2 .. 127.0.0.7, each a client of its own (drift.min_clients: 3)
@@ -111,6 +111,57 @@ def test_served_drift_starts_one_retrain_and_in_distribution_traffic_none(dags: 
     assert render_trigger(dags["llm_retrain"], {"raw_text": [({}, 1)]}) == {}  # a run the ingest DAG started
 
 
+def land_drifted_days() -> dict[str, Any]:
+    """``make drift-loop``'s data (stack/drift_loop.py) under the tests' raw data: the next days,
+    half of their documents in the drifted domain; the retrain's run configuration."""
+    code = ("import json, sys; from stack.drift_loop import land; from tasks.config import load; "
+            "found = land(load(), sys.argv[1], '--set', 'max_documents=' + sys.argv[2]); "
+            "print(json.dumps({'days': [d.isoformat() for d in found.days], 'conf': found.conf}))")
+    proc = subprocess.run([str(RUNTIME_PY), "-c", code, SEED_URI, str(SEED_DOCUMENTS)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return dict(json.loads(proc.stdout.splitlines()[-1]))
+
+
+def test_a_retrain_answering_drift_learns_the_new_domain_and_checks_the_same_traffic_again(
+    dags: dict[str, Any], retrain_run: Any
+) -> None:
+    """make drift-loop's path: drifted traffic -> drift -> new raw days partly in the drifted
+    domain -> a retrain answering that check (its drift_report Param) -> promoted -> the same
+    check again on the same window with the new champion: each bound before and after."""
+    assert ti_states(retrain_run)["drift_recheck"] == "skipped"  # a run nothing drift-related started
+    events = drift_events()  # the drift the test above found, else drift found here
+    if not events:
+        since = dt.datetime.now(dt.UTC)
+        send("drifted", 150, seed=7)
+        assert xcom(check(dags, since), "drift_check")["verdict"] == "drift"
+    landed = land_drifted_days()  # the newest drift check's report, which found drift
+    conf = landed["conf"]
+    assert "/llm_drift/" in conf["drift_report"] and conf["drift_report"].endswith("/drift/report.html"), landed
+    assert len(landed["days"]) == 2 and conf["end_date"] > landed["days"][-1], landed
+    run = dags["llm_retrain"].test(run_conf={
+        **conf, "num_shards": 1, "train_nodes": 1, "train_max_steps": 60, "canary_steps": [100]})
+    states = ti_states(run)
+    assert run.state == "success" and states["drift_recheck"] == "success", states
+    assert xcom(run, "snapshot")["data_version"]["records"] > 0
+    loop = xcom(run, "drift_recheck")
+    champion = xcom(retrain_run, "register")["version"]
+    assert loop["champion_before"] == champion and loop["champion_after"] == xcom(run, "register")["version"], loop
+    bounds = {b["bound"]: b for b in loop["bounds"]}
+    assert list(bounds) == ["token distribution", "byte fallback", "surprise"], loop
+    assert all(b["crossed_before"] for b in bounds.values()), loop  # the check that found drift crossed all three
+    # the new champion learnt the drifted domain: the same prompts surprise it far less
+    assert bounds["surprise"]["after"] < bounds["surprise"]["before"], loop
+    # the vocabulary did not grow (the retrain kept the champion's tokenizer): a bound still
+    # crossed says why
+    assert all(b["why"] for b in bounds.values() if b["crossed_after"]), loop
+    assert loop["closed"] is (not any(b["crossed_after"] for b in bounds.values())), loop
+    assert loop["heading"].startswith("Drift loop closed" if loop["closed"] else "Drift loop not closed"), loop
+    assert loop["report_uri"].endswith("/drift_recheck/report.html"), loop
+    report = xcom(run, "report")
+    assert report["verdict"] == "success", report
+
+
 def render_trigger(dag: Any, events: dict[str, list[tuple[dict[str, Any], int]]]) -> dict[str, Any]:
     """The retrain report's ``--trigger`` argument rendered from triggering Asset events (extra, time)."""
     from types import SimpleNamespace
@@ -120,7 +171,7 @@ def render_trigger(dag: Any, events: dict[str, list[tuple[dict[str, Any], int]]]
     template = dag.get_task("report").arguments[dag.get_task("report").arguments.index("--trigger") + 1]
     accessor = {name: [SimpleNamespace(extra=extra, timestamp=dt.datetime(2026, 11, 26, hour, tzinfo=dt.UTC))
                        for extra, hour in found] for name, found in events.items()}
-    rendered = SandboxedEnvironment().from_string(template).render(triggering_asset_events=accessor)
+    rendered = SandboxedEnvironment().from_string(template).render(triggering_asset_events=accessor, params={})
     return dict(json.loads(rendered))
 
 

@@ -25,7 +25,8 @@ from helpers import REPO_ROOT, RUNTIME_PY, SEED_URI, mlflow_rest, prometheus_que
 
 HEAVY = ("torch", "mlflow", "great_expectations", "pandas", "deepspeed", "dvc", "tokenizers")
 ORDER = ["snapshot", "validate", "tokenizer", "shard_plan", "tokenize_shard", "tokenize_merge", "train", "evaluate",
-         "register", "export", "deploy_gate", "deploy", "approval_gate", "approve_rollout", "deploy_finish", "release_hold", "report"]
+         "register", "export", "deploy_gate", "deploy", "approval_gate", "approve_rollout", "deploy_finish", "release_hold", "drift_recheck",
+         "report"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_parsing_imports_no_heavy_module() -> None:
 # The edges no argument draws: a step that must wait for another without reading its result
 ORDERING_EDGES = {("validate", "tokenizer"), ("tokenize_shard", "tokenize_merge"), ("export", "deploy_gate"),
                   ("deploy_gate", "deploy"), ("deploy", "approval_gate"), ("approval_gate", "approve_rollout"),
-                  ("deploy_finish", "release_hold"), ("release_hold", "report")}
+                  ("deploy_finish", "release_hold"), ("release_hold", "drift_recheck")}
 
 
 def results_read(task: Any) -> set[str]:

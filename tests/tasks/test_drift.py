@@ -225,3 +225,96 @@ def test_each_distinct_prompt_once_with_every_client_that_asked_it() -> None:
                {"prompt": "a", "client": "1" * 16}, {"prompt": "c", "client": None}]
     assert distinct_prompts(records) == (["a", "b", "c"], [frozenset({"1" * 16, "2" * 16}), frozenset({""}),
                                                           frozenset({""})])
+
+
+DRIFTED = {"js_excess_bits": 0.31, "byte_fallback_excess": 0.55, "perplexity_ratio": 24.0}
+
+
+def test_a_retrain_is_started_by_a_drift_checks_report_completed_from_it_and_refused_for_no_drift(tmp_path: Path) -> None:
+    from tasks.drift import DRIFT, NO_DRIFT, started_by
+    from tasks.lib.errors import StepError
+
+    checked = tmp_path / "drift"
+    checked.mkdir()
+    report = {"verdict": DRIFT, "champion": "3", "reasons": ["byte fallback: 55%"], "clients": {"distinct": 6,
+              "min_clients": 3, "seen_from_enough": True, "driven_by": None, "removed": [], "top": []}}
+    (checked / "report.json").write_text(json.dumps(report))
+    trigger = json.dumps({"drift_report": str(checked / "report.html")})
+    found = started_by(trigger)
+    assert found["champion"] == "3" and found["drift_reasons"] == ["byte fallback: 55%"]
+    assert found["drift_clients"]["seen_from_enough"] is True and found["drift_report"].endswith("report.html")
+    assert started_by("{}") == {} and started_by("") == {}  # a run something else started
+    (checked / "report.json").write_text(json.dumps({**report, "verdict": NO_DRIFT}))
+    with pytest.raises(StepError, match="found 'no drift', not drift: there is nothing for a retrain to answer"):
+        started_by(trigger)
+    with pytest.raises(StepError, match=r"no drift check.s report\.json beside it"):
+        started_by(json.dumps({"drift_report": str(tmp_path / "elsewhere" / "report.html")}))
+    with pytest.raises(StepError, match="--trigger: invalid JSON"):
+        started_by("{not json")
+
+
+def test_the_loop_closes_when_every_bound_holds_and_a_bound_still_crossed_says_why() -> None:
+    from tasks.drift import loop_bounds, loop_heading, moved
+
+    settings = load_settings().drift
+    before = {"figures": DRIFTED, "tokenizer_uri": "s3://tok/a.json"}
+    learnt = {"figures": {"js_excess_bits": 0.09, "byte_fallback_excess": 0.31, "perplexity_ratio": 1.6},
+              "tokenizer_uri": "s3://tok/a.json"}
+    bounds = loop_bounds(before, learnt, settings)
+    assert [(b.bound, b.crossed_before, b.crossed_after) for b in bounds] == [
+        ("token distribution", True, False), ("byte fallback", True, True), ("surprise", True, False)]
+    assert "vocabulary did not grow" in bounds[1].why and not bounds[0].why and not bounds[2].why
+    assert loop_heading(bounds, "3", "4") == ("Drift loop not closed: byte fallback still crossed with v4 on the "
+                                              "same traffic (v3: 3 crossed)")
+    assert moved(bounds[1]) == "byte fallback +55.0 points -> +31.0 points (crossed, bound +5.0 points)"
+    assert moved(bounds[2]) == "surprise 24.0x -> 1.6x (held, bound 3.0x)"
+    grown = loop_bounds(before, {**learnt, "tokenizer_uri": "s3://tok/b.json"}, settings)
+    assert "grown vocabulary still lacks" in grown[1].why
+    calm = {"figures": {"js_excess_bits": 0.0, "byte_fallback_excess": 0.01, "perplexity_ratio": 1.2}}
+    closed = loop_bounds(before, calm, settings)
+    assert not any(b.crossed_after for b in closed)
+    assert loop_heading(closed, "3", "4") == "Drift loop closed: all 3 bounds held on the same traffic with v4 (v3: 3 crossed)"
+
+
+def test_the_run_report_and_the_recheck_page_show_each_bound_before_and_after() -> None:
+    import dataclasses as dc
+
+    from tasks.contract import to_json
+    from tasks.drift import DRIFT, loop_bounds, loop_heading, render_html
+    from tasks.report import drift_loop_lines
+    from tasks.results import DriftRecheck
+
+    settings = load_settings().drift
+    bounds = loop_bounds({"figures": DRIFTED}, {"figures": {**DRIFTED, "perplexity_ratio": 1.6}}, settings)
+    title = loop_heading(bounds, "3", "4")
+    recheck = DriftRecheck(closed=False, heading=title, started_by="s3://runs/d/drift/report.html", champion_before="3",
+                           champion_after="4", bounds=tuple(bounds), report_uri="s3://runs/r/drift_recheck/report.html")
+    lines = drift_loop_lines(to_json(recheck))
+    assert lines[0] == f"  drift loop  {title} (report s3://runs/r/drift_recheck/report.html)"
+    assert lines[3].strip() == "surprise 24.0x -> 1.6x (held, bound 3.0x)" and "did not grow" not in lines[3]
+    assert drift_loop_lines({}) == []  # a run the drift check did not start
+    rejected = dc.replace(recheck, closed=None, heading="the champion is still v3 ...", bounds=(), report_uri=None)
+    assert drift_loop_lines(to_json(rejected)) == ["  drift loop  open: the champion is still v3 ..."]
+    report = {"verdict": DRIFT, "outcome": "...", "reasons": [], "figures": {}, "served_uri": "s3://raw/served",
+              "window": {"start": "2026-11-25T00:00:00+00:00", "end": "2026-11-26T00:00:00+00:00"}, "champion": "4",
+              "loop": {"heading": title, "closed": False, "started_by": recheck.started_by, "champion_before": "3",
+                       "verdict_before": DRIFT, "bounds": [dc.asdict(b) for b in bounds]}}
+    page = render_html(report, None)
+    assert f"<h1>{title}</h1>" in page and "<h2>Before and after the retrain</h2>" in page
+    assert page.count("<b>crossed</b>") == 2 and page.count("<b>held</b>") == 1
+
+
+def test_the_demo_generator_lands_a_share_of_its_documents_in_the_drifted_domain() -> None:
+    import hashlib
+
+    from tasks.seed import DRIFTED_SOURCE, drifted, transliterate
+
+    rows = [{"id": hashlib.sha1(str(i).encode()).hexdigest()[:20], "text": "Return the number of items.",
+             "source": "python-docstring:x"} for i in range(400)]
+    assert drifted(rows, 0.0) == rows
+    half = drifted(rows, 0.5)
+    moved_rows = [r for r in half if r["source"].startswith(DRIFTED_SOURCE)]
+    assert 150 < len(moved_rows) < 250 and all(r["text"] == transliterate("Return the number of items.")
+                                                   for r in moved_rows)
+    assert transliterate("Return") == "Ретурн" and drifted(rows, 1.0) == [
+        {**r, "text": transliterate(r["text"]), "source": DRIFTED_SOURCE + r["source"]} for r in rows]
