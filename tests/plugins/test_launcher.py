@@ -216,7 +216,7 @@ def test_every_step_pod_is_valid_kubernetes_1_32(cluster_dag: Any, tmp_path: Pat
                                                                  "approve_rollout", "train")]
     pods = [pod_of(t) for t in steps]
     # every step but the shard plan, the gates and the approval (Airflow tasks) and train (an Indexed Job)
-    assert len(pods) == 12
+    assert len(pods) == 13
     validate_strict(pods, tmp_path)
     for pod in pods:
         spec, container = pod["spec"], pod["spec"]["containers"][0]
