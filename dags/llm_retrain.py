@@ -274,6 +274,7 @@ def retrain_dag(line: str, params: Settings) -> DAG:
                 "--eval-set", "{{ params.eval_set_uri }}",
                 "--output", run_output_uri("evaluate"),
                 "--mlflow-run-tag", MLFLOW_RUN_TAG,
+                "--trigger", DRIFT_TRIGGER,  # a drift-started run is judged on the drifted prompts too
                 *set_arguments(settings_params, "evaluate", params),
             ],
         )
@@ -368,7 +369,9 @@ def retrain_dag(line: str, params: Settings) -> DAG:
         recheck = step(
             "drift_recheck",
             "tasks.drift",
-            ["recheck", "--trigger", DRIFT_TRIGGER, "--output", run_output_uri("drift_recheck")],
+            ["recheck", "--trigger", DRIFT_TRIGGER, "--output", run_output_uri("drift_recheck"),
+             # this run's registered version, as JSON (null: a rejected challenger registers none)
+             "--registered", result(register, xcom_key="return_value")],
             trigger_rule=TriggerRule.ALL_DONE,  # after the rollout, however it ended
         )
 

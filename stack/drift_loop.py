@@ -71,7 +71,7 @@ def new_days(landed: list[dt.date], champion_data_end: dt.date | None) -> list[d
     return [first + dt.timedelta(days=i) for i in range(NEW_DAYS)]
 
 
-def land(settings: Settings, raw_data_uri: str = "", *seed_options: str) -> LoopData:
+def land(settings: Settings, raw_data_uri: str = "", seed_options: tuple[str, ...] = ()) -> LoopData:
     """Land the drifted domain's new days (``tasks.seed`` with ``seed_options``) under
     ``raw_data_uri`` (default: the line's), and the retrain's configuration."""
     from tasks.lib.registry import CHAMPION, alias_version, data_end

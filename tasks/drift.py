@@ -639,6 +639,15 @@ def render_html(report: dict[str, Any], png: str | None) -> str:
 # -- the sub-commands ---------------------------------------------------------------------------
 
 
+def sampled(count: int, most: int, end: dt.datetime) -> list[int]:
+    """Which of a window's ``count`` distinct prompts are read: all, or ``most`` of them drawn by
+    the window's end alone (the check, its recheck and the gate of the retrain it started read
+    the same ones, whatever the champion)."""
+    if count <= most:
+        return list(range(count))
+    return sorted(random.Random(end.isoformat()).sample(range(count), most))
+
+
 def judged(settings: Settings, window: dict[str, Any], served_uri: str) -> tuple[dict[str, Any], str | None]:
     """The captured prompts of ``window`` (start, end, hours) judged against the champion as it is
     now: the report (figures, bounds, reasons, clients, verdict; no verdict with its outcome when
@@ -663,9 +672,8 @@ def judged(settings: Settings, window: dict[str, Any], served_uri: str) -> tuple
         return {**base, "verdict": NO_VERDICT, "outcome": why, "champion": champion}, None
 
     rng = random.Random(f"{end.isoformat()}-{champion}")  # the same window, the same samples
-    if len(texts) > drift.max_prompts:
-        chosen = sorted(rng.sample(range(len(texts)), drift.max_prompts))
-        texts, asked_by = [texts[i] for i in chosen], [asked_by[i] for i in chosen]
+    chosen = sampled(len(texts), drift.max_prompts, end)
+    texts, asked_by = [texts[i] for i in chosen], [asked_by[i] for i in chosen]
     loaded = load_version(settings.pipeline.model_name, champion)
     dataset_uri = str(loaded.description.get("dataset_uri") or "")
     if not dataset_uri or not storage.exists(storage.join(dataset_uri, "index.json")):
@@ -829,15 +837,18 @@ STILL_CROSSED = {
 
 def started_by(trigger: str) -> dict[str, Any]:
     """The drift check that started a retrain, from the run's ``--trigger`` (its raw data Asset
-    event's extra, or ``{"drift_report": URI}`` from the run's Param): the event's fields, with
-    the champion, reasons and clients completed from that check's report.json. {}: a run
-    something else started. A report that is not a drift check's, or found no drift: bad input."""
+    event's extra, or ``{"drift_report": URI}`` from the run's Param): the event's fields, or,
+    given the report alone, the champion, reasons and clients completed from that check's
+    report.json. {}: a run something else started. A report that is not a drift check's, or
+    found no drift: bad input."""
     try:
         found = json.loads(trigger or "{}")
     except json.JSONDecodeError as exc:
         raise StepError(f"--trigger: invalid JSON ({exc.msg})") from None
     if not isinstance(found, dict) or not found.get("drift_report"):
         return {}
+    if "champion" in found:  # the Asset event's extra says all that is asked of it
+        return found
     report = storage.sibling(str(found["drift_report"]), "report.json")
     if not storage.exists(report):
         raise StepError(f"--trigger: {found['drift_report']}: no drift check's report.json beside it")
@@ -883,27 +894,44 @@ def loop_heading(bounds: list[LoopBound], before: str, after: str) -> str:
             f"(v{before}: {was} crossed)")
 
 
+def registered_version(registered: str) -> str:
+    """The version in the register step's result (JSON), "" where it registered none."""
+    try:
+        found = json.loads(registered or "null")
+    except json.JSONDecodeError as exc:
+        raise StepError(f"--registered: invalid JSON ({exc.msg})") from None
+    return str(found.get("version") or "") if isinstance(found, dict) else ""
+
+
 def recheck(args: argparse.Namespace, settings: Settings) -> DriftRecheck:
     """The drift check that started this run, again on its window, with the champion the run
-    promoted: did the loop close? Not started by a drift check, or the champion is still the
-    one the drift was found with (the retrain was rejected or rolled back): exit 99."""
+    promoted: did the loop close? Not started by a drift check, this run's version not the
+    champion (rejected, rolled back, or another run's promoted since), or the window no longer
+    judged (its captured traffic gone): exit 99, the loop stays open."""
     trigger = started_by(args.trigger)
     if not trigger:
         raise GateRejected("this run was not started by the drift check: nothing to check again",
                            DriftRecheck(closed=None, heading="not started by the drift check", started_by=""))
     source = str(trigger["drift_report"])
+    if not storage.exists(storage.sibling(source, "report.json")):
+        why = f"the drift check's report {source} is gone: the loop cannot be checked"
+        raise GateRejected(why, DriftRecheck(closed=None, heading=why, started_by=source))
     before = storage.read_json(storage.sibling(source, "report.json"))
     from tasks.lib.registry import CHAMPION, alias_version
 
     champion = alias_version(settings.pipeline.model_name, CHAMPION)
-    if champion is None or champion == str(before["champion"]):
-        why = (f"the champion is still v{champion}, the version the drift was found with: this run promoted no "
-               "version (its outcome says why), and the drift loop stays open")
-        raise GateRejected(why, DriftRecheck(closed=None, heading=why, started_by=source,
-                                             champion_before=str(before["champion"]), champion_after=champion))
+    version = registered_version(args.registered)
+    open_loop = DriftRecheck(closed=None, heading="", started_by=source, champion_before=str(before["champion"]),
+                             champion_after=champion)
+    if champion is None or champion != version:
+        why = (f"this run's version ({'v' + version if version else 'none registered'}) is not "
+               f"the champion (v{champion}): it promoted no version (its outcome says why), and the drift loop "
+               "stays open")
+        raise GateRejected(why, dataclasses.replace(open_loop, heading=why))
     report, png = judged(settings, before["window"], before["served_uri"])
     if report["verdict"] == NO_VERDICT:
-        raise StepError(f"--trigger: the window of {source} can no longer be judged: {report['outcome']}")
+        why = f"the window of {source} can no longer be judged ({report['outcome']}): the drift loop stays open"
+        raise GateRejected(why, dataclasses.replace(open_loop, heading=why))
     bounds = loop_bounds(before, report, settings.drift)
     title = loop_heading(bounds, str(before["champion"]), champion)
     report.update(request_retrain=False, outcome="; ".join(moved(b) for b in bounds), loop={
@@ -912,7 +940,8 @@ def recheck(args: argparse.Namespace, settings: Settings) -> DriftRecheck:
         "bounds": [dataclasses.asdict(b) for b in bounds]})
     report_uri = write_report(args.output, report, png)
     closed = report["loop"]["closed"]
-    metrics.push({"line": metrics.line_label(), "dag_id": settings.drift.dag_id},
+    # a group of its own: a push replaces its group's metrics, and the check's are the drift DAG's
+    metrics.push({"line": metrics.line_label(), "dag_id": settings.pipeline.dag_id, "task": "drift_recheck"},
                  {"llm_drift_loop_closed": float(closed)}, FIGURE_HELP)
     log.info("%s: %s; report %s", title, report["outcome"], report_uri)
     return DriftRecheck(closed=closed, heading=title, started_by=source, champion_before=str(before["champion"]),
@@ -941,6 +970,9 @@ def parser() -> argparse.ArgumentParser:
                                            "the champion the retrain promoted: did the loop close?")
     again.add_argument("--trigger", default="", help="JSON: the drift check that started the run (its Asset event's "
                                                     "extra, or {\"drift_report\": URI}); {}: exit 99")
+    again.add_argument("--registered", default="null", help="JSON: this run's register result (null: none "
+                                                           "registered): the loop is checked once its version is "
+                                                           "the champion")
     again.add_argument("--output", required=True, help="run-scoped output URI (report.json, report.html)")
     closed = sub.add_parser("close", help="mark a finished day's capture partition complete")
     closed.add_argument("--date", required=True, help="the day (YYYY-MM-DD), over")

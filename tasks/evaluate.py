@@ -12,6 +12,12 @@ Gate (params.yaml ``evaluate``): absolute bounds, and at most ``max_regression``
 perplexity increase over the champion; each task's lowest score, and no task worse than the
 champion's beyond the noise (a paired bootstrap over its examples); the first model ever is
 judged on absolute bounds only.
+
+A run the drift check started (``--trigger``) is judged on the drift too: both models read the
+distinct prompts of that check's window (captured traffic, never training data), and the
+challenger must be less surprised by them than the champion (bits per byte): a retrain that
+did not learn what the drift check found is rejected.
+
 A rejection writes the report, then exits 99: the DAG skips everything downstream.
 """
 
@@ -29,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tasks.config import EvaluateSettings, SuiteSettings
+from tasks.config import DriftSettings, EvaluateSettings, SuiteSettings
 from tasks.contract import to_json
 from tasks.lib import storage, tokens
 from tasks.lib.data import open_split
@@ -42,7 +48,14 @@ from tasks.lib.params import load_settings
 from tasks.lib.registry import CHAMPION
 from tasks.lib.step import log, run_step, step_parser
 from tasks.lib.tracking import find_dag_run
-from tasks.results import EvaluateResult, GateBounds, ModelFigures, PairedDifferenceFigures, TaskFigures
+from tasks.results import (
+    DriftedFigures,
+    EvaluateResult,
+    GateBounds,
+    ModelFigures,
+    PairedDifferenceFigures,
+    TaskFigures,
+)
 
 
 @torch.no_grad()
@@ -151,6 +164,69 @@ def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: E
     return reasons
 
 
+def drifted_prompts(drift_report: str, most: int) -> list[str]:
+    """The distinct prompts of the drift check's window (its report.json: window, captured
+    traffic) that the check read: at most ``most``, sampled as it sampled them."""
+    import datetime as dt
+
+    from tasks.drift import distinct_prompts, sampled, window_records
+
+    checked = storage.read_json(storage.sibling(drift_report, "report.json"))
+    start, end = (dt.datetime.fromisoformat(checked["window"][k]) for k in ("start", "end"))
+    texts, _ = distinct_prompts(window_records(checked["served_uri"], start, end))
+    return [texts[i] for i in sampled(len(texts), most, end)]
+
+
+def prompt_bits_per_byte(loaded: LoadedModel, texts: list[str], max_tokens: int, scratch: Path) -> float:
+    """The mean over ``texts`` of each one's bits per byte after its first token (of its first
+    ``max_tokens`` tokens, read in the model's context): how surprised the model is by them, in a
+    unit that does not depend on its tokenizer (to the character: where the first token is a
+    byte of a character the vocabulary did not merge, the whole character's bytes count)."""
+    from tasks.drift import mean_losses
+
+    vocabulary = tokens.load_vocabulary(loaded.tokenizer_uri, scratch / f"tok-{loaded.description['tokenizer_hash'][:12]}")
+    context = loaded.model.config.seq_len
+    windows, predicted_bytes = [], []
+    for text, encoding in zip(texts, vocabulary.tokenizer.encode_batch(texts, add_special_tokens=False), strict=True):
+        ids = encoding.ids[:max_tokens]
+        first = max(len(ids) - context, 0) + 1  # the first token predicted: the window's second
+        if len(ids) - first < 1:
+            continue
+        windows.append(np.asarray(ids[first - 1:], dtype=np.int64))
+        predicted_bytes.append(len(text[encoding.offsets[first][0]:encoding.offsets[len(ids) - 1][1]].encode()))
+    losses = mean_losses(loaded.model, windows, context)  # nats per predicted token
+    bits = [loss * (len(w) - 1) / math.log(2) / max(n, 1)
+            for loss, w, n in zip(losses, windows, predicted_bytes, strict=True)]
+    return float(np.mean(bits)) if bits else math.nan
+
+
+def judge_drifted(figures: DriftedFigures) -> list[str]:
+    """A drift-started challenger must be less surprised by the drifted prompts than the champion."""
+    champion, challenger = figures.champion_bits_per_byte, figures.challenger_bits_per_byte
+    where = f"the drifted traffic ({figures.prompts} prompts of {figures.drift_report})"
+    if champion is not None and not math.isfinite(champion):
+        return [f"{where}: the champion's bits per byte is {champion}: no baseline to compare with"]
+    if champion is None or (math.isfinite(challenger) and challenger < champion):
+        return []
+    return [f"{where}: {challenger:.3f} bits per byte, no better than the champion's {champion:.3f}: the retrain "
+            "did not learn what the drift check found"]
+
+
+def measure_drifted(drift_report: str, challenger: LoadedModel, champion: LoadedModel | None, drift: DriftSettings,
+                    scratch: Path) -> DriftedFigures:
+    """Both models on the prompts of the drift check that started the run."""
+    texts = drifted_prompts(drift_report, drift.max_prompts)
+    if not texts:
+        raise StepError(f"--trigger: the window of {drift_report} holds no captured prompt any more: nothing to "
+                        "judge the drift on")
+
+    def surprise(model: LoadedModel) -> float:
+        return prompt_bits_per_byte(model, texts, drift.max_prompt_tokens, scratch)
+
+    return DriftedFigures(drift_report=drift_report, prompts=len(texts), challenger_bits_per_byte=surprise(challenger),
+                          champion_bits_per_byte=None if champion is None else surprise(champion))
+
+
 def suite_scores(loaded: LoadedModel, suite: SuiteSettings, manager: Any, folder: Path) -> dict[str, TaskScore] | None:
     """The model's task scores, run in its Hugging Face form; None for a model that has none (format 1)."""
     vocabulary = tokens.load_vocabulary(loaded.tokenizer_uri, folder / "tokenizer")
@@ -226,6 +302,9 @@ def main(args: argparse.Namespace) -> EvaluateResult:
     settings = load_settings("evaluate", args.overrides)
     params, model_name = settings.evaluate, settings.pipeline.model_name
     eval_uri = args.eval_set or params.eval_set_uri
+    from tasks.drift import started_by
+
+    trigger = started_by(args.trigger)  # before anything is measured: bad input fails at once
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         eval_set = storage.download(eval_uri, scratch / "eval.jsonl")
         eval_sha = storage.sha256_file(Path(eval_set))
@@ -245,6 +324,9 @@ def main(args: argparse.Namespace) -> EvaluateResult:
         reasons = judge(challenger, champion, params)
         task_reasons, task_figures = evaluate_tasks(challenger_model, champion_model, params.suite, scratch)
         reasons += task_reasons
+        drifted = None if not trigger else measure_drifted(str(trigger["drift_report"]), challenger_model,
+                                                            champion_model, settings.drift, scratch)
+        reasons += judge_drifted(drifted) if drifted else []
         judged = EvaluateResult(
             passed=not reasons,
             reasons=tuple(reasons),
@@ -255,6 +337,7 @@ def main(args: argparse.Namespace) -> EvaluateResult:
             champion=None if champion is None else model_figures(champion),
             tasks=task_figures,
             gate=GateBounds(params.max_eval_perplexity, params.min_eval_accuracy, params.max_regression),
+            drifted=drifted,
         )
         report = to_json(judged)  # report.json: the result less its URIs
         (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
@@ -278,6 +361,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="run-scoped URI for report.json and samples.json")
     p.add_argument("--no-champion", action="store_true", help="judge on absolute bounds only")
     p.add_argument("--mlflow-run-tag", default="", help="dag_run tag of the MLflow run to log the evaluation into")
+    p.add_argument("--trigger", default="", help="JSON: the drift check that started the run (its Asset event's extra, "
+                                                "or {\"drift_report\": URI}): the models are judged on its prompts too")
     return p
 
 

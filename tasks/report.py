@@ -150,7 +150,8 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
                                                "initialized_from", "resumed_from", "model_uri", "mlflow_run_id")},
         "evaluation": {"passed": evaluation.get("passed"), "reasons": evaluation.get("reasons"),
                        "challenger": evaluation.get("challenger"), "champion": evaluation.get("champion"),
-                       "tasks": evaluation.get("tasks"), "samples_uri": evaluation.get("samples_uri")},
+                       "tasks": evaluation.get("tasks"), "samples_uri": evaluation.get("samples_uri"),
+                       "drifted": evaluation.get("drifted")},
         "registered": {k: registered.get(k) for k in ("model_name", "version", "challenger", "model_uri")},
         "canary": {k: rollout.get(k) for k in CANARY_FIELDS},
         # what started the run when a drift check did (the raw data Asset's event it emitted), and
@@ -178,7 +179,7 @@ def trigger_of(args: argparse.Namespace) -> dict[str, Any]:
         return found
     try:  # the drift_report Param's: the report quotes what it can read of that check's report
         return started_by(json.dumps(found))
-    except Exception as exc:  # noqa: BLE001 (a teardown: the report is written, whatever it cannot read)
+    except Exception as exc:  # a teardown: the report is written, whatever it cannot read
         log.warning("--trigger: the drift check's report could not be read (%s): quoted as given", exc)
         return found
 
@@ -244,6 +245,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"accuracy {_fmt(challenger.get('eval_accuracy'), '.3f')}, bits/byte "
                      f"{_fmt(challenger.get('eval_bits_per_byte'), '.3f')}: "
                      f"{'passed' if ev.get('passed') else 'rejected: ' + '; '.join(ev.get('reasons') or [])}")
+    drifted = ev.get("drifted") or {}
+    if drifted:
+        versus = ("" if drifted.get("champion_bits_per_byte") is None else
+                  f" vs champion {_fmt(drifted['champion_bits_per_byte'], '.3f')}")
+        lines.append(f"  drifted     {drifted['prompts']} prompts of the drift check this run answers: bits/byte "
+                     f"{_fmt(drifted['challenger_bits_per_byte'], '.3f')}{versus}")
     for name, task in (ev.get("tasks") or {}).items():
         versus = f" (champion {_fmt(task['champion'], '.3f')})" if task.get("champion") is not None else ""
         lines.append(f"  task        {name} {task['metric']} {_fmt(task['challenger'], '.3f')}{versus}, min {task['min']:g}")

@@ -224,6 +224,18 @@ class GateBounds:
 
 
 @dataclass(frozen=True)
+class DriftedFigures:
+    """A drift-started run's models on the prompts of the drift check it answers (captured
+    traffic, which no retrain trains on: all of it held out): each prompt's bits per byte after
+    its first token, the mean over the distinct prompts (comparable across tokenizers)."""
+
+    drift_report: str
+    prompts: int
+    challenger_bits_per_byte: float
+    champion_bits_per_byte: float | None = field(default=None, metadata=OMIT_IF_NONE)
+
+
+@dataclass(frozen=True)
 class EvaluateResult:
     """``tasks.evaluate``: the gate's verdict and reasons, both models' figures (its report.json,
     less the two URIs); the result of a rejection too (exit 99)."""
@@ -237,6 +249,7 @@ class EvaluateResult:
     champion: ModelFigures | None
     tasks: dict[str, TaskFigures] | None  # by task name; None: no suite configured
     gate: GateBounds
+    drifted: DriftedFigures | None = field(default=None, metadata=OMIT_IF_NONE)  # a run the drift check started
     report_uri: str | None = field(default=None, metadata=OMIT_IF_NONE)
     samples_uri: str | None = field(default=None, metadata=OMIT_IF_NONE)
 

@@ -109,13 +109,16 @@ def test_served_drift_starts_one_retrain_and_in_distribution_traffic_none(dags: 
     landed = {"raw_text": [(older, 1), ({}, 3), (extra, 2)]}  # events a paused retrain gathered, any order
     assert render_trigger(dags["llm_retrain"], landed) == extra  # the newest drift event
     assert render_trigger(dags["llm_retrain"], {"raw_text": [({}, 1)]}) == {}  # a run the ingest DAG started
+    # a run started by hand for a drift check (make drift-loop): its drift_report Param, over any event
+    assert render_trigger(dags["llm_retrain"], landed, {"drift_report": "s3://d/drift/report.html"}) == {
+        "drift_report": "s3://d/drift/report.html"}
 
 
 def land_drifted_days() -> dict[str, Any]:
     """``make drift-loop``'s data (stack/drift_loop.py) under the tests' raw data: the next days,
-    half of their documents in the drifted domain; the retrain's run configuration."""
+    a quarter of their documents in the drifted domain; the retrain's run configuration."""
     code = ("import json, sys; from stack.drift_loop import land; from tasks.config import load; "
-            "found = land(load(), sys.argv[1], '--set', 'max_documents=' + sys.argv[2]); "
+            "found = land(load(), sys.argv[1], ('--set', 'max_documents=' + sys.argv[2])); "
             "print(json.dumps({'days': [d.isoformat() for d in found.days], 'conf': found.conf}))")
     proc = subprocess.run([str(RUNTIME_PY), "-c", code, SEED_URI, str(SEED_DOCUMENTS)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -144,12 +147,15 @@ def test_a_retrain_answering_drift_learns_the_new_domain_and_checks_the_same_tra
     states = ti_states(run)
     assert run.state == "success" and states["drift_recheck"] == "success", states
     assert xcom(run, "snapshot")["data_version"]["records"] > 0
+    # judged on the drift before promotion: less surprised by the check's prompts than the champion
+    drifted = xcom(run, "evaluate")["drifted"]
+    assert drifted["prompts"] >= 50 and drifted["challenger_bits_per_byte"] < drifted["champion_bits_per_byte"], drifted
     loop = xcom(run, "drift_recheck")
     champion = xcom(retrain_run, "register")["version"]
     assert loop["champion_before"] == champion and loop["champion_after"] == xcom(run, "register")["version"], loop
     bounds = {b["bound"]: b for b in loop["bounds"]}
     assert list(bounds) == ["token distribution", "byte fallback", "surprise"], loop
-    assert all(b["crossed_before"] for b in bounds.values()), loop  # the check that found drift crossed all three
+    assert any(b["crossed_before"] for b in bounds.values()), loop  # the check found drift
     # the new champion learnt the drifted domain: the same prompts surprise it far less
     assert bounds["surprise"]["after"] < bounds["surprise"]["before"], loop
     # the vocabulary did not grow (the retrain kept the champion's tokenizer): a bound still
@@ -162,7 +168,8 @@ def test_a_retrain_answering_drift_learns_the_new_domain_and_checks_the_same_tra
     assert report["verdict"] == "success", report
 
 
-def render_trigger(dag: Any, events: dict[str, list[tuple[dict[str, Any], int]]]) -> dict[str, Any]:
+def render_trigger(dag: Any, events: dict[str, list[tuple[dict[str, Any], int]]],
+                   params: dict[str, Any] | None = None) -> dict[str, Any]:
     """The retrain report's ``--trigger`` argument rendered from triggering Asset events (extra, time)."""
     from types import SimpleNamespace
 
@@ -171,7 +178,7 @@ def render_trigger(dag: Any, events: dict[str, list[tuple[dict[str, Any], int]]]
     template = dag.get_task("report").arguments[dag.get_task("report").arguments.index("--trigger") + 1]
     accessor = {name: [SimpleNamespace(extra=extra, timestamp=dt.datetime(2026, 11, 26, hour, tzinfo=dt.UTC))
                        for extra, hour in found] for name, found in events.items()}
-    rendered = SandboxedEnvironment().from_string(template).render(triggering_asset_events=accessor, params={})
+    rendered = SandboxedEnvironment().from_string(template).render(triggering_asset_events=accessor, params=params or {})
     return dict(json.loads(rendered))
 
 

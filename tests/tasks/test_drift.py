@@ -318,3 +318,59 @@ def test_the_demo_generator_lands_a_share_of_its_documents_in_the_drifted_domain
                                                    for r in moved_rows)
     assert transliterate("Return") == "Ретурн" and drifted(rows, 1.0) == [
         {**r, "text": transliterate(r["text"]), "source": DRIFTED_SOURCE + r["source"]} for r in rows]
+
+
+def test_a_drift_started_challenger_must_be_less_surprised_by_the_drifted_prompts_than_the_champion() -> None:
+    from tasks.evaluate import judge_drifted
+    from tasks.results import DriftedFigures
+
+    learnt = DriftedFigures(drift_report="s3://runs/d/drift/report.html", prompts=189, challenger_bits_per_byte=0.4,
+                            champion_bits_per_byte=3.1)
+    assert judge_drifted(learnt) == []
+    assert judge_drifted(DriftedFigures("s3://r", 189, 3.2, None)) == []  # the first model: nothing to beat
+    same = judge_drifted(DriftedFigures("s3://runs/d/drift/report.html", 189, 3.1, 3.1))
+    assert same == ["the drifted traffic (189 prompts of s3://runs/d/drift/report.html): 3.100 bits per byte, no "
+                    "better than the champion's 3.100: the retrain did not learn what the drift check found"]
+    assert judge_drifted(DriftedFigures("s3://r", 189, float("nan"), 3.1))  # not finite: no pass
+
+
+def test_the_drifted_prompts_surprise_is_bits_per_byte_after_the_first_token_in_the_models_context(tmp_path: Path) -> None:
+    import math
+
+    import torch
+
+    from tasks.evaluate import prompt_bits_per_byte
+    from tasks.lib import tokens
+    from tasks.lib.model import GPT, GPTConfig
+    from tasks.lib.model_store import LoadedModel
+
+    texts = ["Return the number of items in the list.", "Цомпуте тхе 1-Д дисцрете Фоуриер Трансформ", "x"]
+    tokenizer = tokens.train_tokenizer([texts[0]] * 20, 300)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.get_vocab_size(), seq_len=16, d_model=32, n_layers=2, n_heads=4)).eval()
+    loaded = LoadedModel(model, {"tokenizer_uri": str(tmp_path / "tokenizer.json"), "tokenizer_hash": "0" * 64})
+
+    def by_hand(text: str) -> float:
+        encoding = tokenizer.encode(text, add_special_tokens=False)
+        ids = encoding.ids[-16:]  # the model's context: the last seq_len tokens
+        first = len(encoding.ids) - len(ids) + 1
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[:-1]]))
+            nats = float(torch.nn.functional.cross_entropy(logits[0], torch.tensor(ids[1:]), reduction="sum"))
+        predicted = text[encoding.offsets[first][0]:encoding.offsets[-1][1]]
+        return nats / math.log(2) / len(predicted.encode())
+
+    assert len(tokenizer.encode(texts[1], add_special_tokens=False).ids) > 16  # read in its last 16 tokens
+    found = prompt_bits_per_byte(loaded, texts, 256, tmp_path)  # "x": one token, nothing predicted, left out
+    assert math.isclose(found, (by_hand(texts[0]) + by_hand(texts[1])) / 2, rel_tol=1e-5)
+
+
+def test_the_recheck_waits_for_this_runs_own_version_as_champion() -> None:
+    from tasks.drift import registered_version
+    from tasks.lib.errors import StepError
+
+    assert registered_version('{"model_name": "m", "version": "4", "challenger": "4", "new": true}') == "4"
+    assert registered_version("null") == "" and registered_version("") == ""  # a rejected challenger registers none
+    with pytest.raises(StepError, match="--registered: invalid JSON"):
+        registered_version("{")
