@@ -42,7 +42,6 @@ for path in (REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "dags"):
 
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that uses the real stack is an integration test, marked or not (make test-fast
     leaves them out, so the fast tier never starts a server). Each is in a group (pytest-xdist's
