@@ -282,12 +282,11 @@ FAST := not integration and not torchrun
 # The slow tier: the runtime half's modules in two processes, each with a stack of its own (a
 # module's tests together: they wait on servers and subprocesses, so two keep both cores busy),
 # then the tests that judge latencies or wait on the clock (marked timed) alone, then the
-# orchestrator half, likewise in two (a module's tests together, and the modules sharing the
-# end-to-end retrain run together: tests/conftest.py's groups)
+# orchestrator half
 test: test-fast
 	$(RT_PY) -m pytest -n 2 --dist loadfile -m "not ($(FAST)) and not timed" $(RT_TESTS)
 	$(RT_PY) -m pytest -m "not ($(FAST)) and timed" $(RT_TESTS)
-	$(ORCH_PY) -m pytest -n 2 --dist loadgroup -m "not ($(FAST))" $(ORCH_TESTS)
+	$(ORCH_PY) -m pytest -m "not ($(FAST))" $(ORCH_TESTS)
 
 # the fast tier starts no server: its modules run in a process per core (a module's tests together,
 # its fixtures built once)

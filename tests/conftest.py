@@ -44,15 +44,10 @@ for path in (REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "dags"):
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that uses the real stack is an integration test, marked or not (make test-fast
-    leaves them out, so the fast tier never starts a server). Each is in a group (pytest-xdist's
-    ``--dist loadgroup``, the orchestrator half's slow tier): its module's, or, for the modules
-    that share the end-to-end retrain run (tests/dags/conftest.py), theirs together, so that run
-    is made once, by one worker."""
+    leaves them out, so the fast tier never starts a server)."""
     for item in items:
-        fixtures = getattr(item, "fixturenames", ())
-        if "stack_env" in fixtures and not item.get_closest_marker("integration"):
+        if "stack_env" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.integration)
-        item.add_marker(pytest.mark.xdist_group("retrain_run" if "retrain_run" in fixtures else item.nodeid.split("::")[0]))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
