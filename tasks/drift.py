@@ -835,18 +835,20 @@ STILL_CROSSED = {
 }
 
 
-def started_by(trigger: str) -> dict[str, Any]:
-    """The drift check that started a retrain, from the run's ``--trigger`` (its raw data Asset
-    event's extra, or ``{"drift_report": URI}`` from the run's Param): the event's fields, or,
-    given the report alone, the champion, reasons and clients completed from that check's
-    report.json. {}: a run something else started. A report that is not a drift check's, or
-    found no drift: bad input."""
+def trigger_event(trigger: str) -> dict[str, Any]:
+    """A run's ``--trigger`` as given: a JSON object ({} for none or another JSON value); invalid
+    JSON is bad input."""
     try:
         found = json.loads(trigger or "{}")
     except json.JSONDecodeError as exc:
         raise StepError(f"--trigger: invalid JSON ({exc.msg})") from None
-    if not isinstance(found, dict) or not found.get("drift_report"):
-        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def completed_from_report(found: dict[str, Any]) -> dict[str, Any]:
+    """``found`` (a ``--trigger`` naming a drift check) with the champion, reasons and clients
+    read from that check's report.json, unless its Asset event's extra already holds them. A
+    report that is missing, or found no drift: bad input."""
     if "champion" in found:  # the Asset event's extra says all that is asked of it
         return found
     report = storage.sibling(str(found["drift_report"]), "report.json")
@@ -858,6 +860,14 @@ def started_by(trigger: str) -> dict[str, Any]:
                         "drift: there is nothing for a retrain to answer")
     return {"drift_reasons": checked.get("reasons") or [], "drift_clients": client_summary(checked.get("clients") or {}),
             "champion": checked.get("champion"), **found}
+
+
+def started_by(trigger: str) -> dict[str, Any]:
+    """The drift check that started a retrain, from the run's ``--trigger`` (its raw data Asset
+    event's extra, or ``{"drift_report": URI}`` from the run's Param), completed from that
+    check's report (:func:`completed_from_report`). {}: a run something else started."""
+    found = trigger_event(trigger)
+    return completed_from_report(found) if found.get("drift_report") else {}
 
 
 def loop_bounds(before: dict[str, Any], after: dict[str, Any], settings: DriftSettings) -> list[LoopBound]:

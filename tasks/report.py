@@ -167,18 +167,13 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
 def trigger_of(args: argparse.Namespace) -> dict[str, Any]:
     """The drift check that started this run (``--trigger``: its Asset event's extra, completed
     from the check's report where it still is), or {}."""
-    from tasks.drift import started_by
+    from tasks.drift import completed_from_report, trigger_event
 
-    try:
-        found = json.loads(getattr(args, "trigger", "") or "{}")
-    except json.JSONDecodeError as exc:
-        raise StepError(f"--trigger: invalid JSON ({exc.msg})") from None
-    if not isinstance(found, dict):
-        return {}
-    if not found.get("drift_report") or "drift_reasons" in found:  # an Asset event's extra says it all
+    found = trigger_event(getattr(args, "trigger", ""))
+    if not found.get("drift_report"):
         return found
     try:  # the drift_report Param's: the report quotes what it can read of that check's report
-        return started_by(json.dumps(found))
+        return completed_from_report(found)
     except Exception as exc:  # a teardown: the report is written, whatever it cannot read
         log.warning("--trigger: the drift check's report could not be read (%s): quoted as given", exc)
         return found
