@@ -122,6 +122,11 @@ def run_settings(params: Settings) -> dict[str, SettingParam]:
             + (" Required by this deployment (canary.approval.required): a run cannot switch it off."
                if approval.required else ""),
             approval_schema, set_key="approval.enabled", default=approval.active),
+        "grow_vocabulary": SettingParam(
+            "tokenize.grow_vocabulary", "Grow the vocabulary",
+            "When the drift check that started this run found the drifted prompts falling back to single bytes, "
+            "extend the champion's tokenizer with tokens learned on the window's non-ASCII words (old ids "
+            "unchanged) and grow the model's embeddings with them (docs/operations.md).", set_key="grow_vocabulary"),
         # null, not "": the trigger form refuses an empty required string
         "train_base": SettingParam(
             "train.base", "Base checkpoint",
@@ -244,6 +249,8 @@ def retrain_dag(line: str, params: Settings) -> DAG:
                 "--tokenizer", "{{ params.tokenizer_uri or '' }}",
                 "--base", "{{ params.train_base or '' }}",
                 "--preset", "{{ params.train_preset }}",
+                "--trigger", DRIFT_TRIGGER,  # a drift check that found byte fallback may grow the vocabulary
+                *set_arguments(settings_params, "tokenize", params),
             ],
         )
         merge = tokenize_steps(result(snapshot, "snapshot_uri"), result(tokenizer, "tokenizer_uri"),

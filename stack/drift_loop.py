@@ -85,7 +85,9 @@ def land(settings: Settings, raw_data_uri: str = "", seed_options: tuple[str, ..
     subprocess.run([sys.executable, "-m", "tasks.seed", "--output", raw, "--end-date", days[-1].isoformat(),
                     "--drifted-share", str(DRIFTED_SHARE), *seed_options],
                    check=True, env=os.environ, stdout=sys.stderr)  # stdout: the configuration only
-    conf: dict[str, object] = {"end_date": (days[-1] + dt.timedelta(days=1)).isoformat(), "drift_report": report}
+    # the demo's drifted domain is another alphabet: the retrain may grow the vocabulary to cover it
+    conf: dict[str, object] = {"end_date": (days[-1] + dt.timedelta(days=1)).isoformat(), "drift_report": report,
+                               "grow_vocabulary": True}
     if raw_data_uri:
         conf["raw_data_uri"] = raw_data_uri
     return LoopData(tuple(days), conf)

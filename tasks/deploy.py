@@ -553,6 +553,37 @@ def log_step(result: StepResult, traffic: StepTraffic) -> None:
              "pass" if result.passed else "; ".join(result.failed))
 
 
+def covered_generations(reference: dict[str, Any], first_new_id: int) -> dict[str, Any]:
+    """The export's reference with only the text prompts whose prompt and continuation lie
+    within the ids below ``first_new_id``: text a version of the older vocabulary reads and
+    writes token for token the same way. All of them when none does (logged)."""
+    generations = reference.get("generations", [])
+    covered = [g for g in generations if max([*g["prompt_ids"], *g["tokens"]], default=0) < first_new_id]
+    if not covered:
+        log.warning("none of the %d reference prompts lies within stable's vocabulary: the canary compares text "
+                    "on all of them", len(generations))
+        return reference
+    log.info("the vocabulary grew from stable's: the canary compares text on the %d of %d reference prompts the "
+             "old vocabulary covers", len(covered), len(generations))
+    return {**reference, "generations": covered}
+
+
+def comparable_text(reference: dict[str, Any], name: str, stable: int, version: int) -> dict[str, Any]:
+    """The reference the rollout compares ``version`` to ``stable`` on: when its tokenizer grew
+    from stable's (tasks/lib/vocabulary_growth.py), the prompts the old vocabulary covers
+    (:func:`covered_generations`); else all of them."""
+    from tasks.lib.registry import model_version
+    from tasks.lib.vocabulary_growth import growth_of
+
+    new, old = model_version(name, str(version)).tags, model_version(name, str(stable)).tags
+    if not new.get("tokenizer_uri") or new.get("tokenizer_hash") == old.get("tokenizer_hash"):
+        return reference
+    growth = growth_of(new["tokenizer_uri"])
+    if growth is None or growth.parent_hash != old.get("tokenizer_hash"):
+        return reference
+    return covered_generations(reference, growth.first_id)
+
+
 def run_canary(args: argparse.Namespace, settings: Settings, serving: Serving, scratch: Path) -> CanaryReport:
     version = int(args.model_version)
     reference = serving.stage(args.export, version, scratch)
@@ -572,6 +603,8 @@ def run_canary(args: argparse.Namespace, settings: Settings, serving: Serving, s
     report = CanaryReport(stable=live.stable, canary=version,
                           approval=Approval(enabled=approval.active, hold_before=approval.hold_before))
     serving.prepare(live.stable, version)
+    if live.stable is not None:
+        reference = comparable_text(reference, settings.pipeline.model_name, live.stable, version)
     rollout = Rollout(serving, settings, reference, report, hold=approval.active)
     return rollout.roll_out(rollout.plan.start())
 
@@ -793,6 +826,8 @@ def finish_main(args: argparse.Namespace) -> RolloutSummary:
                             f"stable {live.stable}, canary {live.canary}): superseded by a later deploy or rolled "
                             "back meanwhile; nothing changed")
         else:
+            if report.stable is not None:
+                reference = comparable_text(reference, name, report.stable, version)
             rollout = Rollout(serving, settings, reference, replace(report, reason=None), hold=False)
             held = Position(Stage.HELD, float(held_at))
             report = rollout.roll_out(rollout.plan.decided(held, approval, params.approval.timeout_s))

@@ -173,16 +173,8 @@ def byte_fallback_ids(vocab: dict[str, int]) -> np.ndarray:
     """The ids of single-byte tokens of a byte non-ASCII (>= 0x80): pieces of a character the
     tokenizer's merges never covered, in byte-level BPE's alphabet (GPT-2, Llama 3, Qwen2) or
     as SentencePiece's byte-fallback tokens ``<0x80>``..``<0xFF>`` (Llama 2, Mistral)."""
-    visible = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    alphabet, extra = {}, 0
-    for byte in range(256):  # GPT-2's bytes_to_unicode: visible bytes as themselves, the rest from 256 up
-        if byte in visible:
-            alphabet[chr(byte)] = byte
-        else:
-            alphabet[chr(256 + extra)] = byte
-            extra += 1
     pieces = {f"<0x{byte:02X}>" for byte in range(0x80, 0x100)}
-    return np.array(sorted(i for piece, i in vocab.items() if (len(piece) == 1 and alphabet.get(piece, 0) >= 0x80)
+    return np.array(sorted(i for piece, i in vocab.items() if (len(piece) == 1 and tokens.BYTE_LEVEL_ALPHABET.get(piece, 0) >= 0x80)
                            or piece in pieces), dtype=np.int64)
 
 

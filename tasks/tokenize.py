@@ -5,8 +5,10 @@ Three sub-commands, three kinds of DAG task:
     prepare  pick the tokenizer and the model training starts from: an explicit --tokenizer, else
              a base checkpoint's (--base, train.base: imported once, the line's first run starts
              from it, and so does every run after the base changed), else the production
-             model's (a retrain must not change the vocabulary), else train a byte-level BPE on
-             the snapshot. Tokenizers are stored content-addressed: {store}/sha256-<hash>/.
+             model's (a retrain keeps the vocabulary, unless the drift check that started it found
+             byte fallback and tokenize.grow_vocabulary lets it grow: then the champion's with
+             merges learned on the snapshot's non-ASCII words appended), else train a byte-level
+             BPE on the snapshot. Tokenizers are stored content-addressed: {store}/sha256-<hash>/.
     encode   one shard (--shard-index i --num-shards N: a contiguous record range holding about
              1/N of the snapshot's bytes): token ids of each document framed by the model's
              special tokens (BOS where it wants one, EOS), split train/val by document hash. N run in parallel.
@@ -98,6 +100,40 @@ def start_point(args: argparse.Namespace, settings: Settings, production: Produc
     return "", "trained", None
 
 
+def growth_wanted(trigger: str, params: TokenizeSettings, production: Production) -> bool:
+    """Whether this run grows its champion's vocabulary: the line allows it and the drift check
+    that started the run found the drifted prompts falling back to single bytes."""
+    if not params.grow_vocabulary:
+        return False
+    from tasks.drift import started_by
+
+    reasons = started_by(trigger).get("drift_reasons") or []
+    if not any(str(r).startswith("byte fallback") for r in reasons):
+        return False
+    if production.base_identity:
+        raise StepError(f"tokenize.grow_vocabulary: the champion {production.model_uri} descends from a Hugging Face "
+                        "base, whose tokenizer is kept as it is (growth extends the pipeline's own byte-level BPE)")
+    return True
+
+
+def grown(vocabulary: tokens.Vocabulary, snapshot: Path, params: TokenizeSettings) -> tuple[Any, dict[str, str]] | None:
+    """The champion's tokenizer grown on the snapshot's text, with its companion files (growth.json
+    added); None: the snapshot holds nothing to learn."""
+    from tasks.lib.vocabulary_growth import grow
+
+    started = time.perf_counter()
+    found = grow(vocabulary.tokenizer, vocabulary.hash, (r["text"] for r in tokens.read_jsonl(snapshot)),
+                 params.grow_max_tokens)
+    if found is None:
+        log.warning("tokenize.grow_vocabulary: the snapshot holds no non-ASCII words the champion's vocabulary "
+                    "lacks: the vocabulary stays as it is")
+        return None
+    tokenizer, growth = found
+    log.info("grew the champion's vocabulary %d -> %d tokens (%d merges learned on the snapshot's non-ASCII words "
+             "in %.1fs)", growth.first_id, growth.vocab_size, len(growth.pieces), time.perf_counter() - started)
+    return tokenizer, {**vocabulary.companions, tokens.GROWTH_FILE: growth.to_json()}
+
+
 def prepare(args: argparse.Namespace, settings: Settings) -> TokenizerResult:
     params = settings.tokenize
     if args.preset not in settings.train.presets:
@@ -105,13 +141,17 @@ def prepare(args: argparse.Namespace, settings: Settings) -> TokenizerResult:
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
         production = champion(settings.pipeline.model_name)
         existing, source, base = start_point(args, settings, production, scratch)
-        companions: dict[str, str]  # a base's files beside its tokenizer.json (ours: none)
+        companions: dict[str, str]  # beside its tokenizer.json: a base's files, a grown one's growth.json
         if existing:
             vocabulary = tokens.load_vocabulary(existing, scratch)
             tokenizer, companions = vocabulary.tokenizer, vocabulary.companions
+            if source == "champion" and production and growth_wanted(args.trigger, params, production):
+                larger = grown(vocabulary, storage.download(args.snapshot, scratch / "snapshot.jsonl"), params)
+                if larger:
+                    (tokenizer, companions), source = larger, "grown"
             uri, digest = tokens.store_vocabulary(tokenizer, params.tokenizer_store, companions)
-            log.info("%s tokenizer %s (vocab %d)", "the base checkpoint's" if source == "base" else f"reusing the {source}",
-                     existing, tokenizer.get_vocab_size())
+            log.info("%s tokenizer %s (vocab %d)", {"base": "the base checkpoint's", "grown": "the grown"}.get(
+                source, f"reusing the {source}"), uri if source == "grown" else existing, tokenizer.get_vocab_size())
         else:
             snapshot = storage.download(args.snapshot, scratch / "snapshot.jsonl")
             count = sum(1 for _ in tokens.read_jsonl(snapshot))
@@ -313,6 +353,9 @@ def parser() -> argparse.ArgumentParser:
                              "starts from (default: train.base; empty: none)")
             cmd.add_argument("--preset", default=None, help="the train preset: its seq_len is the context a base "
                              "is trained at (default: train.preset)")
+            cmd.add_argument("--trigger", default="", help="the drift check that started the run (JSON, as the "
+                             "snapshot step reads it): its byte fallback lets tokenize.grow_vocabulary grow the "
+                             "champion's vocabulary")
         else:
             cmd.add_argument("--tokenizer", required=True, help="URI of tokenizer.json")
             cmd.add_argument("--num-shards", type=int, required=True)

@@ -93,9 +93,16 @@ class TokenizeSettings:
     """Content-addressed tokenizers: ``sha256-<hash>/tokenizer.json``."""
     base_store: str
     """Imported base checkpoints (train.base) as model folders: ``sha256-<identity>/``."""
+    grow_vocabulary: bool
+    """A drift-started retrain whose drift check found byte fallback past its bound extends the
+    champion's tokenizer with merges learned on the window's non-ASCII words (old ids and the
+    tokenization of ASCII text unchanged) and resizes the model (tasks/lib/vocabulary_growth.py).
+    Off: every retrain keeps its champion's vocabulary."""
+    grow_max_tokens: int
+    """Most tokens one growth adds."""
 
     def __post_init__(self) -> None:
-        positive(self, "num_shards", "batch_bytes")
+        positive(self, "num_shards", "batch_bytes", "grow_max_tokens")
         check(256 < self.vocab_size <= 65536, "vocab_size", self.vocab_size, "expected 257..65536 (uint16 ids)")
         check(0 < self.val_fraction < 1, "val_fraction", self.val_fraction, "expected a fraction in (0, 1)")
 

@@ -31,7 +31,26 @@ SPLITS = ("train", "val")
 # tokens its model uses and the checkpoint's tokenizer_config.json (its chat template): the folder
 # is named by the hash of all of them (Llama 3's base and instruct share a tokenizer.json, not an EOS)
 TOKENIZER_FILE, SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "special_tokens.json", "tokenizer_config.json"
-COMPANION_FILES = (SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE)
+# a grown tokenizer's: its parent and the parent's pieces of each new token (tasks/lib/vocabulary_growth.py)
+GROWTH_FILE = "growth.json"
+COMPANION_FILES = (SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE, GROWTH_FILE)
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters and the bytes they stand for (GPT-2's bytes_to_unicode:
+    visible bytes as themselves, the others as characters from U+0100 up)."""
+    visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet, extra = {}, 0
+    for byte in range(256):
+        if byte in visible:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + extra)] = byte
+            extra += 1
+    return alphabet
+
+
+BYTE_LEVEL_ALPHABET = byte_level_alphabet()
 
 
 @dataclass(frozen=True)
@@ -126,7 +145,7 @@ class Vocabulary:
     special: SpecialTokens
     hash: str
     file: Path  # the tokenizer.json read (a local copy of a stored one)
-    companions: dict[str, str] = field(default_factory=dict)  # a checkpoint's: special_tokens.json, tokenizer_config.json
+    companions: dict[str, str] = field(default_factory=dict)  # a checkpoint's: special_tokens.json, tokenizer_config.json; a grown one's growth.json
 
     @property
     def chat_config(self) -> str | None:

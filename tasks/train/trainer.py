@@ -32,6 +32,7 @@ from tasks.lib.provenance import training_record
 from tasks.lib.step import log
 from tasks.lib.torchrun import malloc_in_use
 from tasks.lib.tracking import Tracker
+from tasks.lib.vocabulary_growth import Growth, grown_rows, growth_of
 from tasks.results import TrainResult
 from tasks.train.checkpoint import Checkpointer, CheckpointStore, list_complete
 from tasks.train.engines import Engine, build_engine, compile_blocks, compile_wanted, engine_class
@@ -362,12 +363,14 @@ def check_settings(settings: TrainSettings, env: parallel.Dist) -> None:
         raise StepError("train.engine deepspeed runs under torchrun (no WORLD_SIZE in the environment)")
 
 
-def initial_weights(uri: str, config: GPTConfig, tokenizer_hash: str, line: Line | None
+def initial_weights(uri: str, config: GPTConfig, tokenizer_hash: str, line: Line | None, growth: Growth | None
                     ) -> dict[str, torch.Tensor] | None:
     """The weights to start from: those of ``uri`` (``models:/NAME/VERSION`` or a train step's
     model folder) when its architecture and tokenizer are this run's, else None (logged): a
     changed preset or vocabulary starts from scratch rather than failing the retrain. A base
-    line's model must start from its weights: another tokenizer fails the step."""
+    line's model must start from its weights: another tokenizer fails the step. A tokenizer
+    grown from the model's (``growth``) starts from its weights with the embeddings (and an
+    untied head) grown by the new tokens' rows."""
     from tasks.lib.model_store import load_model_dir, load_version
 
     with storage.scratch() as scratch:
@@ -378,6 +381,8 @@ def initial_weights(uri: str, config: GPTConfig, tokenizer_hash: str, line: Line
             loaded = load_version(name, version)
         else:
             loaded = load_model_dir(uri, scratch)
+    if growth is not None and loaded.description["tokenizer_hash"] == growth.parent_hash:
+        return grown_weights(uri, loaded.model, config, growth)
     if loaded.model.config.layout != config.layout:
         log.warning("not starting from %s: it is a format %d model (%s layout) and this run trains the %s "
                     "layout (format %d): a new architecture starts from scratch", uri,
@@ -397,6 +402,21 @@ def initial_weights(uri: str, config: GPTConfig, tokenizer_hash: str, line: Line
                     loaded.description["tokenizer_hash"][:12], tokenizer_hash[:12])
         return None
     return loaded.model.state_dict()
+
+
+def grown_weights(uri: str, model: GPT, config: GPTConfig, growth: Growth) -> dict[str, torch.Tensor] | None:
+    """``model``'s weights with a row per token the run's tokenizer added to the model's (the
+    mean of its pieces' rows); None (logged) when the model is not this run's architecture."""
+    if dataclasses.replace(model.config, vocab_size=growth.vocab_size) != config:
+        log.warning("not starting from %s: its architecture %s grown to %d tokens is not this run's %s", uri,
+                    model.config.to_dict(), growth.vocab_size, config.to_dict())
+        return None
+    weights = model.state_dict()
+    weights["embed.weight"] = grown_rows(weights["embed.weight"], growth)
+    weights["head.weight"] = weights["embed.weight"] if config.tie_embeddings else grown_rows(weights["head.weight"], growth)
+    log.info("starting from %s with its vocabulary grown %d -> %d tokens (new rows: the mean of their pieces')", uri,
+             growth.first_id, growth.vocab_size)
+    return weights
 
 
 def seed_everything(seed: int) -> None:
@@ -440,7 +460,8 @@ def _train(settings: TrainSettings, env: parallel.Dist, run: TrainRun) -> TrainR
     gpt = GPT(config)
     # a resumed run takes its weights from the checkpoint: the starting point matters only once
     init_uri = init_from if settings.init_from == "champion" and latest is None else ""
-    start_weights = initial_weights(init_uri, config, train_split.tokenizer_hash, line) if init_uri else None
+    start_weights = (initial_weights(init_uri, config, train_split.tokenizer_hash, line,
+                                     growth_of(train_split.tokenizer_uri)) if init_uri else None)
     started_from = init_uri if start_weights is not None else None
     if start_weights is not None:
         gpt.load_state_dict(start_weights)

@@ -149,26 +149,30 @@ def test_a_retrain_answering_drift_learns_the_new_domain_and_checks_the_same_tra
     finally:  # the suite's champion serves again (a model of a newer window would have later
         # runs of older windows skip their deploys): the operator's rollback, a real path too
         restored = run_module("tasks.deploy", "rollback", "--target", champion)
-        assert restored.returncode == 0, restored.stderr[-2000:]
-    check_the_loop_closed(run, champion)
+    assert restored.returncode == 0, restored.stderr[-2000:]  # not in finally: it would hide the run's error
+    check_the_loop_closed(run, champion, xcom(retrain_run, "tokenizer")["vocab_size"])
 
 
-def check_the_loop_closed(run: Any, champion: str) -> None:
+def check_the_loop_closed(run: Any, champion: str, champion_vocab: int) -> None:
     states = ti_states(run)
     assert run.state == "success" and states["drift_recheck"] == "success", states
     assert xcom(run, "snapshot")["data_version"]["records"] > 0
     # judged on the drift before promotion: less surprised by the check's prompts than the champion
     drifted = xcom(run, "evaluate")["drifted"]
     assert drifted["prompts"] >= 50 and drifted["challenger_bits_per_byte"] < drifted["champion_bits_per_byte"], drifted
+    # the drift check found byte fallback and the run allows it: the champion's vocabulary grew
+    tokenizer = xcom(run, "tokenizer")
+    assert tokenizer["tokenizer_source"] == "grown" and tokenizer["vocab_size"] > champion_vocab, tokenizer
     loop = xcom(run, "drift_recheck")
     assert loop["champion_before"] == champion and loop["champion_after"] == xcom(run, "register")["version"], loop
     bounds = {b["bound"]: b for b in loop["bounds"]}
     assert list(bounds) == ["token distribution", "byte fallback", "surprise"], loop
     assert any(b["crossed_before"] for b in bounds.values()), loop  # the check found drift
-    # the new champion learnt the drifted domain: the same prompts surprise it far less
+    # the new champion learnt the drifted domain: the same prompts surprise it far less, and the
+    # letters the new days hold are tokens of its vocabulary now, not pairs of bytes
     assert bounds["surprise"]["after"] < bounds["surprise"]["before"], loop
-    # the vocabulary did not grow (the retrain kept the champion's tokenizer): a bound still
-    # crossed says why
+    assert bounds["byte fallback"]["crossed_before"] and not bounds["byte fallback"]["crossed_after"], loop
+    # a bound still crossed says why
     assert all(b["why"] for b in bounds.values() if b["crossed_after"]), loop
     assert loop["closed"] is (not any(b["crossed_after"] for b in bounds.values())), loop
     assert loop["heading"].startswith("Drift loop closed" if loop["closed"] else "Drift loop not closed"), loop

@@ -304,7 +304,7 @@ def test_a_setting_param_is_the_settings_default_and_reaches_its_steps_as_set(da
     from llm_retrain import RUN_SETTINGS
 
     settings = load()
-    steps = {"train": ["train"], "evaluate": ["evaluate"], "canary": ["deploy", "deploy_finish"]}
+    steps = {"tokenize": ["tokenizer"], "train": ["train"], "evaluate": ["evaluate"], "canary": ["deploy", "deploy_finish"]}
     defaults = {name: dag.params[name] for name in dag.params}
     for name, setting in RUN_SETTINGS.items():
         value: Any = settings

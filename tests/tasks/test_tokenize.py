@@ -158,3 +158,31 @@ def test_a_broken_snapshot_line_is_named(snapshot: Path, tokenizer_uri: str, tmp
     assert error_lines(proc) == [f"ERROR python -m tasks.tokenize: {tmp_path / 'snapshot.jsonl'}: line 4 is not a JSON record "
                                  "(Unterminated string starting at)"]
     assert not (tmp_path / "shard").exists()
+
+
+def test_only_a_drift_check_that_found_byte_fallback_grows_the_vocabulary(tmp_path: Path) -> None:
+    """tokenize.grow_vocabulary lets a retrain grow its champion's vocabulary only when the drift
+    check that started it found byte fallback; a champion of a Hugging Face base never grows."""
+    import dataclasses
+
+    from tasks.config import load
+    from tasks.tokenize import Production, growth_wanted
+
+    def drift_check(name: str, reasons: list[str]) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(
+            {"verdict": "drift", "reasons": reasons, "champion": "1", "clients": {}}))
+        return json.dumps({"drift_report": str(tmp_path / name / "report.html")})
+
+    fallback = drift_check("fallback", ["byte fallback: 61.0% of tokens", "surprise: 140x"])
+    surprise = drift_check("surprise", ["surprise: 3.5x the training text's"])
+    params = load(section="tokenize").tokenize
+    allowed = dataclasses.replace(params, grow_vocabulary=True)
+    ours, based = Production("models:/m/1", "s3://t/tokenizer.json", ""), Production("models:/m/1", "s3://t", "abc")
+    assert not params.grow_vocabulary  # off unless the line (or the run's Param) allows it
+    assert not growth_wanted(fallback, params, ours)
+    assert growth_wanted(fallback, allowed, ours)
+    assert not growth_wanted(surprise, allowed, ours)
+    assert not growth_wanted("", allowed, ours)  # a scheduled retrain keeps the vocabulary
+    with pytest.raises(StepError, match="descends from a Hugging Face base"):
+        growth_wanted(fallback, allowed, based)
