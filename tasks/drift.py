@@ -46,6 +46,7 @@ import argparse
 import base64
 import dataclasses
 import datetime as dt
+import hashlib
 import html
 import io
 import json
@@ -125,6 +126,12 @@ def distinct_prompts(records: list[dict[str, Any]]) -> tuple[list[str], list[fro
         client = record.get("client")
         asked.setdefault(record["prompt"], set()).add(client if isinstance(client, str) else UNKNOWN_CLIENT)
     return list(asked), [frozenset(clients) for clients in asked.values()]
+
+
+def held_out(prompt: str, fraction: float) -> bool:
+    """Whether a captured prompt is in the traffic's held-out slice, by its hash alone: the
+    snapshot that may train on the other prompts and the gate that judges on these agree."""
+    return tokens.split_of(hashlib.sha256(prompt.encode("utf-8")).hexdigest(), fraction) == "val"
 
 
 @dataclass
@@ -820,8 +827,8 @@ LOOP_FIGURES = (("token distribution", "js_excess_bits"), ("byte fallback", "byt
 STILL_CROSSED = {
     "token distribution": "the traffic's tokens still differ from the new training data's (the drifted domain "
                           "is one part of its mix, and the reference is that mix)",
-    "byte fallback": "the vocabulary did not grow (a retrain keeps its champion's tokenizer): characters it never "
-                     "merged still split into single bytes",
+    "byte fallback": "the vocabulary did not grow (a retrain keeps its champion's tokenizer unless "
+                     "tokenize.grow_vocabulary lets it grow): characters it never merged still split into single bytes",
     "surprise": "the new champion is still surprised by the traffic: too little of the drifted domain in its data, "
                 "or too few steps on it",
 }

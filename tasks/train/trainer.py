@@ -5,7 +5,8 @@
 Every start (first run, torchrun restart after a worker died, Airflow retry) resumes from the
 newest complete checkpoint (model, optimizer, step, data position). A retrain continues from the
 production model (``train.init_from: champion``) when it has this run's architecture and
-vocabulary; otherwise, or with ``init_from: scratch``, it starts from a random initialization.
+vocabulary (or the run's tokenizer grew from the champion's: its embeddings grow with it);
+otherwise, or with ``init_from: scratch``, it starts from a random initialization.
 """
 
 from __future__ import annotations
