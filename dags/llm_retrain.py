@@ -294,6 +294,8 @@ def retrain_dag(line: str, params: Settings) -> DAG:
                 "--mlflow-run-tag", MLFLOW_RUN_TAG,
                 "--lineage", "data_version=" + result(snapshot, "data_version", "tag"),
                 "--lineage", "data_content_hash=" + result(snapshot, "data_version", "content_hash"),
+                # captured prompts in that data version (snapshot.learn_from_traffic), 0 for none
+                "--lineage", "traffic_records=" + result(snapshot, "traffic_records"),
                 "--lineage", "data_end=" + END_DATE,
                 "--lineage", "dag_id={{ dag.dag_id }}",
                 "--lineage", "dag_run_id={{ run_id }}",

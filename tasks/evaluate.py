@@ -164,16 +164,18 @@ def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: E
     return reasons
 
 
-def drifted_prompts(drift_report: str, most: int) -> list[str]:
+def drifted_prompts(drift_report: str, most: int, heldout_fraction: float) -> list[str]:
     """The distinct prompts of the drift check's window (its report.json: window, captured
-    traffic) that the check read: at most ``most``, sampled as it sampled them."""
+    traffic) in its held-out slice (``drift.heldout_fraction``: no retrain trains on them): at
+    most ``most``, sampled as the check samples."""
     import datetime as dt
 
-    from tasks.drift import distinct_prompts, sampled, window_records
+    from tasks.drift import distinct_prompts, held_out, sampled, window_records
 
     checked = storage.read_json(storage.sibling(drift_report, "report.json"))
     start, end = (dt.datetime.fromisoformat(checked["window"][k]) for k in ("start", "end"))
     texts, _ = distinct_prompts(window_records(checked["served_uri"], start, end))
+    texts = [t for t in texts if held_out(t, heldout_fraction)]
     return [texts[i] for i in sampled(len(texts), most, end)]
 
 
@@ -215,9 +217,10 @@ def judge_drifted(figures: DriftedFigures) -> list[str]:
 def measure_drifted(drift_report: str, challenger: LoadedModel, champion: LoadedModel | None, drift: DriftSettings,
                     scratch: Path) -> DriftedFigures:
     """Both models on the prompts of the drift check that started the run."""
-    texts = drifted_prompts(drift_report, drift.max_prompts)
+    texts = drifted_prompts(drift_report, drift.max_prompts, drift.heldout_fraction)
     if not texts:
-        raise StepError(f"--trigger: the window of {drift_report} holds no captured prompt any more: nothing to "
+        raise StepError(f"--trigger: the window of {drift_report} holds no captured prompt in its held-out slice "
+                        f"(drift.heldout_fraction {drift.heldout_fraction:g}) any more: nothing to "
                         "judge the drift on")
 
     def surprise(model: LoadedModel) -> float:

@@ -31,6 +31,7 @@ from tasks.lib.tracking import find_dag_run
 from tasks.results import RegisterResult
 
 LINEAGE_KEYS = ("data_version", "data_content_hash", "data_end", "dag_id", "dag_run_id", "logical_date")
+OPTIONAL_LINEAGE_KEYS = ("traffic_records",)  # captured prompts in the data version (snapshot.learn_from_traffic)
 MAX_ALIAS_ATTEMPTS = 5
 
 
@@ -38,8 +39,9 @@ def parse_tags(items: list[str]) -> dict[str, str]:
     tags = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in LINEAGE_KEYS:
-            raise StepError(f"--lineage {item!r}: expected KEY=VALUE with KEY one of {', '.join(LINEAGE_KEYS)}")
+        if not sep or key not in LINEAGE_KEYS + OPTIONAL_LINEAGE_KEYS:
+            raise StepError(f"--lineage {item!r}: expected KEY=VALUE with KEY one of "
+                            f"{', '.join(LINEAGE_KEYS + OPTIONAL_LINEAGE_KEYS)}")
         tags[key] = value
     missing = [k for k in LINEAGE_KEYS if not tags.get(k)]
     if missing:

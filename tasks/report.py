@@ -142,7 +142,8 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
         "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "states": states,
         "errors": errors or {},
-        "data": {**(snap.get("data_version") or {}), "duplicates_removed": snap.get("duplicates_removed")},
+        "data": {**(snap.get("data_version") or {}), "duplicates_removed": snap.get("duplicates_removed"),
+                 "traffic_records": snap.get("traffic_records") or 0},
         "validation": {k: val.get(k) for k in ("success", "evaluated", "records", "report_uri")},
         "tokens": {**(merged.get("tokens") or {}), "tokens_per_s": merged.get("tokens_per_s"),
                    **{k: tokenizer.get(k) for k in ("vocab_size", "tokenizer_source", "tokenizer_uri")}},
@@ -220,7 +221,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lines += drift_loop_lines(report.get("drift_loop") or {})
     if data.get("tag"):
         lines.append(f"  data        {data['tag']}: {data.get('records')} records "
-                     f"({data.get('duplicates_removed')} duplicates dropped)")
+                     f"({data.get('duplicates_removed')} duplicates dropped"
+                     + (f"; {data['traffic_records']} of them captured prompts" if data.get("traffic_records") else "")
+                     + ")")
     if val.get("success") is not None:
         lines.append(f"  validation  passed {val.get('evaluated')} expectations on {val.get('records')} records "
                      f"(Data Docs: {val.get('report_uri')})")

@@ -79,6 +79,7 @@ class SnapshotResult:
     stats_uri: str
     data_version: DataVersionResult
     duplicates_removed: int
+    traffic_records: int = 0  # captured prompts trained on (snapshot.learn_from_traffic)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ the snapshot in the DVC registry by what it holds: ``data-<end date>-<N>d-<conte
 data get two tags instead of a conflict. Re-running a window gives the same content hash and
 reuses the tag. ``--restore TAG`` instead writes the snapshot of an existing data version, checked
 against its tag (a replay reads exactly what the model was trained on).
+
+A retrain the drift check started (``--trigger``) must have something new to learn: raw
+partitions from the champion's data end on, and/or (``snapshot.learn_from_traffic``) a sample of
+the captured prompts that check read, appended after the window's documents (:func:`traffic_sample`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,24 +40,81 @@ from tasks.results import DataVersionResult, SnapshotResult
 RUN_ID_FILE = "_RUN_ID"  # in the DAG run's storage folder: the run id it belongs to
 
 
-def collect(source: str, days: list[dt.date], max_record_bytes: int,
-            workdir: Path) -> tuple[records.DedupResult, dict[str, Any]]:
+@dataclass(frozen=True)
+class TrafficSample:
+    """The captured prompts a drift-started retrain may learn from, as raw records, and what
+    became of the others of the window."""
+
+    drift_report: str
+    records: tuple[dict[str, Any], ...]
+    prompts: int  # distinct prompts of the window
+    held_out: int  # in the gate's slice (drift.heldout_fraction): never trained on
+    dropped_length: int
+    dropped_text: int
+
+
+def readable(text: str) -> bool:
+    """Text worth learning: no broken characters, and letters for at least half of what is not space."""
+    if "\ufffd" in text or records.CONTROL_CHARS_RE.search(text):
+        return False
+    visible = [c for c in text if not c.isspace()]
+    return sum(c.isalpha() for c in visible) >= len(visible) / 2
+
+
+def traffic_sample(drift_report: str, params: SnapshotSettings, heldout_fraction: float) -> TrafficSample:
+    """The distinct captured prompts of the window the drift check read (its report.json), less
+    the held-out slice, scrubbed of personal data again (the capture scrubbed them when it wrote
+    them), normalized, within the length bounds and readable, in the order of their hash."""
+    from tasks.drift import distinct_prompts, held_out, window_records
+
+    checked = storage.read_json(storage.sibling(drift_report, "report.json"))
+    start, end = (dt.datetime.fromisoformat(checked["window"][k]) for k in ("start", "end"))
+    texts, _ = distinct_prompts(window_records(checked["served_uri"], start, end))
+    learnable = [t for t in texts if not held_out(t, heldout_fraction)]
+    cleaned = [records.normalize_text(records.scrub(t)) for t in learnable]
+    fitting = [t for t in cleaned if params.traffic_min_chars <= len(t) <= params.traffic_max_chars]
+    kept = sorted((t for t in fitting if readable(t)), key=records.content_hash)
+    rows = tuple({"id": f"traffic-{records.content_hash(t)[:16]}", "text": t, "source": f"traffic:{drift_report}",
+                  "created_at": end.isoformat()} for t in kept)
+    return TrafficSample(drift_report, rows, prompts=len(texts), held_out=len(texts) - len(learnable),
+                         dropped_length=len(cleaned) - len(fitting), dropped_text=len(fitting) - len(kept))
+
+
+def collect(source: str, days: list[dt.date], max_record_bytes: int, workdir: Path,
+            traffic: tuple[tuple[dict[str, Any], ...], float] = ((), 0.0)
+            ) -> tuple[records.DedupResult, dict[str, Any], dict[str, int]]:
     """The window's records, de-duplicated, and per partition (day): its files, its records and
-    how many of them repeat a text seen before in the window (validation judges each day too)."""
+    how many of them repeat a text seen before in the window (validation judges each day too).
+    ``traffic`` (records, most share of the text bytes) come after the documents: one that
+    repeats a document is dropped, and they stop at their share (counted apart from the days)."""
     files = records.partition_files(source, days)
     if not files:
         raise StepError(f"{source}: no partitions with data for {days[0]}..{days[-1]} (empty interval)")
     progress = Progress("snapshot read", len(files), "files")
     partitions = {day.isoformat(): {"files": 0, "records": 0, "repeated": 0} for day in days}
-    current: dict[str, int] = {}  # the counts of the partition being read
+    sampled = {"records": 0, "repeated": 0, "capped": 0, "bytes": 0}
+    current: dict[str, int] = {}  # the counts of the partition being read (or of the traffic)
+    document_bytes = 0
 
     def all_records() -> Iterator[dict[str, Any]]:
-        nonlocal current
+        nonlocal current, document_bytes
         for day, uri in files:
             current = partitions[day.isoformat()]
             current["files"] += 1
-            yield from records.parse_lines(uri, storage.read_bytes(uri), max_record_bytes)
+            for record in records.parse_lines(uri, storage.read_bytes(uri), max_record_bytes):
+                document_bytes += len(record["text"].encode("utf-8"))
+                yield record
             progress.update(1)
+        current = sampled
+        rows, share = traffic
+        budget = share / (1 - share) * document_bytes if rows else 0  # traffic / (documents + traffic) <= share
+        for row in rows:
+            size = len(row["text"].encode("utf-8"))
+            if sampled["bytes"] + size > budget:
+                sampled["capped"] += 1
+                continue
+            sampled["bytes"] += size
+            yield row
 
     def count(repeated: bool) -> None:  # called right after each record the generator yields
         current["records"] += 1
@@ -61,7 +123,7 @@ def collect(source: str, days: list[dt.date], max_record_bytes: int,
     result = records.normalize_and_dedup(all_records(), count, workdir)
     if not result.count:
         raise StepError(f"{source}: the interval {days[0]}..{days[-1]} holds no records (empty interval)")
-    return result, partitions
+    return result, partitions, sampled
 
 
 def write_snapshot(result: records.DedupResult, out_dir: Path) -> dict[str, Any]:
@@ -154,24 +216,44 @@ def restore(args: argparse.Namespace, params: SnapshotSettings) -> SnapshotResul
     return snapshot_result(args.output, version, int(stats.get("duplicates_removed", 0)))  # type: ignore[call-overload]
 
 
-def snapshot_result(output: str, version: DataVersion, duplicates_removed: int) -> SnapshotResult:
+def snapshot_result(output: str, version: DataVersion, duplicates_removed: int,
+                    traffic_records: int = 0) -> SnapshotResult:
     return SnapshotResult(
         snapshot_uri=storage.join(output, "snapshot.jsonl"),
         stats_uri=storage.join(output, "stats.json"),
         data_version=DataVersionResult(tag=version.tag, content_hash=version.content_hash, records=version.records,
                                        bytes=version.bytes, commit=version.commit, new=version.created),
         duplicates_removed=duplicates_removed,
+        traffic_records=traffic_records,
     )
 
 
+def traffic_stats(traffic: TrafficSample, sampled: dict[str, int]) -> dict[str, Any]:
+    """What the snapshot took of the captured prompts (stats.json, and so the data version)."""
+    return {"drift_report": traffic.drift_report, "prompts": traffic.prompts, "held_out": traffic.held_out,
+            "dropped_length": traffic.dropped_length, "dropped_text": traffic.dropped_text,
+            "duplicates": sampled["repeated"], "capped": sampled["capped"],
+            "trained": sampled["records"] - sampled["repeated"], "bytes": sampled["bytes"]}
+
+
+def traffic_line(stats: dict[str, Any]) -> str:
+    return (f"{stats['trained']} of {stats['prompts']} distinct prompts trained on ({stats['bytes']:,} bytes); "
+            f"{stats['held_out']} held out for the gate, {stats['dropped_length']} too short or long, "
+            f"{stats['dropped_text']} not readable text, {stats['duplicates']} repeating a document, "
+            f"{stats['capped']} past the share")
+
+
 def check_a_drift_retrain_has_new_data(trigger: dict[str, Any], source: str, days: list[dt.date],
-                                       model_name: str) -> None:
+                                       model_name: str, traffic: TrafficSample | None) -> None:
     """A retrain the drift check started (``trigger``: its raw data Asset event's extra) must learn
-    what the champion did not: raw partitions of the window from the day the champion's data ended
-    on. Without any, it would train on the data the champion saw (captured traffic is not part of
-    a retrain's data) and serve the drifted traffic no better: refused with one line, before
-    anything is written. A run something else started, or a champion without a data window, passes."""
+    what the champion did not: captured prompts of the check's window (``traffic``, where
+    snapshot.learn_from_traffic allows it), or raw partitions of the window from the day the
+    champion's data ended on. Without either, it would train on the data the champion saw and
+    serve the drifted traffic no better: refused with one line, before anything is written. A run
+    something else started, or a champion without a data window, passes."""
     if not trigger.get("drift_report") or not trigger.get("champion"):
+        return
+    if traffic is not None and traffic.records:
         return
     from tasks.lib.registry import data_end
 
@@ -182,8 +264,11 @@ def check_a_drift_retrain_has_new_data(trigger: dict[str, Any], source: str, day
     newer = [day for day in days if day >= dt.date.fromisoformat(end)]
     if not newer or not records.partition_files(source, newer):
         raise StepError(f"--trigger: this retrain was started by the drift check ({trigger['drift_report']}), but "
-                        f"{source} holds no partition from {end} on, after champion v{champion}'s data: nothing "
-                        "new to learn from (land data of the drifted domain, e.g. make import, then retrain)")
+                        f"{source} holds no partition from {end} on, after champion v{champion}'s data, and "
+                        + ("the captured prompts left none to learn from" if traffic is not None else
+                           "captured traffic is not training data (snapshot.learn_from_traffic)")
+                        + ": nothing new to learn from (land data of the drifted domain, e.g. make import, then "
+                        "retrain)")
 
 
 def main(args: argparse.Namespace) -> SnapshotResult:
@@ -200,13 +285,21 @@ def main(args: argparse.Namespace) -> SnapshotResult:
     days = records.interval_days(end, args.lookback_days or settings.pipeline.lookback_days)
     from tasks.drift import started_by
 
-    check_a_drift_retrain_has_new_data(started_by(args.trigger), args.source, days, settings.pipeline.model_name)
+    trigger = started_by(args.trigger)
+    traffic = (traffic_sample(trigger["drift_report"], params, settings.drift.heldout_fraction)
+               if trigger and params.learn_from_traffic else None)
+    check_a_drift_retrain_has_new_data(trigger, args.source, days, settings.pipeline.model_name, traffic)
     log.info("snapshot of %s for %s..%s", args.source, days[0], days[-1])
     with storage.scratch() as scratch, storage.staged_output(args.output) as out_dir:
-        result, partitions = collect(args.source, days, params.max_record_bytes, scratch / "dedup")
+        rows = traffic.records if traffic else ()
+        result, partitions, sampled = collect(args.source, days, params.max_record_bytes, scratch / "dedup",
+                                              (rows, params.traffic_max_share))
         stats = write_snapshot(result, out_dir)
         tag = data_tag(params.tag_prefix, logical, len(days), stats["content_hash"])
         stats.update(source=args.source, days=[d.isoformat() for d in days], tag=tag, partitions=partitions)
+        if traffic is not None:
+            stats["traffic"] = traffic_stats(traffic, sampled)
+            log.info("captured traffic of %s: %s", traffic.drift_report, traffic_line(stats["traffic"]))
         version = registry(params).commit_snapshot(tag, out_dir / "snapshot.jsonl", stats)
         stats["commit"] = version.commit
         (out_dir / "stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
@@ -214,7 +307,8 @@ def main(args: argparse.Namespace) -> SnapshotResult:
         "snapshot %s: %d records (%d duplicates removed), %.1f MB, content %s",
         tag, stats["records"], stats["duplicates_removed"], stats["bytes"] / 1e6, stats["content_hash"][:12],
     )
-    return snapshot_result(args.output, version, stats["duplicates_removed"])
+    return snapshot_result(args.output, version, stats["duplicates_removed"],
+                           stats["traffic"]["trained"] if traffic else 0)
 
 
 def parser() -> argparse.ArgumentParser:

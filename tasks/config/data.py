@@ -39,9 +39,25 @@ class SnapshotSettings:
     """Its S3 remote."""
     registry_git_remote: str
     """A git URL to clone/push the registry (cluster mode); empty: local only."""
+    learn_from_traffic: bool
+    """A retrain the drift check started also trains on the captured prompts of the window that
+    check read: scrubbed of personal data again, filtered by length and text, de-duplicated
+    against the window's documents, capped at traffic_max_share, never the held-out slice the
+    gate judges on (drift.heldout_fraction). Part of the data version (and so of the lineage).
+    Off: captured traffic is never training data."""
+    traffic_max_share: float
+    """Most share of the snapshot's text bytes the captured prompts may take."""
+    traffic_min_chars: int
+    """A shorter captured prompt is not trained on."""
+    traffic_max_chars: int
+    """A longer captured prompt is not trained on."""
 
     def __post_init__(self) -> None:
-        positive(self, "max_record_bytes")
+        positive(self, "max_record_bytes", "traffic_min_chars")
+        check(0 < self.traffic_max_share < 1, "traffic_max_share", self.traffic_max_share,
+              "expected a share in (0, 1)")
+        check(self.traffic_min_chars <= self.traffic_max_chars, "traffic_min_chars", self.traffic_min_chars,
+              "expected at most traffic_max_chars")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tasks.config.base import at_least_zero, fractions, positive
+from tasks.config.base import at_least_zero, check, fractions, positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +39,15 @@ class DriftSettings:
     """After drift started a retrain, no other for the same champion for this long."""
     state_uri: str
     """Where the last retrain the drift check started is recorded."""
+    heldout_fraction: float
+    """Of a window's distinct captured prompts (by prompt hash): never trained on
+    (snapshot.learn_from_traffic may train on the rest); the gate of a retrain the drift check
+    started judges the challenger on these."""
 
     def __post_init__(self) -> None:
         positive(self, "window_h", "min_prompts", "max_prompts", "reference_tokens", "null_samples",
                   "max_perplexity_ratio", "max_prompt_tokens", "min_clients")
         at_least_zero(self, "max_js_excess", "cooldown_h")
-        fractions(self, "max_byte_fallback_excess")
+        fractions(self, "max_byte_fallback_excess", "heldout_fraction")
+        check(self.heldout_fraction > 0, "heldout_fraction", self.heldout_fraction,
+              "expected a share above 0 (the gate judges a drift-started retrain on it)")

@@ -3,6 +3,7 @@ MLflow (tokenizer reuse). Each bad input ends in one clear error and nothing dow
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import os
@@ -219,11 +220,35 @@ def test_a_drift_retrain_without_data_newer_than_the_champions_is_refused(stack_
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert error_lines(refused) == [
         f"ERROR python -m tasks.snapshot: --trigger: this retrain was started by the drift check ({drift['drift_report']}), but {source} holds no "
-        f"partition from 2026-11-21 on, after champion v{champion}'s data: nothing new to learn from (land data of "
-        "the drifted domain, e.g. make import, then retrain)"]
+        f"partition from 2026-11-21 on, after champion v{champion}'s data, and captured traffic is not training "
+        "data (snapshot.learn_from_traffic): nothing new to learn from (land data of the drifted domain, e.g. make "
+        "import, then retrain)"]
     assert storage.list_files(output) == []
     for passing in ({}, {**drift, "champion": untagged}):  # not started by the drift check; no window to compare
         assert run(passing, out_uri("snapshot")).returncode == 0
+    # the line lets it learn from the check's captured prompts: they are its new data (on S3, as served)
+    served, report = f"{source}-served", f"{source}-drift/drift/report.html"
+    start = dt.datetime(2026, 11, 22, 9, tzinfo=dt.UTC)
+    asked = [f"служба номер {i} не отвечает на запрос клиента" for i in range(40)]
+    storage.write_bytes(f"{served}/date=2026-11-22/part-0.jsonl", "".join(
+        json.dumps({"time": (start + dt.timedelta(minutes=i)).isoformat(), "prompt": p, "client": f"c{i % 4}"}) + "\n"
+        for i, p in enumerate(asked)).encode())
+    storage.write_bytes(storage.sibling(report, "report.json"), json.dumps(
+        {"verdict": "drift", "served_uri": served, "window": {"start": start.isoformat(), "end": "2026-11-23T09:00:00+00:00"}}).encode())
+    learning = {**drift, "drift_report": report}
+    output = out_uri("snapshot")
+    learnt = run_module("tasks.snapshot", "--source", source, "--end-date", "2026-11-23", "--lookback-days", "5",
+                        "--output", output, "--trigger", json.dumps(learning), "--set", "learn_from_traffic=true",
+                        "--set", "traffic_max_share=0.5", env=env)
+    assert learnt.returncode == 0, learnt.stderr[-2000:]
+    assert step_result(learnt)["traffic_records"] > 0
+    stats = storage.read_json(storage.join(output, "stats.json"))["traffic"]
+    assert stats["prompts"] == 40 and stats["trained"] == step_result(learnt)["traffic_records"], stats
+    assert stats["trained"] + stats["held_out"] + stats["capped"] + stats["duplicates"] == 40, stats
+    nothing = run_module("tasks.snapshot", "--source", source, "--end-date", "2026-11-23", "--lookback-days", "5",
+                         "--output", out_uri("snapshot"), "--trigger", json.dumps(learning), "--set",
+                         "learn_from_traffic=true", "--set", "traffic_min_chars=1000", env=env)
+    assert nothing.returncode == 2 and "the captured prompts left none to learn from" in error_lines(nothing)[0]
     write_partition(source, "2026-11-22", rows.replace("text number", "new text number").encode())
     assert run(drift, out_uri("snapshot")).returncode == 0
 
