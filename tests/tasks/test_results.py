@@ -45,9 +45,10 @@ def round_trip(value: Any) -> dict[str, Any]:
 
 def test_a_snapshot_nests_its_data_version() -> None:
     result = SnapshotResult("s3://b/snap/snapshot.jsonl", "s3://b/snap/stats.json",
-                            DataVersionResult("data-2026-11-22-7d-abc", "abc" * 8, 120, 4096, "f00d", True), 3)
+                            DataVersionResult("data-2026-11-22-7d-abc", "abc" * 8, 120, 4096, "f00d", True), 3, 7)
     assert round_trip(result) == {
         "snapshot_uri": "s3://b/snap/snapshot.jsonl", "stats_uri": "s3://b/snap/stats.json", "duplicates_removed": 3,
+        "traffic_records": 7,
         "data_version": {"tag": "data-2026-11-22-7d-abc", "content_hash": "abc" * 8, "records": 120, "bytes": 4096,
                          "commit": "f00d", "new": True}}
 
