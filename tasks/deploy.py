@@ -553,25 +553,47 @@ def log_step(result: StepResult, traffic: StepTraffic) -> None:
              "pass" if result.passed else "; ".join(result.failed))
 
 
-def covered_generations(reference: dict[str, Any], first_new_id: int) -> dict[str, Any]:
-    """The export's reference with only the text prompts whose prompt and continuation lie
-    within the ids below ``first_new_id``: text a version of the older vocabulary reads and
-    writes token for token the same way. All of them when none does (logged)."""
+def covered_inputs(reference: dict[str, Any], first_new_id: int) -> tuple[list[Any], list[list[int]]]:
+    """The reference's logits inputs cut before their first id of ``first_new_id`` or above (a
+    causal model's next tokens before it do not change), with their next tokens; a window that
+    starts with such an id is left out."""
+    inputs, next_tokens = [], []
+    for ids, expected in zip(reference["inputs"], reference["next_tokens"], strict=True):
+        window = np.asarray(ids, dtype=np.int64)
+        new = np.flatnonzero(window.reshape(-1) >= first_new_id)
+        cut = int(new[0]) if len(new) else window.shape[-1]
+        if cut:
+            inputs.append(window[..., :cut].tolist())
+            next_tokens.append(list(expected)[:cut])
+    return inputs, next_tokens
+
+
+def covered_reference(reference: dict[str, Any], first_new_id: int) -> dict[str, Any]:
+    """The export's reference within the ids below ``first_new_id`` (a version of the older
+    vocabulary reads and writes it token for token the same way): its logits inputs cut before a
+    new id (stable is sent them too: it has no row for one), and only the text prompts whose
+    prompt and continuation lie within (all of them when none does, logged: the text is judged
+    against the new version's own reference either way)."""
+    inputs, next_tokens = covered_inputs(reference, first_new_id)
+    if not inputs:
+        raise StepError(f"every logits input of the export's reference starts with a token id of {first_new_id} or "
+                        "above, which stable's vocabulary lacks: the canary cannot send both versions the same "
+                        "requests (export with held-out text the old vocabulary covers)")
     generations = reference.get("generations", [])
     covered = [g for g in generations if max([*g["prompt_ids"], *g["tokens"]], default=0) < first_new_id]
     if not covered:
         log.warning("none of the %d reference prompts lies within stable's vocabulary: the canary compares text "
                     "on all of them", len(generations))
-        return reference
-    log.info("the vocabulary grew from stable's: the canary compares text on the %d of %d reference prompts the "
-             "old vocabulary covers", len(covered), len(generations))
-    return {**reference, "generations": covered}
+    log.info("the vocabulary grew from stable's: the canary compares the versions on %d of %d reference prompts "
+             "and %d logits inputs within the old vocabulary", len(covered or generations), len(generations),
+             len(inputs))
+    return {**reference, "inputs": inputs, "next_tokens": next_tokens, "generations": covered or generations}
 
 
 def comparable_text(reference: dict[str, Any], name: str, stable: int, version: int) -> dict[str, Any]:
     """The reference the rollout compares ``version`` to ``stable`` on: when its tokenizer grew
-    from stable's (tasks/lib/vocabulary_growth.py), the prompts the old vocabulary covers
-    (:func:`covered_generations`); else all of them."""
+    from stable's (tasks/lib/vocabulary_growth.py), what the old vocabulary covers
+    (:func:`covered_reference`); else all of it."""
     from tasks.lib.registry import model_version
     from tasks.lib.vocabulary_growth import growth_of
 
@@ -581,7 +603,7 @@ def comparable_text(reference: dict[str, Any], name: str, stable: int, version: 
     growth = growth_of(new["tokenizer_uri"])
     if growth is None or growth.parent_hash != old.get("tokenizer_hash"):
         return reference
-    return covered_generations(reference, growth.first_id)
+    return covered_reference(reference, growth.first_id)
 
 
 def run_canary(args: argparse.Namespace, settings: Settings, serving: Serving, scratch: Path) -> CanaryReport:
@@ -602,9 +624,9 @@ def run_canary(args: argparse.Namespace, settings: Settings, serving: Serving, s
     approval = settings.canary.approval
     report = CanaryReport(stable=live.stable, canary=version,
                           approval=Approval(enabled=approval.active, hold_before=approval.hold_before))
-    serving.prepare(live.stable, version)
-    if live.stable is not None:
+    if live.stable is not None:  # before any pod or model is started: a failure here leaves nothing behind
         reference = comparable_text(reference, settings.pipeline.model_name, live.stable, version)
+    serving.prepare(live.stable, version)
     rollout = Rollout(serving, settings, reference, report, hold=approval.active)
     return rollout.roll_out(rollout.plan.start())
 

@@ -130,8 +130,11 @@ def distinct_prompts(records: list[dict[str, Any]]) -> tuple[list[str], list[fro
 
 def held_out(prompt: str, fraction: float) -> bool:
     """Whether a captured prompt is in the traffic's held-out slice, by its hash alone: the
-    snapshot that may train on the other prompts and the gate that judges on these agree."""
-    return tokens.split_of(hashlib.sha256(prompt.encode("utf-8")).hexdigest(), fraction) == "val"
+    snapshot that may train on the other prompts and the gate that judges on these agree. The
+    hash is salted: unsalted it would be the train/val split's (a document's content hash), and
+    no prompt trained on could land in the validation split."""
+    digest = hashlib.sha256(b"heldout\0" + prompt.encode("utf-8")).hexdigest()
+    return tokens.split_of(digest, fraction) == "val"
 
 
 @dataclass

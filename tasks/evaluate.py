@@ -38,7 +38,7 @@ import torch
 from tasks.config import DriftSettings, EvaluateSettings, SuiteSettings
 from tasks.contract import to_json
 from tasks.lib import storage, tokens
-from tasks.lib.data import open_split
+from tasks.lib.data import TokenSplit, open_split
 from tasks.lib.errors import GateRejected, StepError
 from tasks.lib.harness import TaskScore, paired_difference, run_suite, task_manager
 from tasks.lib.hf_checkpoint import NotLlama, write_checkpoint
@@ -166,8 +166,8 @@ def judge(challenger: dict[str, Any], champion: dict[str, Any] | None, params: E
 
 def drifted_prompts(drift_report: str, most: int, heldout_fraction: float) -> list[str]:
     """The distinct prompts of the drift check's window (its report.json: window, captured
-    traffic) in its held-out slice (``drift.heldout_fraction``: no retrain trains on them): at
-    most ``most``, sampled as the check samples."""
+    traffic) in its held-out slice (``heldout_fraction``: a retrain that learns from captured
+    traffic never trains on them; 1: every prompt): at most ``most``, sampled as the check samples."""
     import datetime as dt
 
     from tasks.drift import distinct_prompts, held_out, sampled, window_records
@@ -214,14 +214,24 @@ def judge_drifted(figures: DriftedFigures) -> list[str]:
             "did not learn what the drift check found"]
 
 
+def drift_slice(drift: DriftSettings, val: TokenSplit) -> DriftSettings:
+    """The drift settings the gate judges on: when the run's snapshot trained on captured prompts
+    (its stats.json's ``traffic``, snapshot.learn_from_traffic), the window's held-out slice
+    alone (``drift.heldout_fraction``); else every prompt of the window (fraction 1)."""
+    snapshot = val.index.get("snapshot_uri")
+    stats = storage.sibling(snapshot, "stats.json") if snapshot else ""
+    trained = bool(stats and storage.exists(stats) and (storage.read_json(stats).get("traffic") or {}).get("trained"))
+    return drift if trained else replace(drift, heldout_fraction=1.0)
+
+
 def measure_drifted(drift_report: str, challenger: LoadedModel, champion: LoadedModel | None, drift: DriftSettings,
                     scratch: Path) -> DriftedFigures:
     """Both models on the prompts of the drift check that started the run."""
     texts = drifted_prompts(drift_report, drift.max_prompts, drift.heldout_fraction)
     if not texts:
-        raise StepError(f"--trigger: the window of {drift_report} holds no captured prompt in its held-out slice "
-                        f"(drift.heldout_fraction {drift.heldout_fraction:g}) any more: nothing to "
-                        "judge the drift on")
+        where = "" if drift.heldout_fraction >= 1 else f" in its held-out slice (drift.heldout_fraction {drift.heldout_fraction:g})"
+        raise StepError(f"--trigger: the window of {drift_report} holds no captured prompt{where} any more: nothing "
+                        "to judge the drift on")
 
     def surprise(model: LoadedModel) -> float:
         return prompt_bits_per_byte(model, texts, drift.max_prompt_tokens, scratch)
@@ -328,7 +338,7 @@ def main(args: argparse.Namespace) -> EvaluateResult:
         task_reasons, task_figures = evaluate_tasks(challenger_model, champion_model, params.suite, scratch)
         reasons += task_reasons
         drifted = None if not trigger else measure_drifted(str(trigger["drift_report"]), challenger_model,
-                                                            champion_model, settings.drift, scratch)
+                                                            champion_model, drift_slice(settings.drift, val), scratch)
         reasons += judge_drifted(drifted) if drifted else []
         judged = EvaluateResult(
             passed=not reasons,

@@ -222,7 +222,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if data.get("tag"):
         lines.append(f"  data        {data['tag']}: {data.get('records')} records "
                      f"({data.get('duplicates_removed')} duplicates dropped"
-                     + (f"; {data['traffic_records']} of them captured prompts" if data.get("traffic_records") else "")
+                     + (f"; {data['traffic_records']} captured prompts among the records trained on"
+                        if data.get("traffic_records") else "")
                      + ")")
     if val.get("success") is not None:
         lines.append(f"  validation  passed {val.get('evaluated')} expectations on {val.get('records')} records "

@@ -48,7 +48,7 @@ class TrafficSample:
     drift_report: str
     records: tuple[dict[str, Any], ...]
     prompts: int  # distinct prompts of the window
-    held_out: int  # in the gate's slice (drift.heldout_fraction): never trained on
+    held_out: int  # in the gate's slice (drift.heldout_fraction), or one of its prompts once cleaned: never trained on
     dropped_length: int
     dropped_text: int
 
@@ -70,13 +70,19 @@ def traffic_sample(drift_report: str, params: SnapshotSettings, heldout_fraction
     checked = storage.read_json(storage.sibling(drift_report, "report.json"))
     start, end = (dt.datetime.fromisoformat(checked["window"][k]) for k in ("start", "end"))
     texts, _ = distinct_prompts(window_records(checked["served_uri"], start, end))
+    def clean(text: str) -> str:
+        return records.normalize_text(records.scrub(text))
+
     learnable = [t for t in texts if not held_out(t, heldout_fraction)]
-    cleaned = [records.normalize_text(records.scrub(t)) for t in learnable]
+    # a prompt that reads as a held-out one once cleaned (other personal data, other spaces) is
+    # that prompt: not trained on either
+    judged = {clean(t) for t in texts if held_out(t, heldout_fraction)}
+    cleaned = [c for c in map(clean, learnable) if c not in judged]
     fitting = [t for t in cleaned if params.traffic_min_chars <= len(t) <= params.traffic_max_chars]
     kept = sorted((t for t in fitting if readable(t)), key=records.content_hash)
     rows = tuple({"id": f"traffic-{records.content_hash(t)[:16]}", "text": t, "source": f"traffic:{drift_report}",
                   "created_at": end.isoformat()} for t in kept)
-    return TrafficSample(drift_report, rows, prompts=len(texts), held_out=len(texts) - len(learnable),
+    return TrafficSample(drift_report, rows, prompts=len(texts), held_out=len(texts) - len(cleaned),
                          dropped_length=len(cleaned) - len(fitting), dropped_text=len(fitting) - len(kept))
 
 
@@ -93,34 +99,37 @@ def collect(source: str, days: list[dt.date], max_record_bytes: int, workdir: Pa
     progress = Progress("snapshot read", len(files), "files")
     partitions = {day.isoformat(): {"files": 0, "records": 0, "repeated": 0} for day in days}
     sampled = {"records": 0, "repeated": 0, "capped": 0, "bytes": 0}
+    kept_bytes = {"documents": 0, "traffic": 0}  # of the records kept (not repeats)
     current: dict[str, int] = {}  # the counts of the partition being read (or of the traffic)
-    document_bytes = 0
+    size, kind = 0, "documents"  # of the record just yielded
 
     def all_records() -> Iterator[dict[str, Any]]:
-        nonlocal current, document_bytes
+        nonlocal current, size, kind
         for day, uri in files:
             current = partitions[day.isoformat()]
             current["files"] += 1
             for record in records.parse_lines(uri, storage.read_bytes(uri), max_record_bytes):
-                document_bytes += len(record["text"].encode("utf-8"))
+                size = len(record["text"].encode("utf-8"))
                 yield record
             progress.update(1)
-        current = sampled
+        current, kind = sampled, "traffic"
         rows, share = traffic
-        budget = share / (1 - share) * document_bytes if rows else 0  # traffic / (documents + traffic) <= share
+        budget = share / (1 - share) * kept_bytes["documents"]  # traffic / (documents + traffic) <= share
         for row in rows:
             size = len(row["text"].encode("utf-8"))
-            if sampled["bytes"] + size > budget:
+            if kept_bytes["traffic"] + size > budget:
                 sampled["capped"] += 1
                 continue
-            sampled["bytes"] += size
             yield row
 
     def count(repeated: bool) -> None:  # called right after each record the generator yields
         current["records"] += 1
         current["repeated"] += repeated
+        if not repeated:
+            kept_bytes[kind] += size
 
     result = records.normalize_and_dedup(all_records(), count, workdir)
+    sampled["bytes"] = kept_bytes["traffic"]
     if not result.count:
         raise StepError(f"{source}: the interval {days[0]}..{days[-1]} holds no records (empty interval)")
     return result, partitions, sampled
@@ -213,7 +222,9 @@ def restore(args: argparse.Namespace, params: SnapshotSettings) -> SnapshotResul
         np.save(out_dir / "snapshot.offsets.npy", offsets)
         (out_dir / "stats.json").write_text(json.dumps({**stats, "commit": version.commit}, indent=1, sort_keys=True))
     log.info("restored data version %s: %d records, content %s", version.tag, count, content_hash[:12])
-    return snapshot_result(args.output, version, int(stats.get("duplicates_removed", 0)))  # type: ignore[call-overload]
+    traffic: dict[str, Any] = stats.get("traffic") or {}  # type: ignore[assignment]
+    return snapshot_result(args.output, version, int(stats.get("duplicates_removed", 0)),  # type: ignore[call-overload]
+                           int(traffic.get("trained", 0)))
 
 
 def snapshot_result(output: str, version: DataVersion, duplicates_removed: int,
@@ -243,32 +254,39 @@ def traffic_line(stats: dict[str, Any]) -> str:
             f"{stats['capped']} past the share")
 
 
+def nothing_new(trigger: dict[str, Any], source: str, end: str, traffic: TrafficSample | None) -> StepError:
+    why = ("captured traffic is not training data (snapshot.learn_from_traffic)" if traffic is None else
+           "the captured prompts left none to learn from (held out, too short or long, not text, repeating a "
+           "document, or past snapshot.traffic_max_share)")
+    return StepError(f"--trigger: this retrain was started by the drift check ({trigger['drift_report']}), but "
+                     f"{source} holds no partition from {end} on, after champion v{trigger['champion']}'s data, and "
+                     f"{why}: nothing new to learn from (land data of the drifted domain, e.g. make import, then "
+                     "retrain)")
+
+
 def check_a_drift_retrain_has_new_data(trigger: dict[str, Any], source: str, days: list[dt.date],
-                                       model_name: str, traffic: TrafficSample | None) -> None:
+                                       model_name: str, traffic: TrafficSample | None) -> str | None:
     """A retrain the drift check started (``trigger``: its raw data Asset event's extra) must learn
-    what the champion did not: captured prompts of the check's window (``traffic``, where
-    snapshot.learn_from_traffic allows it), or raw partitions of the window from the day the
-    champion's data ended on. Without either, it would train on the data the champion saw and
-    serve the drifted traffic no better: refused with one line, before anything is written. A run
-    something else started, or a champion without a data window, passes."""
+    what the champion did not: raw partitions of the window from the day the champion's data ended
+    on, or captured prompts of the check's window (``traffic``, where snapshot.learn_from_traffic
+    allows it). Without either, it would train on the data the champion saw and serve the drifted
+    traffic no better: refused with one line, before anything is written. The champion's data end
+    when the captured prompts are all it has that is new (the snapshot then checks that some are
+    kept: :func:`nothing_new`); None otherwise. A run something else started, or a champion
+    without a data window, passes."""
     if not trigger.get("drift_report") or not trigger.get("champion"):
-        return
-    if traffic is not None and traffic.records:
-        return
+        return None
     from tasks.lib.registry import data_end
 
-    champion = str(trigger["champion"])
-    end = data_end(model_name, champion)
+    end = data_end(model_name, str(trigger["champion"]))
     if end is None:
-        return
+        return None
     newer = [day for day in days if day >= dt.date.fromisoformat(end)]
-    if not newer or not records.partition_files(source, newer):
-        raise StepError(f"--trigger: this retrain was started by the drift check ({trigger['drift_report']}), but "
-                        f"{source} holds no partition from {end} on, after champion v{champion}'s data, and "
-                        + ("the captured prompts left none to learn from" if traffic is not None else
-                           "captured traffic is not training data (snapshot.learn_from_traffic)")
-                        + ": nothing new to learn from (land data of the drifted domain, e.g. make import, then "
-                        "retrain)")
+    if newer and records.partition_files(source, newer):
+        return None
+    if traffic is not None and traffic.records:
+        return end
+    raise nothing_new(trigger, source, end, traffic)
 
 
 def main(args: argparse.Namespace) -> SnapshotResult:
@@ -288,12 +306,14 @@ def main(args: argparse.Namespace) -> SnapshotResult:
     trigger = started_by(args.trigger)
     traffic = (traffic_sample(trigger["drift_report"], params, settings.drift.heldout_fraction)
                if trigger and params.learn_from_traffic else None)
-    check_a_drift_retrain_has_new_data(trigger, args.source, days, settings.pipeline.model_name, traffic)
+    only_traffic = check_a_drift_retrain_has_new_data(trigger, args.source, days, settings.pipeline.model_name, traffic)
     log.info("snapshot of %s for %s..%s", args.source, days[0], days[-1])
     with storage.scratch() as scratch, storage.staged_output(args.output) as out_dir:
         rows = traffic.records if traffic else ()
         result, partitions, sampled = collect(args.source, days, params.max_record_bytes, scratch / "dedup",
                                               (rows, params.traffic_max_share))
+        if only_traffic and sampled["records"] == sampled["repeated"]:
+            raise nothing_new(trigger, args.source, only_traffic, traffic)  # nothing committed
         stats = write_snapshot(result, out_dir)
         tag = data_tag(params.tag_prefix, logical, len(days), stats["content_hash"])
         stats.update(source=args.source, days=[d.isoformat() for d in days], tag=tag, partitions=partitions)

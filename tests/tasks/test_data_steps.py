@@ -245,10 +245,14 @@ def test_a_drift_retrain_without_data_newer_than_the_champions_is_refused(stack_
     stats = storage.read_json(storage.join(output, "stats.json"))["traffic"]
     assert stats["prompts"] == 40 and stats["trained"] == step_result(learnt)["traffic_records"], stats
     assert stats["trained"] + stats["held_out"] + stats["capped"] + stats["duplicates"] == 40, stats
-    nothing = run_module("tasks.snapshot", "--source", source, "--end-date", "2026-11-23", "--lookback-days", "5",
-                         "--output", out_uri("snapshot"), "--trigger", json.dumps(learning), "--set",
-                         "learn_from_traffic=true", "--set", "traffic_min_chars=1000", env=env)
-    assert nothing.returncode == 2 and "the captured prompts left none to learn from" in error_lines(nothing)[0]
+    # none left by the filters (checked first), or none within the share (checked once the documents are read)
+    for limit in ("traffic_min_chars=1000", "traffic_max_share=0.0001"):
+        output = out_uri("snapshot")
+        nothing = run_module("tasks.snapshot", "--source", source, "--end-date", "2026-11-23", "--lookback-days",
+                             "5", "--output", output, "--trigger", json.dumps(learning), "--set",
+                             "learn_from_traffic=true", "--set", limit, env=env)
+        assert nothing.returncode == 2 and "the captured prompts left none to learn from" in error_lines(nothing)[0]
+        assert storage.list_files(output) == []
     write_partition(source, "2026-11-22", rows.replace("text number", "new text number").encode())
     assert run(drift, out_uri("snapshot")).returncode == 0
 

@@ -16,7 +16,7 @@ from tasks.drift import held_out
 from tasks.evaluate import drifted_prompts
 from tasks.lib import records
 from tasks.seed import documents, transliterate
-from tasks.snapshot import TrafficSample, check_a_drift_retrain_has_new_data, collect, traffic_sample
+from tasks.snapshot import collect, traffic_sample
 
 START = dt.datetime(2026, 11, 23, 10, tzinfo=dt.UTC)
 DAY = dt.date(2026, 11, 22)
@@ -90,19 +90,11 @@ def test_the_snapshot_takes_traffic_after_the_documents_within_its_share(tmp_pat
         assert taken["records"] + taken["capped"] == len(sample.records)
         # a prompt that repeats a document is not a second copy of it
         assert not {r["text"] for r in traffic} & {records.normalize_text(t) for t in texts[:300]}
+        assert taken["bytes"] == sum(len(r["text"].encode()) for r in traffic)  # what was kept, not what was offered
         assert taken["bytes"] <= share / (1 - share) * documents_bytes
         is_traffic = [r["source"].startswith("traffic:") for r in kept]
         assert is_traffic == sorted(is_traffic)  # after every document
     assert taken["capped"] == 0 and taken["repeated"] > 0  # at half, every prompt fits: the repeated ones dropped
-
-
-def test_a_drift_retrain_with_prompts_to_learn_needs_no_new_partition() -> None:
-    trigger = {"drift_report": "s3://d/drift/report.html", "champion": "3"}
-    row = {"id": "traffic-1", "text": "x" * 30, "source": "traffic:s3://d", "created_at": "2026-11-23"}
-    sample = TrafficSample("s3://d/drift/report.html", (row,), 2, 1, 0, 0)
-    # with prompts to learn from, the registry (the champion's data end) is not even asked
-    check_a_drift_retrain_has_new_data(trigger, "s3://nowhere", [DAY], "no-such-model", sample)
-    check_a_drift_retrain_has_new_data({}, "s3://nowhere", [DAY], "no-such-model", None)  # not drift-started
 
 
 def test_settings_bound_the_share_and_the_held_out_slice() -> None:

@@ -150,13 +150,19 @@ def test_warm_start_grows_the_champions_embeddings(tmp_path: Path, tied: bool) -
                            growth) is None
 
 
-def test_a_canary_of_a_grown_vocabulary_compares_text_the_old_one_covers() -> None:
-    from tasks.deploy import covered_generations
+def test_a_canary_of_a_grown_vocabulary_compares_what_the_old_one_covers() -> None:
+    """Stable is sent the same logits inputs (cut before their first new id: it has no row for
+    one) and its text compared on the prompts within the old vocabulary."""
+    from tasks.deploy import covered_reference
 
-    reference = {"inputs": [[1, 2]], "generations": [
-        {"prompt": "old", "prompt_ids": [5, 6], "tokens": [7, 8]},
-        {"prompt": "new prompt", "prompt_ids": [5, 41], "tokens": [7]},
-        {"prompt": "new answer", "prompt_ids": [5], "tokens": [40]}]}
-    kept = covered_generations(reference, 40)
-    assert [g["prompt"] for g in kept["generations"]] == ["old"] and kept["inputs"] == reference["inputs"]
-    assert covered_generations(reference, 5) == reference  # none covered: compared on all, not on none
+    reference = {"inputs": [[[1, 2, 3]], [[4, 41, 5]], [[40, 6]]], "next_tokens": [[7, 8, 9], [10, 11, 12], [13, 14]],
+                 "generations": [{"prompt": "old", "prompt_ids": [5, 6], "tokens": [7, 8]},
+                                 {"prompt": "new prompt", "prompt_ids": [5, 41], "tokens": [7]},
+                                 {"prompt": "new answer", "prompt_ids": [5], "tokens": [40]}]}
+    kept = covered_reference(reference, 40)
+    assert kept["inputs"] == [[[1, 2, 3]], [[4]]] and kept["next_tokens"] == [[7, 8, 9], [10]]
+    assert [g["prompt"] for g in kept["generations"]] == ["old"]
+    # no prompt covered: the text is still judged (against the new version's own reference) on all
+    assert covered_reference(reference, 5)["generations"] == reference["generations"]
+    with pytest.raises(StepError, match="cannot send both versions the same requests"):
+        covered_reference(reference, 1)
