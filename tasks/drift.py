@@ -128,6 +128,15 @@ def distinct_prompts(records: list[dict[str, Any]]) -> tuple[list[str], list[fro
     return list(asked), [frozenset(clients) for clients in asked.values()]
 
 
+def checked_prompts(drift_report: str) -> tuple[list[str], dt.datetime]:
+    """The distinct captured prompts of the window a drift check read (its report.json beside
+    ``drift_report``: window, captured traffic), and the window's end."""
+    checked = storage.read_json(storage.sibling(drift_report, "report.json"))
+    start, end = (dt.datetime.fromisoformat(checked["window"][k]) for k in ("start", "end"))
+    texts, _ = distinct_prompts(window_records(checked["served_uri"], start, end))
+    return texts, end
+
+
 def held_out(prompt: str, fraction: float) -> bool:
     """Whether a captured prompt is in the traffic's held-out slice, by its hash alone: the
     snapshot that may train on the other prompts and the gate that judges on these agree. The

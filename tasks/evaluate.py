@@ -168,14 +168,10 @@ def drifted_prompts(drift_report: str, most: int, heldout_fraction: float) -> li
     """The distinct prompts of the drift check's window (its report.json: window, captured
     traffic) in its held-out slice (``heldout_fraction``: a retrain that learns from captured
     traffic never trains on them; 1: every prompt): at most ``most``, sampled as the check samples."""
-    import datetime as dt
+    from tasks.drift import checked_prompts, held_out, sampled
 
-    from tasks.drift import distinct_prompts, held_out, sampled, window_records
-
-    checked = storage.read_json(storage.sibling(drift_report, "report.json"))
-    start, end = (dt.datetime.fromisoformat(checked["window"][k]) for k in ("start", "end"))
-    texts, _ = distinct_prompts(window_records(checked["served_uri"], start, end))
-    texts = [t for t in texts if held_out(t, heldout_fraction)]
+    every, end = checked_prompts(drift_report)
+    texts = [t for t in every if held_out(t, heldout_fraction)]
     return [texts[i] for i in sampled(len(texts), most, end)]
 
 

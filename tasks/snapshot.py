@@ -65,19 +65,17 @@ def traffic_sample(drift_report: str, params: SnapshotSettings, heldout_fraction
     """The distinct captured prompts of the window the drift check read (its report.json), less
     the held-out slice, scrubbed of personal data again (the capture scrubbed them when it wrote
     them), normalized, within the length bounds and readable, in the order of their hash."""
-    from tasks.drift import distinct_prompts, held_out, window_records
+    from tasks.drift import checked_prompts, held_out
 
-    checked = storage.read_json(storage.sibling(drift_report, "report.json"))
-    start, end = (dt.datetime.fromisoformat(checked["window"][k]) for k in ("start", "end"))
-    texts, _ = distinct_prompts(window_records(checked["served_uri"], start, end))
     def clean(text: str) -> str:
         return records.normalize_text(records.scrub(text))
 
-    learnable = [t for t in texts if not held_out(t, heldout_fraction)]
+    texts, end = checked_prompts(drift_report)
+    slice_of = {t: held_out(t, heldout_fraction) for t in texts}
     # a prompt that reads as a held-out one once cleaned (other personal data, other spaces) is
     # that prompt: not trained on either
-    judged = {clean(t) for t in texts if held_out(t, heldout_fraction)}
-    cleaned = [c for c in map(clean, learnable) if c not in judged]
+    judged = {clean(t) for t in texts if slice_of[t]}
+    cleaned = [c for c in (clean(t) for t in texts if not slice_of[t]) if c not in judged]
     fitting = [t for t in cleaned if params.traffic_min_chars <= len(t) <= params.traffic_max_chars]
     kept = sorted((t for t in fitting if readable(t)), key=records.content_hash)
     rows = tuple({"id": f"traffic-{records.content_hash(t)[:16]}", "text": t, "source": f"traffic:{drift_report}",
