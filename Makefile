@@ -29,7 +29,7 @@ ON_LINE := PIPELINE_LINE=$(LINE)
 # one setting of the line (its DAG id, its raw data), read when a recipe runs
 SETTING = $$($(ON_LINE) $(RT_PY) -m tasks.config --get $(1))
 # the targets that run the demo line only refuse a LINE
-DEMO_ONLY = @test -z "$(LINE)" || { echo "make $@ runs the demo line; LINE= is for retrain, import, replay and report" >&2; exit 2; }
+DEMO_ONLY = @test -z "$(LINE)" || { echo "make $@ runs the demo line; LINE= is for retrain, import, replay, report and predict" >&2; exit 2; }
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # the stack's endpoints and generated keys, for the steps Airflow launches
 STACK_ENV = set -a && source .stack/stack.env && set +a
@@ -48,7 +48,7 @@ help:
 	@echo "                LINE=<name>: retrain, replay, report and import act on that model line (docs/lines.md)"
 	@echo "make import SOURCE=...    a corpus (JSON Lines, Parquet, CSV, text files, datasets) into the raw partitions"
 	@echo "make retrain [BASE=...]   a retrain on the imported data (BASE: a Hugging Face checkpoint to start from)"
-	@echo "make predict PROMPT=...   a completion from the serving model, through the router"
+	@echo "make predict PROMPT=...   a completion from the serving model, through the router (LINE=: a line's)"
 	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow, Triton, the OpenAI front, the router,"
 	@echo "                Prometheus and its Pushgateway) and the Airflow UI"
 	@echo "make status     health of each server"
@@ -260,11 +260,11 @@ import: env
 	to="$(IMPORT_TO)" && to=$${to:-$(call SETTING,pipeline.raw_data_uri)} && \
 	  $(STACK_ENV) && $(ON_LINE) $(RT_PY) -m tasks.ingest import "$(SOURCE)" --to "$$to" $(IMPORT_ARGS)
 
-# A completion from the serving model through the router: make predict PROMPT="Return the number of"
+# A completion from a line's serving model through the router (the request names the line's model):
+# make predict PROMPT="Return the number of" [LINE=support]
 PROMPT ?= Return the number of
 predict:
-	$(DEMO_ONLY)
-	@$(STACK_ENV) && $(RT_PY) -m stack predict "$(PROMPT)"
+	@$(STACK_ENV) && $(ON_LINE) $(RT_PY) -m stack predict "$(PROMPT)"
 
 # The data half as DVC stages (dvc.yaml), outside Airflow, against the local stack.
 repro: env

@@ -199,13 +199,9 @@ def retrain_dag(line: str, params: Settings) -> DAG:
                 description="Read the look-back window ending before this date (YYYY-MM-DD); empty: the run's data interval.",
             ),
             **{name: setting.param(params) for name, setting in settings_params.items()},
-            # one model is served (the router, Triton's model names, the OpenAI API): a model line
-            # other than the demo's registers and exports, and deploys only when a run asks
             "skip_deploy": Param(
-                line != DEMO, type="boolean", title="Skip deploy",
-                description="Register and export the model, but do not canary or promote it."
-                + ("" if line == DEMO else " On by default in a model line: serving holds one model "
-                                           "(docs/lines.md)."),
+                False, type="boolean", title="Skip deploy",
+                description="Register and export the model, but do not canary or promote it.",
             ),
             "tokenizer_uri": Param(
                 None, type=["null", "string"], title="Tokenizer",

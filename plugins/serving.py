@@ -149,7 +149,7 @@ def track_deployment(params: Settings, track: str, install: bool = False) -> dic
         # the request and its copy alike), and the baseline's deploy's own load; what the canary's
         # share of users asks during a rollout goes uncaptured, a sample the capture is anyway
         "command": ["python", "-m", "tasks.serving.front", "--host", "0.0.0.0", "--port", str(ports["openai"]),
-                    "--triton-url", f"http://127.0.0.1:{ports['http']}",
+                    "--triton-url", f"http://127.0.0.1:{ports['http']}", "--demo-line-only",  # docs/lines.md
                     *(["--capture-rate", "0"] if track != "stable" else [])],
         "ports": [{"name": "openai", "containerPort": ports["openai"]}],
         # the served-traffic capture's S3 keys (serve.capture), which may write that alone: the

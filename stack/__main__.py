@@ -184,8 +184,8 @@ def main() -> int:
         env = os.environ if "TRITON_URL" in os.environ else client_env()
         try:
             loaded = reconcile_serving(env)
-            print(f"serving: loaded versions {loaded} of the route" if loaded else
-                  "serving: the route's versions are ready")
+            print(f"serving: loaded the routes' versions {loaded}" if loaded else
+                  "serving: the routes' versions are ready")
         except StackError as exc:  # as `up` does: the rest of the stack still comes up, the alert pages
             print(f"warning: {exc}; requests for them fail until a deploy", file=sys.stderr)
         publish_saved_route(env)

@@ -16,6 +16,7 @@ from stack.prometheus import asks_for_login, prometheus_command, pushgateway_com
 from stack.seaweedfs import create_buckets, s3_healthy, seaweedfs_command
 from stack.serving import (
     ROUTE_READ_ERRORS,
+    front_current,
     openai_api_command,
     openai_api_env,
     publish_saved_route,
@@ -43,7 +44,7 @@ SERVERS = (
     Server("triton", triton_command, triton_env,
            lambda: http_ok(f"{client_env()['TRITON_URL']}/v2/health/ready"), start_timeout_s=60, port="triton_http"),
     Server("openai-api", openai_api_command, openai_api_env,
-           lambda: http_ok(f"http://127.0.0.1:{ports()['openai_api']}/health"), start_timeout_s=30, port="openai_api"),
+           lambda: front_current(f"http://127.0.0.1:{ports()['openai_api']}"), start_timeout_s=30, port="openai_api"),
     Server("router", router_command, dict, lambda: all(router_current(client_env()[url])
                                                         for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")),
            start_timeout_s=20, port="router"),
@@ -103,8 +104,10 @@ def status() -> dict[str, bool]:
     healthy = {server.name: bool(server.pid()) and server.healthy() for server in (*SERVERS, *running)}
     if healthy["triton"]:  # the route names only versions Triton has READY
         try:
-            versions, ready = route_versions_ready(*serving_client())
-            healthy[f"serving (route: versions {versions or 'none'})"] = ready
+            versions, ready = route_versions_ready(serving_client())
+            routes = "; ".join(f"{line} versions {', '.join(map(str, served)) or 'none'}"
+                               for line, served in versions.items())
+            healthy[f"serving (routes: {routes})"] = ready
         except ROUTE_READ_ERRORS as exc:
             healthy[f"serving (route unreadable: {exc})"] = False
     return healthy

@@ -11,12 +11,15 @@ import sys
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tasks.serving.router import RoutedLine
 
 from stack.credentials import capture_env, client_env, secret
 from stack.state import REPO_ROOT, ports, router_dir, state_dir, triton_repository
 from stack.supervise import StackError
-from tasks.config import ServeSettings, load
+from tasks.config import ServeSettings, every_line, line_label
 
 
 def _pytriton_dir() -> Path:
@@ -98,73 +101,100 @@ def router_command() -> list[str]:
     return [nginx_binary(), "-p", str(router_dir()), "-c", str(conf)]
 
 
+def served_lines() -> list[tuple[RoutedLine, ServeSettings]]:
+    """Every model line one stack serves (params.yaml's first): its route and its serve settings."""
+    from tasks.serving.router import RoutedLine
+
+    return [(RoutedLine(line_label(line), (settings.serve.triton_model, settings.serve.generate_model)), settings.serve)
+            for line, settings in every_line().items()]
+
+
 def router_current(url: str) -> bool:
-    """The router answers its route state in this code's form: one started by older code (whose
-    nginx.conf lacks the shadow's mirror: a shadow would get no copies) is not reused, it is
-    restarted on this code's config, its saved route kept."""
+    """The router answers every model line's route state, in this code's form: one started by
+    older code (one line's state alone, or whose nginx.conf lacks the shadow's mirror), or before
+    a line was added, is not reused; it is restarted on this code's config, its saved routes kept."""
     try:
         with urllib.request.urlopen(f"{url}/router/state", timeout=2) as resp:
-            return "shadow" in json.loads(resp.read())
+            states = json.loads(resp.read())
     except (OSError, ValueError):
         return False
+    expected = {line.key for line, _ in served_lines()}
+    return (isinstance(states, dict) and set(states) == expected
+            and all(isinstance(state, dict) and "shadow" in state for state in states.values()))
 
 
-ROUTE_READ_ERRORS = (OSError, ValueError, IndexError, KeyError)  # Triton not answering, a split.conf unreadable
+def front_current(url: str) -> bool:
+    """The OpenAI front is up and serves every model line (one started before a line was added
+    is restarted)."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
+            served = {card["id"] for card in json.loads(resp.read())["data"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return served == {settings.pipeline.model_name for settings in every_line().values()}
 
 
-def route_versions_ready(client: Any, serve: ServeSettings, routes: Path | None = None) -> tuple[list[int], bool]:
-    """The versions the router's saved route (in ``routes``, the local router's folder by default)
-    sends traffic to (stable, any canary), and whether Triton (``client``) has each of them READY
-    in both models."""
+ROUTE_READ_ERRORS = (OSError, ValueError, IndexError, KeyError)  # Triton not answering, a split file unreadable
+
+
+def route_versions_ready(client: Any, routes: Path | None = None) -> tuple[dict[str, list[int]], bool]:
+    """The versions each line's saved route (in ``routes``, the local router's folder by default)
+    sends traffic to (stable, any canary), by line, and whether Triton (``client``) has each of
+    them READY in both of its line's models."""
     from tasks.serving.router import saved_route
 
-    versions = saved_route(routes or router_dir()).versions()
-    return versions, all(client.model_ready(model, version) for model in (serve.triton_model, serve.generate_model)
-                         for version in versions)
+    versions = {line.key: saved_route(routes or router_dir(), line).versions() for line, _ in served_lines()}
+    ready = all(client.model_ready(model, version) for line, _ in served_lines()
+                for model in line.models for version in versions[line.key])
+    return versions, ready
 
 
-def serving_client(triton_url: str | None = None) -> tuple[Any, ServeSettings]:
-    """A client of the stack's Triton (or the one at ``triton_url``) and the ``serve`` settings."""
+def serving_client(triton_url: str | None = None) -> Any:
+    """A client of the stack's Triton (or the one at ``triton_url``)."""
     from tasks.lib import triton
 
-    return triton.TritonClient(triton_url or client_env()["TRITON_URL"]), load().serve
+    return triton.TritonClient(triton_url or client_env()["TRITON_URL"])
 
 
-def reconcile_serving(env: Mapping[str, str] | None = None) -> list[int]:
-    """Triton (explicit model control) starts with no model loaded: load what the router's saved
+def reconcile_serving(env: Mapping[str, str] | None = None) -> dict[str, list[int]]:
+    """Triton (explicit model control) starts with no model loaded: load what each line's saved
     route serves (stable and any canary) from the model repository, before the router starts
-    taking traffic, so a restarted Triton serves the champion with no deploy. ``env``: where
-    Triton (``TRITON_URL``), its repository (``TRITON_REPOSITORY``) and the router's folder
+    taking traffic, so a restarted Triton serves every line's champion with no deploy. ``env``:
+    where Triton (``TRITON_URL``), its repository (``TRITON_REPOSITORY``) and the router's folder
     (``ROUTER_DIR``) are: the local stack's by default, the container's in docker-compose.yaml
-    (its ``serving-reconcile`` service). Returns the versions it had to load."""
+    (its ``serving-reconcile`` service). Returns the versions it had to load, by line."""
     from tasks.lib.errors import StepError
-    from tasks.serving.platforms import serve_versions
+    from tasks.serving.platforms import deploy_lock_file, serve_versions
+    from tasks.serving.router import saved_route
 
     env = env or client_env()
     routes = Path(env["ROUTER_DIR"])
     routes.mkdir(parents=True, exist_ok=True)
-    with (routes / "deploy.lock").open("w") as lock:
-        try:  # a deploy running now owns what Triton serves (it may be loading a canary)
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return []
-        try:
-            client, serve = serving_client(env["TRITON_URL"])
-            versions, ready = route_versions_ready(client, serve, routes)
-            if ready:
-                return []
-            serve_versions(client, Path(env["TRITON_REPOSITORY"]), serve, versions)
-        except (StepError, *ROUTE_READ_ERRORS) as exc:
-            raise StackError(f"serving: the route's versions could not be loaded ({exc})") from None
-    return versions
+    client, loaded = serving_client(env["TRITON_URL"]), {}
+    for line, serve in served_lines():
+        with (routes / deploy_lock_file(line.key)).open("w") as lock:
+            try:  # a deploy of the line running now owns what Triton serves of it (it may be loading a canary)
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            try:
+                versions = saved_route(routes, line).versions()
+                if all(client.model_ready(model, v) for model in line.models for v in versions):
+                    continue
+                serve_versions(client, Path(env["TRITON_REPOSITORY"]), serve, versions)
+                loaded[line.key] = versions
+            except (StepError, *ROUTE_READ_ERRORS) as exc:
+                raise StackError(f"serving: line {line.key}'s route's versions could not be loaded ({exc})") from None
+    return loaded
 
 
 def publish_saved_route(env: Mapping[str, str]) -> None:
-    """The router's saved route, pushed again (a Pushgateway restarted without its persistence
+    """Every line's saved route, pushed again (a Pushgateway restarted without its persistence
     file, or with one older than the route, holds another route:
     without it the alert on versions Triton does not serve would see no route until a deploy)."""
     from tasks.serving.platforms import publish_route
     from tasks.serving.router import saved_route
 
     if env.get("PUSHGATEWAY_URL"):
-        publish_route(saved_route(Path(env["ROUTER_DIR"])), env)
+        for line, serve in served_lines():
+            publish_route(saved_route(Path(env["ROUTER_DIR"]), line), serve, env, line=line.key)

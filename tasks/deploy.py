@@ -39,7 +39,8 @@ trained on an older data window than the champion's (a backfill, a late retry) i
 unless ``canary.deploy_older_data`` says so: one line, exit 99 (a gate: the task is skipped).
 Idempotent: a retried or restarted deploy finds a leftover canary and rolls it back before
 starting again from weight 0, or finds N already serving and only makes sure it is promoted.
-Two deploys never run at once (a lock beside the router's configuration, or on the HTTPRoute).
+Two deploys of one model line never run at once (a lock per line beside the router's configuration, or a
+Lease on the HTTPRoute); two lines' deploys run side by side, each moving its own split.
 Where versions are served and how traffic is split is :mod:`tasks.serving.platforms`'s concern: one
 local Triton behind nginx, or in a cluster a Triton Deployment per track behind a Gateway API
 HTTPRoute; this module only walks the rollout.

@@ -288,3 +288,36 @@ def cuda_provider_present() -> bool:
     import torch
 
     return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+# an engine whose every fifth answer is changed (upper case): a broken text path behind a healthy
+# logits model, which a shadow's text agreement catches
+FIFTH_CHANGED = """
+import itertools
+_init, _add, _nth = Detokenizer.__init__, Detokenizer.add, itertools.count()
+def _changing_init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.changed = next(_nth) % 5 == 4
+def _changing_add(self, token):
+    text, stopped = _add(self, token)
+    return (text.upper() if self.changed else text), stopped
+Detokenizer.__init__, Detokenizer.add = _changing_init, _changing_add
+"""
+
+
+def clone_export(source: Path, version: str, out: Path, new_version: str, engine_fault: str = "",
+                 models: tuple[str, str] = ("llm", "llm_generate")) -> Path:
+    """The export of ``version`` as the export of ``new_version`` (same files, version folders of
+    its Triton ``models`` renamed: logits, engine), its engine given ``engine_fault``, committed
+    again: as if the export step had produced it (readers check files against the manifest)."""
+    import shutil
+
+    from tasks.lib import storage
+
+    with storage.staged_output(str(out)) as staging:
+        shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns(storage.SUCCESS_MARKER))
+        for model in models:
+            (staging / "triton" / model / version).rename(staging / "triton" / model / new_version)
+        engine = staging / "triton" / models[1] / new_version / "engine.py"
+        engine.write_text(engine.read_text() + engine_fault)
+    return out

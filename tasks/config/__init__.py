@@ -28,7 +28,18 @@ from tasks.config.coerce import build, choices, describe
 from tasks.config.data import ReproSettings, SeedSettings, SnapshotSettings, TokenizeSettings, ValidateSettings
 from tasks.config.drift import DriftSettings
 from tasks.config.evaluation import EvaluateSettings, GateLimits, SuiteSettings, TaskGate
-from tasks.config.lines import DEMO, LINE_ENV, LINES_DIR_ENV, current_line, line_dag_id, line_path, lines, lines_dir
+from tasks.config.lines import (
+    DEMO,
+    DEMO_LABEL,
+    LINE_ENV,
+    LINES_DIR_ENV,
+    current_line,
+    line_dag_id,
+    line_label,
+    line_path,
+    lines,
+    lines_dir,
+)
 from tasks.config.load import apply_overrides, every_line, load, params_path, read_yaml
 from tasks.config.pipeline import (
     IngestSettings,
@@ -62,12 +73,12 @@ from tasks.config.settings import Settings
 from tasks.config.training import Engine, InitFrom, Precision, Preset, Switch, TrainSettings
 
 __all__ = [
-    "DEMO", "LINES_DIR_ENV", "LINE_ENV", "REPO_ROOT", "Approval", "Backend", "CanarySettings", "Capture", "DriftSettings", "Engine", "EvaluateSettings",
+    "DEMO", "DEMO_LABEL", "LINES_DIR_ENV", "LINE_ENV", "REPO_ROOT", "Approval", "Backend", "CanarySettings", "Capture", "DriftSettings", "Engine", "EvaluateSettings",
     "ExportSettings", "GateLimits", "Gateway", "Generate", "IngestSettings", "InitFrom", "KubernetesLauncher",
     "LauncherMode", "LauncherSettings", "Network", "PipelineSettings", "PodKind", "Pool", "Precision", "Preset",
     "Queue", "Range", "RemoteLogs", "ReproSettings", "Router", "SeedSettings", "ServeKubernetes", "ServeSettings",
     "Settings", "SettingsError", "SnapshotSettings", "StackSettings", "SuiteSettings", "Switch", "TaskGate",
     "TaskSettings", "TensorRT", "TokenizeSettings", "TrainSettings", "TrainingJob", "ValidateSettings",
-    "apply_overrides", "build", "choices", "current_line", "describe", "every_line", "line_dag_id", "line_path",
+    "apply_overrides", "build", "choices", "current_line", "describe", "every_line", "line_dag_id", "line_label", "line_path",
     "lines", "lines_dir", "load", "params_path", "read_yaml", "reference", "with_reference",
 ]

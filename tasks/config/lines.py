@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tasks.config.settings import Settings
 
 DEMO = ""
+DEMO_LABEL = "demo"  # the demo line where a name must not be empty: metrics' line label, the router's route keys
 LINE_ENV = "PIPELINE_LINE"
 # the line whose DAG a DAG file is building (plugins/pipeline_params.py's building()). Held here,
 # not in the plugin: Airflow's plugin manager can import plugins/ modules a second time (a DAG's
@@ -40,12 +41,17 @@ LINES_DIR_ENV = "PIPELINE_LINES_DIR"
 LINE_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 # what no two lines may share: each line's runs read and write their own
 APART = ("pipeline.dag_id", "pipeline.model_name", "pipeline.raw_data_uri", "pipeline.raw_data_asset",
-         "snapshot.tag_prefix", "train.experiment")
+         "snapshot.tag_prefix", "train.experiment", "serve.triton_model", "serve.generate_model")
 
 
 def current_line() -> str:
     """The line this process reads: ``PIPELINE_LINE``, the demo line when unset or empty."""
     return os.environ.get(LINE_ENV, DEMO)
+
+
+def line_label(line: str) -> str:
+    """A line's name where it may not be empty (``demo``: the demo line's)."""
+    return line or DEMO_LABEL
 
 
 def lines_dir() -> Path:
@@ -60,6 +66,9 @@ def lines(folder: Path | None = None) -> list[str]:
         if not LINE_NAME.fullmatch(name):
             raise SettingsError(f"{folder / name}.yaml: a line's name is lowercase letters, digits, '-' and '_', "
                                 "a letter first")
+        if name == DEMO_LABEL:
+            raise SettingsError(f"{folder / name}.yaml: {DEMO_LABEL!r} names the demo line (params.yaml): "
+                                "choose another name")
     return names
 
 
@@ -86,6 +95,9 @@ def apart_defaults(demo: Settings, line: str) -> dict[str, dict[str, str]]:
                      "raw_data_asset": f"{pipeline.raw_data_asset}__{line}"},
         "snapshot": {"tag_prefix": f"{demo.snapshot.tag_prefix}{line}-"},
         "train": {"experiment": f"{demo.train.experiment}-{line}"},
+        # one Triton serves every line: each line's versions are folders of its own two models
+        "serve": {"triton_model": f"{demo.serve.triton_model}__{line}",
+                  "generate_model": f"{demo.serve.generate_model}__{line}"},
     }
 
 

@@ -38,9 +38,9 @@ def exposition(figures: Mapping[str, float | None], help_texts: Mapping[str, str
 
 def line_label() -> str:
     """The ``line`` label of what a step pushes: the model line it runs for (``demo``: params.yaml's)."""
-    from tasks.config import current_line
+    from tasks.config import current_line, line_label
 
-    return current_line() or "demo"
+    return line_label(current_line())
 
 
 def group_path(grouping: Mapping[str, str]) -> str:

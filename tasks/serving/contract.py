@@ -26,6 +26,12 @@ PUBLIC_LOGITS_ACTIONS = ("infer",)
 # -- headers ----------------------------------------------------------------------------------------
 VERSION_HEADER = "X-Model-Version"  # on every answer: the version that answered
 ROUTE_HEADER = "X-Route-Version"  # router -> front: the version the split picked
+# On the router's /v1 requests (one API, every model line): each served line's split, as
+# "<line>=<picked>[:<stable>]" entries joined by "," (a version empty where the line serves none;
+# the demo line's key is "demo"); the front picks the entry of the line the request's ``model``
+# names. A single version alone (deploy's requests to the front, a cluster track's) is the version
+# of whichever line the request names
+ROUTE_ENTRIES, ROUTE_LINE, ROUTE_STABLE = ",", "=", ":"
 # Deploy's own /v1 requests carry a pair id (32 hex digits) and are marked for the record, their
 # mirrored copies too (while a version shadows): the front keeps each answer under the id
 RECORD_HEADER, PAIR_HEADER = "X-Shadow-Record", "X-Shadow-Pair"

@@ -13,11 +13,16 @@ cancels its request, streamed or not: the handler is cancelled (aiohttp's
 ``handler_cancellation``), which closes the upstream stream, and Triton, failing to write the
 next token, cancels the request in the engine, freeing its slot.
 
-Which version answers is decided in front of this server, exactly as for Triton's own paths: the
-local nginx router picks the version by its canary split and passes it in ``X-Route-Version``
-(this server then calls ``/v2/models/<m>/versions/<v>/...``) and adds ``X-Model-Version`` to the
-answer; in a cluster each track's pod runs this server beside a Triton serving one version, and
-the HTTPRoute splits between tracks. Without the header the unversioned path is called. Every
+One API serves every model line: a request's ``model`` (a line's registered model name; none:
+params.yaml's line) picks the line, and with it the engine model in Triton; another name is a 404
+in OpenAI's shape, and ``/v1/models`` lists every line with its stable version. Which version of
+the line answers is decided in front of this server, exactly as for Triton's own paths: the local
+nginx router splits each line by its own canary weights and passes every line's pick in
+``X-Route-Version`` (:data:`~tasks.serving.contract.ROUTE_HEADER`); this server calls
+``/v2/models/<line's engine>/versions/<v>/...``, answers ``X-Model-Version``, and answers a 503
+(``no_version``) for a line the router routes nowhere yet. In a cluster each track's pod runs
+this server beside a Triton serving one version, and the HTTPRoute splits between tracks (the
+header then names one version). Without the header the unversioned path is called. Every
 header of :data:`~tasks.serving.contract.INTERNAL_HEADERS` is set by the router or gateway only
 (a client's own is removed at the public entry).
 
@@ -75,7 +80,11 @@ from tasks.serving.contract import (
     MAX_BODY_BYTES,
     PAIR_HEADER,
     RECORD_HEADER,
+    ROUTE_ENTRIES,
     ROUTE_HEADER,
+    ROUTE_LINE,
+    ROUTE_STABLE,
+    VERSION_HEADER,
 )
 from tasks.serving.protocol import (
     ApiError,
@@ -87,7 +96,6 @@ from tasks.serving.protocol import (
     ChatRequest,
     Completion,
     CompletionChoice,
-    CompletionRequest,
     Delta,
     ModelCard,
     ModelList,
@@ -99,6 +107,7 @@ from tasks.serving.protocol import (
 log = logging.getLogger("front")
 MAX_COPIES = 64  # a shadow's copies generating at once; more are dropped
 DROPPED = "dropped"  # a recorded copy's error when it was never generated
+VERSION_KEY = "routed_version"  # request storage: the version answering a request, for its X-Model-Version
 CLIENT_KEY_ENV = "CAPTURE_CLIENT_KEY"  # keys the client hash: without it, equal addresses still hash equal
 
 
@@ -120,10 +129,69 @@ class ShadowRecords:
         return [record for (request_id, _), record in self.table.items() if request_id in wanted]
 
 
-def routed_version(request: web.Request) -> str:
-    """The version the router picked: digits, or nothing (any other value is not the router's)."""
-    version = request.headers.get(ROUTE_HEADER, "")
-    return version if version.isascii() and version.isdigit() else ""
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """One model line as the API serves it: the ``model`` clients name (its registered model), its
+    route's key in the router's header (``demo``: params.yaml's line) and its engine in Triton."""
+
+    key: str
+    name: str
+    engine: str
+
+    @classmethod
+    def every_line(cls) -> list[ServedModel]:
+        """Every model line's, params.yaml's first (the model of a request that names none)."""
+        from tasks.config import every_line, line_label
+
+        return [cls(line_label(line), settings.pipeline.model_name, settings.serve.generate_model)
+                for line, settings in every_line().items()]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedVersions:
+    """What the router's :data:`ROUTE_HEADER` says: each line's picked (and stable) version, or one
+    version for whichever line a request names (deploy's requests, a cluster track's), or nothing
+    (no router in front: Triton's unversioned path)."""
+
+    picked: dict[str, tuple[str, str]]  # line key -> (picked, stable): "" where it serves none
+    single: str = ""
+
+    @classmethod
+    def of(cls, request: web.Request) -> RoutedVersions:
+        value = request.headers.get(ROUTE_HEADER, "")
+        if not value.isascii():
+            return cls({})
+        if ROUTE_LINE not in value:
+            return cls({}, value if value.isdigit() else "")
+        picked = {}
+        for entry in value.split(ROUTE_ENTRIES):
+            key, _, versions = entry.partition(ROUTE_LINE)
+            version, _, stable = versions.partition(ROUTE_STABLE)
+            picked[key] = (version if version.isdigit() else "", stable if stable.isdigit() else "")
+        return cls(picked)
+
+    def version(self, model: ServedModel) -> str:
+        """The version ``model``'s request goes to; a 503 where the router routes its line nowhere."""
+        if not self.picked:
+            return self.single
+        version = self.picked.get(model.key, ("", ""))[0]
+        if not version:
+            raise ApiError(503, f"no version of model {model.name!r} is deployed yet", kind="server_error",
+                           code="no_version")
+        return version
+
+    def stable(self, model: ServedModel) -> str | None:
+        return self.picked.get(model.key, ("", ""))[1] or None
+
+
+def peeked_model(raw: bytes) -> str | None:
+    """The ``model`` a body names, where it is a JSON object naming one (validation comes later)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def client_id(request: web.Request, key: bytes) -> str:
@@ -139,12 +207,16 @@ def client_id(request: web.Request, key: bytes) -> str:
 
 
 class Api:
-    """The aiohttp application's state: one upstream connection pool, the served names, the
-    shadow records, the capture."""
+    """The aiohttp application's state: one upstream connection pool, the served models (one per
+    model line, the first for a request that names none), the shadow records, the capture
+    (of the first's traffic: its drift check reads it)."""
 
-    def __init__(self, triton_url: str, model: str, served_name: str, timeout_s: float,
+    def __init__(self, triton_url: str, models: list[ServedModel], timeout_s: float,
                  capture: TrafficCapture | None = None) -> None:
-        self.triton_url, self.model, self.served_name = triton_url.rstrip("/"), model, served_name
+        if not models:
+            raise ValueError("an API serving no model")
+        self.triton_url, self.served_models = triton_url.rstrip("/"), models
+        self.by_name = {model.name: model for model in models}
         self.timeout = ClientTimeout(total=timeout_s, sock_connect=10)
         self.session: ClientSession | None = None
         self.records = ShadowRecords()
@@ -169,21 +241,24 @@ class Api:
         if self.session is not None:
             await self.session.close()
 
-    def upstream(self, version: str) -> str:
-        versioned = f"/versions/{version}" if version else ""
-        return f"{self.triton_url}/v2/models/{self.model}{versioned}/generate_stream"
+    def upstream(self, reply: Reply) -> str:
+        versioned = f"/versions/{reply.route}" if reply.route else ""
+        return f"{self.triton_url}/v2/models/{reply.engine}{versioned}/generate_stream"
 
-    def parse(self, raw: bytes, chat: bool) -> CompletionRequest | ChatRequest:
-        request = parse_request(raw, chat)
-        if request.model not in (None, self.served_name):
-            raise ApiError(404, f"model {request.model!r} does not exist (this server serves {self.served_name!r})",
-                           "model", code="model_not_found")
-        return request
+    def served(self, name: str | None) -> ServedModel:
+        """The model line a request's ``model`` names (none: the first); a 404 for any other."""
+        if name is None:
+            return self.served_models[0]
+        if name not in self.by_name:
+            raise ApiError(404, f"model {name!r} does not exist (this server serves "
+                           f"{', '.join(repr(m.name) for m in self.served_models)})", "model", code="model_not_found")
+        return self.by_name[name]
 
     # -- endpoints ------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return typed_response(ModelList(data=[ModelCard(id=self.served_name)]))
+        routed = RoutedVersions.of(request)
+        return typed_response(ModelList(data=[ModelCard(id=m.name, version=routed.stable(m)) for m in self.served_models]))
 
     async def openapi_document(self, request: web.Request) -> web.Response:
         return web.json_response(self.openapi)
@@ -209,7 +284,7 @@ class Api:
         request_id = pair if request.headers.get(RECORD_HEADER) and pair else ""
         if request.headers.get(COPY_HEADER):
             return await self.start_copy(request, chat, request_id)
-        reply = Reply(chat, self.served_name, routed_version(request))
+        reply = Reply(chat, self.served_models[0])
         response: web.StreamResponse | None = None
         try:
             response = await self.reply(request, reply)
@@ -217,7 +292,7 @@ class Api:
         finally:  # whatever the outcome, also a client gone (the handler cancelled)
             if request_id:
                 self.records.add(request_id, reply.route, record_of(reply, response))
-            if self.capture is not None and self.capture.take():
+            if self.capture is not None and reply.line is self.served_models[0] and self.capture.take():
                 self.capture_reply(request, reply, response)
 
     def capture_reply(self, request: web.Request, reply: Reply, response: web.StreamResponse | None) -> None:
@@ -258,15 +333,19 @@ class Api:
         background to its end, recorded when ``request_id`` names it. At most ``MAX_COPIES`` at
         once: a slow shadow's backlog is dropped (recorded as dropped: the shadow's judge reads
         that as inconclusive, not as the shadow's error), never queued."""
-        version = routed_version(request)
         raw = await read_body(request)  # whole, before the 202: the router has sent all of it by then
+        line = self.by_name.get(peeked_model(raw) or "", self.served_models[0])
+        try:
+            version = RoutedVersions.of(request).version(line)
+        except ApiError:
+            return web.Response(status=202)  # the request's line has no shadow: nothing to generate
         if len(self.copies) >= MAX_COPIES:
             if request_id:
                 self.records.add(request_id, version, record_of(None, None, f"{DROPPED}: {MAX_COPIES} copies in flight"))
             return web.Response(status=503)
 
         async def run() -> None:
-            reply = Reply(chat, self.served_name, version)
+            reply = Reply(chat, line)
             response: web.StreamResponse | None = None
             try:
                 response = await self.reply(request, reply, raw, Discard())
@@ -284,7 +363,11 @@ class Api:
         """The answer to one request (``raw``: its body, already read; ``sink``: where a stream
         goes instead of the client)."""
         try:
-            parsed = self.parse(raw if raw is not None else await read_body(request), reply.chat)
+            parsed = parse_request(raw if raw is not None else await read_body(request), reply.chat)
+            reply.line = self.served(parsed.model)
+            reply.route = RoutedVersions.of(request).version(reply.line)
+            if reply.route:
+                request[VERSION_KEY] = reply.route
             if isinstance(parsed, ChatRequest):
                 inputs = parsed.chat_inputs()
                 reply.prompt = parsed.asked()
@@ -307,7 +390,7 @@ class Api:
         closed, and Triton's next write cancels the request in the engine."""
         assert self.session is not None
         try:
-            async with self.session.post(self.upstream(reply.route), json={**inputs, "stream": True}) as upstream:
+            async with self.session.post(self.upstream(reply), json={**inputs, "stream": True}) as upstream:
                 async for event in upstream_events(upstream):
                     if reply.add(event):
                         reply.arrivals.append(time.perf_counter())
@@ -323,7 +406,7 @@ class Api:
         assert self.session is not None
         response: web.StreamResponse | None = None
         try:
-            async with self.session.post(self.upstream(reply.route), json={**inputs, "stream": True}) as upstream:
+            async with self.session.post(self.upstream(reply), json={**inputs, "stream": True}) as upstream:
                 events = upstream_events(upstream)
                 first = await anext(events)  # an error before any token is an HTTP status, not a stream
                 response = sink or web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -366,8 +449,9 @@ class Reply:
     """One answer as it is built: engine events turned into the OpenAI objects (completion or
     chat, whole or chunks), with what the shadow's records and the capture keep of it."""
 
-    def __init__(self, chat: bool, model: str, route: str) -> None:
-        self.chat, self.model, self.route = chat, model, route
+    def __init__(self, chat: bool, line: ServedModel) -> None:
+        self.chat, self.line = chat, line  # the line: the first model until the request names its own
+        self.route = ""  # the version the router picked for it (none: Triton's unversioned path)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.text: list[str] = []
@@ -384,6 +468,14 @@ class Reply:
         self.complete = False
         # for the capture: what was asked, how, and which version answered (the engine says)
         self.prompt, self.stream, self.version = "", False, ""
+
+    @property
+    def model(self) -> str:
+        return self.line.name
+
+    @property
+    def engine(self) -> str:
+        return self.line.engine
 
     def refuse(self, exc: ApiError) -> None:
         self.refusal, self.error = exc, exc.message
@@ -559,10 +651,18 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def app(triton_url: str, model: str, served_name: str, timeout_s: float,
+async def name_the_version(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer says which version answered (the router cannot: it does not read the body
+    that names the model, and so the line)."""
+    if VERSION_KEY in request:
+        response.headers[VERSION_HEADER] = request[VERSION_KEY]
+
+
+def app(triton_url: str, models: list[ServedModel], timeout_s: float,
         capture: TrafficCapture | None = None) -> web.Application:
-    api = Api(triton_url, model, served_name, timeout_s, capture)
+    api = Api(triton_url, models, timeout_s, capture)
     application = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
+    application.on_response_prepare.append(name_the_version)
     application.on_startup.append(api.start)
     application.on_cleanup.append(api.close)
     application.router.add_get("/v1/models", api.models)
@@ -588,6 +688,8 @@ def main() -> None:
     parser.add_argument("--capture-rate", type=float, default=serve.capture.rate,
                         help="share of answered requests captured (default: serve.capture.rate)")
     parser.add_argument("--capture-uri", default=serve.capture.uri, help="where (default: serve.capture.uri)")
+    parser.add_argument("--demo-line-only", action="store_true",
+                        help="serve params.yaml's model alone (a cluster track's pod: its Triton holds no other line)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     timeout = serve.generate.request_timeout_s + 30
@@ -598,7 +700,8 @@ def main() -> None:
         log.info("capturing %.0f%% of answered requests to %s", 100 * args.capture_rate, args.capture_uri)
     # handler_cancellation: a client that goes away cancels its handler, and with it the
     # engine's work on its request (aiohttp lets handlers run on by default)
-    web.run_app(app(args.triton_url, serve.generate_model, settings.pipeline.model_name, timeout, capture),
+    models = ServedModel.every_line()[:1] if args.demo_line_only else ServedModel.every_line()
+    web.run_app(app(args.triton_url, models, timeout, capture),
                 host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
 
 

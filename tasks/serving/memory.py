@@ -42,13 +42,15 @@ class Footprint:
     weights_bytes: int  # the files of both models' version folders
     slots: int  # the engine's KV cache, in whole-context sequences
     cache_bytes: int
+    line: str = ""  # another model line's version (one Triton serves them all): its name
 
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.cache_bytes
 
     def describe(self) -> str:
-        return (f"version {self.version} {self.total_bytes / MIB:,.0f} MiB ({self.weights_bytes / MIB:,.0f} MiB of "
+        of = f"line {self.line}'s " if self.line else ""
+        return (f"{of}version {self.version} {self.total_bytes / MIB:,.0f} MiB ({self.weights_bytes / MIB:,.0f} MiB of "
                 f"weights, {self.slots} KV cache slots {self.cache_bytes / MIB:,.0f} MiB)")
 
 

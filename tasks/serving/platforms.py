@@ -22,6 +22,7 @@ traffic has moved away (confirmed) before a version is removed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import itertools
 import json
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from tasks.config import ServeSettings, Settings
+from tasks.config import DEMO_LABEL, ServeSettings, Settings
 from tasks.lib import metrics, storage, triton
 from tasks.lib.errors import StepError, Terminated, first_line
 from tasks.lib.kube import KubeApi, KubeError, Lease, LeaseLost
@@ -52,7 +53,7 @@ from tasks.serving.contract import (
     TRACKS,
     WEIGHT_SCALE,
 )
-from tasks.serving.router import NginxRouter, Route
+from tasks.serving.router import NginxRouter, Route, served_routes
 
 WEIGHTED_RULES = (0, 1)  # of the public HTTPRoute (plugins/serving.py): Triton's allowlist, then /v1
 MIRRORED_RULE = 1  # its /v1 rule: the text endpoint a shadow is judged on
@@ -81,6 +82,8 @@ class Staging:
     config_variant: str = ""
     beside: tuple[int, ...] = ()
     enforce_budget: bool = True
+    # what the other model lines serve in the same Triton (their serve settings, line, version)
+    others: tuple[tuple[ServeSettings, str, int], ...] = ()
 
 
 def stage_version(export_uri: str, version: int, repository: Path, serve: ServeSettings, scratch: Path,
@@ -99,6 +102,10 @@ def stage_version(export_uri: str, version: int, repository: Path, serve: ServeS
     incoming = memory.footprint(exported / "triton", serve, version, engine_config)
     served = [memory.footprint(repository, serve, v, engine_config)
               for v in how.beside if (repository / serve.generate_model / str(v) / "generation.json").exists()]
+    served += [dataclasses.replace(memory.footprint(repository, other, v, repository / other.generate_model / "config.json"),
+                                   line=line)
+               for other, line, v in how.others
+               if (repository / other.generate_model / str(v) / "generation.json").exists()]
     memory.check_budget(incoming, served, serve, how.enforce_budget)
     for model in (serve.triton_model, serve.generate_model):
         source = exported / "triton" / model / str(version)
@@ -140,17 +147,25 @@ def serve_versions(client: triton.TritonClient, repository: Path, serve: ServeSe
 ROUTE_METRIC = "llm_serving_route_version"  # observability/alerts.yml: LLMServingRouteVersionNotServed
 
 
-def publish_route(route: Route, env: Mapping[str, str] | None = None) -> None:
-    """The versions the route sends traffic to, as Pushgateway series (group ``serving/route``,
-    replaced at each change, and again when the stack comes up: a restarted Pushgateway may hold
-    an older route, or none): Prometheus compares them with the versions Triton exports counters
-    for, and alerts when the route names one Triton does not serve (restarted empty, unloaded)."""
+def deploy_lock_file(key: str) -> str:
+    """The local deploy lock of a model line (its route's key), beside the router's files."""
+    return "deploy.lock" if key == DEMO_LABEL else f"deploy.{key}.lock"
+
+
+def publish_route(route: Route, serve: ServeSettings, env: Mapping[str, str] | None = None,
+                  line: str | None = None) -> None:
+    """The versions a line's route sends traffic to, as Pushgateway series (group
+    ``serving/route/line/<line>``, replaced at each change, and again when the stack comes up: a
+    restarted Pushgateway may hold an older route, or none), one per Triton model of the line
+    (``serve``'s): Prometheus compares them with the model versions Triton exports counters for,
+    and alerts when the route names one Triton does not serve (restarted empty, unloaded)."""
     tracks = {"stable": route.stable, "canary": route.canary if route.canary_weight > 0 else None,
               "shadow": route.shadow}
-    series = {f'{ROUTE_METRIC}{{track="{track}",version="{version}"}}': 1.0
-              for track, version in tracks.items() if version is not None}
-    pushed = metrics.push({"serving": "route"}, series,
-                          {ROUTE_METRIC: "1 for each version the router sends a track's traffic to"}, env)
+    series = {f'{ROUTE_METRIC}{{track="{track}",model="{model}",version="{version}"}}': 1.0
+              for track, version in tracks.items() if version is not None
+              for model in (serve.triton_model, serve.generate_model)}
+    pushed = metrics.push({"serving": "route", "line": line or metrics.line_label()}, series,
+                          {ROUTE_METRIC: "1 for each model version the router sends a track's traffic to"}, env)
     if not pushed and (os.environ if env is None else env).get("PUSHGATEWAY_URL"):
         log.error("the route's versions %s were not pushed: until the next push the alert on versions Triton "
                   "does not serve compares with the previous route", route.versions())
@@ -258,7 +273,7 @@ class LocalServing:
         self.serve = serve
         self.client = triton.TritonClient(os.environ["TRITON_URL"])
         self.repository = Path(os.environ["TRITON_REPOSITORY"])
-        self.router = NginxRouter.from_env()
+        self.router = NginxRouter.from_env(metrics.line_label())  # this line's split
         # the split, through the router's internal listener (the same routed paths): on the public
         # one the canary would share one client's limits with every other client of the machine
         # (all 127.0.0.1), and a busy neighbour would starve the analysis of samples
@@ -266,9 +281,10 @@ class LocalServing:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """One deploy at a time: two canaries would fight over the router."""
+        """One deploy of a line at a time: two canaries would fight over its split. Two lines'
+        deploys run side by side (each its own split; the router serializes their reloads)."""
         self.router.prefix.mkdir(parents=True, exist_ok=True)
-        with (self.router.prefix / "deploy.lock").open("w") as fh:
+        with (self.router.prefix / deploy_lock_file(self.router.line.key)).open("w") as fh:
             log.info("waiting for the deploy lock")
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
@@ -285,7 +301,16 @@ class LocalServing:
         stable = self.live().stable
         beside = (stable,) if stable is not None and stable != version else ()
         return stage_version(export_uri, version, self.repository, self.serve, scratch,
-                             Staging(beside=beside, enforce_budget=enforce_budget))
+                             Staging(beside=beside, enforce_budget=enforce_budget, others=self.other_lines()))
+
+    def other_lines(self) -> tuple[tuple[ServeSettings, str, int], ...]:
+        """What the other model lines' routes serve now (one Triton holds every line's versions)."""
+        from tasks.config import every_line, line_label
+
+        routes = served_routes(self.router.prefix)
+        return tuple((settings.serve, key, version) for line, settings in every_line().items()
+                     if (key := line_label(line)) != self.router.line.key and key in routes
+                     for version in routes[key].versions())
 
     def serve_versions(self, versions: list[int]) -> None:
         serve_versions(self.client, self.repository, self.serve, versions)
@@ -296,7 +321,7 @@ class LocalServing:
     def route(self, stable: int | None, canary: int | None = None, weight: float = 0.0,
               shadow: int | None = None) -> None:
         self.router.apply(stable, canary, weight, shadow)
-        publish_route(Route(stable, canary, float(weight), shadow=shadow))
+        publish_route(Route(stable, canary, float(weight), shadow=shadow), self.serve)
 
     def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
         # one front answers for every version here: each record names its version
@@ -532,7 +557,7 @@ class KubernetesServing:
         route = Route(stable, canary, float(weight), self.live().generation + 1, shadow)
         self.api.call("PATCH", self._path("httproutes", self.cluster.route),
                       route_patch(self.names, route, self.cluster.ports["openai"]), "application/json-patch+json")
-        publish_route(route)  # what the route now says, accepted yet or not
+        publish_route(route, self.serve)  # what the route now says, accepted yet or not
         wait_until(lambda: route_accepted(self._route_object()), self.cluster.route_timeout_s, 1,
                    lambda: StepError(f"httproute {self.cluster.route}: generation not accepted by its gateway "
                                      f"in {self.cluster.route_timeout_s:g}s"))
@@ -639,5 +664,10 @@ def serving_platform(settings: Settings) -> Serving:
     if platform == "local":
         return LocalServing(settings.serve)
     if platform == "kubernetes":
+        from tasks.config import DEMO, current_line
+
+        if current_line() != DEMO:  # its tracks and HTTPRoute are the demo line's (plugins/serving.py)
+            raise StepError(f"line {current_line()!r}: a cluster serves the demo line alone (docs/lines.md): "
+                            "run its retrain with skip_deploy")
         return KubernetesServing(settings.serve, settings.launcher.kubernetes.namespace)
     raise StepError(f"SERVING_PLATFORM={platform!r}: expected 'local' or 'kubernetes'")

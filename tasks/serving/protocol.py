@@ -344,6 +344,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "llm-pipeline"
+    version: str | None = None  # the line's stable version (its champion) where the router says it
 
 
 class ModelList(BaseModel):

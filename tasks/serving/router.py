@@ -21,14 +21,18 @@ Service per track): ``plugins/serving.py`` renders it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tasks.config import DEMO_LABEL
 from tasks.lib.errors import StepError
 from tasks.lib.polling import wait_until
 from tasks.serving.contract import (
@@ -39,7 +43,10 @@ from tasks.serving.contract import (
     PAIR_HEADER,
     PUBLIC_LOGITS_ACTIONS,
     RECORD_HEADER,
+    ROUTE_ENTRIES,
     ROUTE_HEADER,
+    ROUTE_LINE,
+    ROUTE_STABLE,
     ROUTED_ACTIONS,
     ROUTED_MODELS,
     VERSION_HEADER,
@@ -69,6 +76,36 @@ class Route:
 
     def versions(self) -> list[int]:
         return sorted({v for v in (self.stable, self.canary, self.shadow) if v is not None})
+
+
+@dataclass(frozen=True)
+class RoutedLine:
+    """A model line as the router splits it: the key of its route (``demo``: params.yaml's line)
+    and its two Triton models (logits, engine). Each line's split is a file of its own, written
+    by that line's deploy alone: a rollout of one line never moves another's traffic."""
+
+    key: str
+    models: tuple[str, ...] = ROUTED_MODELS
+
+    @property
+    def var(self) -> str:
+        """The suffix of its nginx variables (which take no '-'), one to one with the key."""
+        return self.key.replace("_", "_u").replace("-", "_d")
+
+    @property
+    def split_file(self) -> str:
+        return "split.conf" if self.key == DEMO_LABEL else f"split.{self.key}.conf"
+
+
+DEMO_ROUTE = RoutedLine(DEMO_LABEL)
+
+
+def routed_lines() -> list[RoutedLine]:
+    """Every model line's (params.yaml's first), from their settings: what one router serves."""
+    from tasks.config import every_line, line_label
+
+    return [RoutedLine(line_label(line), (settings.serve.triton_model, settings.serve.generate_model))
+            for line, settings in every_line().items()]
 
 
 @dataclass(frozen=True)
@@ -116,8 +153,14 @@ def nginx_binary() -> str:
     return found
 
 
-def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: ClientLimits | None = None) -> str:
-    """The router's static configuration; the split itself lives in ``split.conf``.
+def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: ClientLimits | None = None,
+               lines: Sequence[RoutedLine] = (DEMO_ROUTE,)) -> str:
+    """The router's static configuration for the model ``lines``; each line's split lives in its
+    own file (:attr:`RoutedLine.split_file`).
+
+    Triton's paths name a model, and so their line: ``$routed_version`` is that line's pick. The
+    OpenAI API's ``/v1`` names its model in the body, which nginx does not read: the front gets
+    every line's pick (:data:`~tasks.serving.contract.ROUTE_HEADER`) and answers with its line's.
 
     Two listeners. The public one (``listen.public_port``, what clients call) serves an allowlist: the
     split's inference paths, ``/v1/*``, health, server and model metadata, a model's readiness
@@ -132,7 +175,14 @@ def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: Cl
     request head and body must arrive in time; the internal listener (deploy's smoke test,
     baseline and canary traffic) has no such limits."""
     limits = limits or ClientLimits.from_params()
-    models, actions = "|".join(ROUTED_MODELS), "|".join(ROUTED_ACTIONS)
+    models, actions = "|".join(m for line in lines for m in line.models), "|".join(ROUTED_ACTIONS)
+    logits_models = "|".join(line.models[0] for line in lines)
+    picked = ROUTE_ENTRIES.join(f"{line.key}{ROUTE_LINE}$version_{line.var}{ROUTE_STABLE}$stable_{line.var}"
+                                for line in lines)
+    shadows = ROUTE_ENTRIES.join(f"{line.key}{ROUTE_LINE}$shadow_{line.var}" for line in lines)
+    states = ", ".join(f'"{line.key}": $state_{line.var}' for line in lines)
+    model_versions = "\n".join(f"        {model} $version_{line.var};" for line in lines for model in line.models)
+    splits = "\n".join(f"    include {prefix / line.split_file};" for line in lines)
     temp = "\n".join(f"    {kind}_temp_path {prefix / 'tmp' / kind};" for kind in TEMP_KINDS)
     to_triton = f"""proxy_http_version 1.1;
             proxy_set_header Connection "";
@@ -144,21 +194,20 @@ def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: Cl
         # request that has both: deploy's, at every stage, read back for the engines' own
         # timings): public requests are mirrored while a version shadows, never recorded
         record, pair = ('"1"', "$shadow_pair_id") if internal else ('""', '""')
-        to_front = {ROUTE_HEADER: "$model_version", RECORD_HEADER: record, PAIR_HEADER: pair,
+        to_front = {ROUTE_HEADER: f'"{picked}"', RECORD_HEADER: record, PAIR_HEADER: pair,
                     CLIENT_HEADER: "$remote_addr"}
-        to_shadow = {ROUTE_HEADER: "$shadow_version", RECORD_HEADER: record, PAIR_HEADER: pair, COPY_HEADER: "1",
+        to_shadow = {ROUTE_HEADER: f'"{shadows}"', RECORD_HEADER: record, PAIR_HEADER: pair, COPY_HEADER: "1",
                      CLIENT_HEADER: "$remote_addr"}
-        # deploy reaches every model's inference paths; clients the logits model's (PUBLIC_LOGITS_ACTIONS)
-        split_models, split_actions = (models, actions) if internal else (ROUTED_MODELS[0], "|".join(PUBLIC_LOGITS_ACTIONS))
-        return f"""location = /router/state {{ default_type application/json; return 200 $route_state; }}
+        # deploy reaches every model's inference paths; clients the logits models' (PUBLIC_LOGITS_ACTIONS)
+        split_models, split_actions = (models, actions) if internal else (logits_models, "|".join(PUBLIC_LOGITS_ACTIONS))
+        return f"""location = /router/state {{ default_type application/json; return 200 '{{{states}}}'; }}
         location ~ ^/v2/models/(?<model>{split_models})/(?<action>{split_actions})$ {{
-            if ($model_version = "") {{ return 503; }}
+            if ($routed_version = "") {{ return 503; }}
             {to_triton}
-            proxy_pass http://triton/v2/models/$model/versions/$model_version/$action;
-            add_header {VERSION_HEADER} $model_version always;
+            proxy_pass http://triton/v2/models/$model/versions/$routed_version/$action;
+            add_header {VERSION_HEADER} $routed_version always;
         }}
-        location /v1/ {{
-            if ($model_version = "") {{ return 503; }}
+        location /v1/ {{  # the front answers 503 for a line that serves no version, and names the version
             include {prefix / 'mirror.conf'};
             proxy_http_version 1.1;
             proxy_set_header Connection "";
@@ -166,7 +215,6 @@ def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: Cl
             proxy_read_timeout 300s;
             {internal_headers(to_front)}
             proxy_pass http://openai;
-            add_header {VERSION_HEADER} $model_version always;
         }}
         location = {SHADOW_LOCATION} {{  # the copy of a /v1 request for the shadow version (nginx mirror)
             internal;
@@ -177,10 +225,10 @@ def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: Cl
         }}
         location ~ ^/v2/models/(?<model>{models})/ready$ {{  # tritonclient's is_model_ready: the routed version's
             limit_except GET HEAD {{ deny all; }}
-            if ($model_version = "") {{ return 503; }}
+            if ($routed_version = "") {{ return 503; }}
             {to_triton}
-            proxy_pass http://triton/v2/models/$model/versions/$model_version/ready;
-            add_header {VERSION_HEADER} $model_version always;
+            proxy_pass http://triton/v2/models/$model/versions/$routed_version/ready;
+            add_header {VERSION_HEADER} $routed_version always;
         }}
         location ~ ^/v2(/health/(live|ready)|/models/({models}))?$ {{
             limit_except GET HEAD {{ deny all; }}
@@ -191,7 +239,7 @@ def nginx_conf(prefix: Path, listen: Listeners, upstreams: Upstreams, limits: Cl
             default_type application/json;
             return 404 '{{"error": "not served by this router: its inference paths, /v1, health and metadata are"}}';
         }}"""
-    return f"""# generated by tasks/serving/router.py: the split lives in split.conf
+    return f"""# generated by tasks/serving/router.py: each model line's split lives in its split file
 daemon off;
 worker_processes 1;
 worker_shutdown_timeout {OLD_WORKERS_TIMEOUT_S}s;
@@ -210,7 +258,12 @@ http {{
     proxy_max_temp_file_size 0;
     # a shadow's pair id: deploy's generator sends one per request (32 hex digits), read back by it
     map $http_x_shadow_pair $shadow_pair_id {{ "~^[0-9a-f]{{32}}$" $http_x_shadow_pair; default ""; }}
-    include {prefix / 'split.conf'};
+{splits}
+    # a Triton path's model names its line: that line's pick
+    map $model $routed_version {{
+        default "";
+{model_versions}
+    }}
     upstream triton {{ server {upstreams.triton_host}:{upstreams.triton_port}; keepalive 32; }}
     upstream openai {{ server {upstreams.openai_host}:{upstreams.openai_port}; keepalive 32; }}
     # per client address: a flood or a pile of slow connections from one client is refused at
@@ -261,94 +314,145 @@ def internal_headers(values: dict[str, str]) -> str:
     return "\n            ".join(f'proxy_set_header {name} {values.get(name, chr(34) * 2)};' for name in INTERNAL_HEADERS)
 
 
-def mirror_conf(route: Route) -> str:
-    """The ``/v1/`` locations' mirror directives: a copy of each request (body included) to the
-    shadow version, or nothing."""
-    if route.shadow is None:
+def mirror_conf(routes: Mapping[str, Route]) -> str:
+    """The ``/v1/`` locations' mirror directives: a copy of each request (body included) while any
+    line's version shadows (the front drops the copy of a request whose line has no shadow), or
+    nothing."""
+    if all(route.shadow is None for route in routes.values()):
         return "# no shadow version: nothing mirrored\n"
     return f"mirror {SHADOW_LOCATION};\nmirror_request_body on;\n"
 
 
-def split_conf(route: Route) -> str:
-    lines = ['split_clients "${request_id}" $model_version {']
+def split_conf(route: Route, line: RoutedLine = DEMO_ROUTE) -> str:
+    """One line's split: its pick per request, its stable, its shadow and its state."""
+    def version(value: int | None) -> str:
+        return f'"{value if value is not None else ""}"'
+
+    var, state = line.var, json.dumps(asdict(route))
+    lines = [f'split_clients "${{request_id}}" $version_{var} {{']
     if route.canary is not None and route.canary_weight >= 100:
-        lines.append(f'    * "{route.canary}";')
+        lines.append(f"    * {version(route.canary)};")
     else:
         if route.canary is not None and route.canary_weight > 0:
-            lines.append(f'    {route.canary_weight:g}% "{route.canary}";')
-        lines.append(f'    * "{route.stable if route.stable is not None else ""}";')
+            lines.append(f"    {route.canary_weight:g}% {version(route.canary)};")
+        lines.append(f"    * {version(route.stable)};")
     lines.append("}")
-    lines.append(f'map "" $shadow_version {{ default "{route.shadow if route.shadow is not None else ""}"; }}')
-    # read by an nginx.conf rendered before the internal listener marked every request (a router
-    # started by older code, until its restart): without it nginx -t refuses every route change
-    lines.append('map "" $shadow_record { default "1"; }')
-    lines.append(f"map \"\" $route_state {{ default '{json.dumps(asdict(route))}'; }}")
+    lines.append(f'map "" $stable_{var} {{ default {version(route.stable)}; }}')
+    lines.append(f'map "" $shadow_{var} {{ default {version(route.shadow)}; }}')
+    lines.append(f"map \"\" $state_{var} {{ default '{state}'; }}")
+    if line.key == DEMO_LABEL:
+        # what an nginx.conf rendered by older code reads (a router started before one API served
+        # every line, until its restart): without them nginx -t refuses every route change
+        lines.append(f'map "" $model_version {{ default $version_{var}; }}')
+        lines.append(f'map "" $shadow_version {{ default $shadow_{var}; }}')
+        lines.append('map "" $shadow_record { default "1"; }')
+        lines.append(f"map \"\" $route_state {{ default '{state}'; }}")
     return "\n".join(lines) + "\n"
 
 
-def saved_route(prefix: Path) -> Route:
-    """The route ``split.conf`` holds: what the router applies once started (none yet: no model)."""
-    path = prefix / "split.conf"
+def saved_route(prefix: Path, line: RoutedLine = DEMO_ROUTE) -> Route:
+    """The route ``line``'s split file holds: what the router applies once started (none yet: no model)."""
+    path = prefix / line.split_file
     if not path.exists():
         return Route(stable=None)
-    state = path.read_text().split("$route_state { default '", 1)[1].split("';", 1)[0]
-    return Route(**json.loads(state))
+    text = path.read_text()
+    marker = next(m for m in (f"$state_{line.var} {{ default '", "$route_state { default '", "") if m in text)
+    if not marker:
+        raise ValueError(f"{path}: holds no route state")
+    return Route(**json.loads(text.split(marker, 1)[1].split("';", 1)[0]))
 
 
-def write_router_config(prefix: Path, listen: Listeners, upstreams: Upstreams) -> Path:
-    """nginx.conf, and the saved split and mirror (an empty split where none exists yet)."""
+def write_router_config(prefix: Path, listen: Listeners, upstreams: Upstreams,
+                        lines: Sequence[RoutedLine] | None = None) -> Path:
+    """nginx.conf for every model line (``lines``: all the settings name), and each line's saved
+    split and the mirror (an empty split where none exists yet)."""
+    lines = routed_lines() if lines is None else lines
     for kind in TEMP_KINDS:
         (prefix / "tmp" / kind).mkdir(parents=True, exist_ok=True)
     conf = prefix / "nginx.conf"
-    conf.write_text(nginx_conf(prefix, listen, upstreams))
-    # the saved route (none yet: no model) written again in this code's form: a split.conf of
+    conf.write_text(nginx_conf(prefix, listen, upstreams, lines=lines))
+    # the saved routes (none yet: no model) written again in this code's form: a split file of
     # older code lacks variables nginx.conf now uses
-    route = saved_route(prefix)
-    (prefix / "split.conf").write_text(split_conf(route))
-    (prefix / "mirror.conf").write_text(mirror_conf(route))
+    routes = {line.key: saved_route(prefix, line) for line in lines}
+    for line in lines:
+        (prefix / line.split_file).write_text(split_conf(routes[line.key], line))
+    (prefix / "mirror.conf").write_text(mirror_conf(routes))
     return conf
 
 
-class NginxRouter:
-    """The local router: its prefix folder (config, pid), its public URL and its internal one."""
+def served_routes(prefix: Path) -> dict[str, Route]:
+    """Every line's saved route, by key, as the router's nginx.conf includes them."""
+    included = [Path(line.split()[1].rstrip(";")).name for line in (prefix / "nginx.conf").read_text().splitlines()
+                if line.strip().startswith("include ")]
+    files = [name for name in included if name.startswith("split.") and name.endswith(".conf")]
+    keys = [DEMO_LABEL if name == "split.conf" else name.removeprefix("split.").removesuffix(".conf") for name in files]
+    return {key: saved_route(prefix, RoutedLine(key)) for key in keys}
 
-    def __init__(self, prefix: Path, url: str, internal_url: str, timeout_s: float = OLD_WORKERS_TIMEOUT_S + 5) -> None:
+
+class NginxRouter:
+    """The local router, as one model line's deploy drives it: its prefix folder (config, pid),
+    its public URL and its internal one, and the line (``demo``: params.yaml's) whose split it moves."""
+
+    def __init__(self, prefix: Path, url: str, internal_url: str, timeout_s: float = OLD_WORKERS_TIMEOUT_S + 5,
+                 line: str = DEMO_LABEL) -> None:
         self.prefix, self.url, self.internal_url = prefix, url.rstrip("/"), internal_url.rstrip("/")
-        self.timeout_s = timeout_s
+        self.timeout_s, self.line = timeout_s, RoutedLine(line)
 
     @classmethod
-    def from_env(cls) -> NginxRouter:
+    def from_env(cls, line: str = DEMO_LABEL) -> NginxRouter:
         missing = [k for k in ("ROUTER_DIR", "ROUTER_URL", "ROUTER_INTERNAL_URL") if not os.environ.get(k)]
         if missing:
             raise StepError(f"{', '.join(missing)} not set: the local router is started by `python -m stack up`")
-        return cls(Path(os.environ["ROUTER_DIR"]), os.environ["ROUTER_URL"], os.environ["ROUTER_INTERNAL_URL"])
+        return cls(Path(os.environ["ROUTER_DIR"]), os.environ["ROUTER_URL"], os.environ["ROUTER_INTERNAL_URL"],
+                   line=line)
 
-    def live(self) -> Route:
-        """What the running router applies now."""
+    def states(self) -> dict[str, Route]:
+        """What the running router applies now, every line's."""
         try:
             with urllib.request.urlopen(f"{self.url}/router/state", timeout=5) as resp:
-                return Route(**json.loads(resp.read()))
+                return {key: Route(**state) for key, state in json.loads(resp.read()).items()}
         except OSError as exc:
             raise RuntimeError(f"router {self.url} not reachable ({exc}): is the stack up?") from None
 
+    def live(self) -> Route:
+        """What the running router applies now to this line."""
+        states = self.states()
+        if self.line.key not in states:
+            raise StepError(f"the router serves no line {self.line.key!r} (it serves {', '.join(states)}): a line "
+                            "added since the stack started is served once `python -m stack up` restarts the router")
+        return states[self.line.key]
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """One route change at a time, whatever the line: each reload takes every line's files."""
+        with (self.prefix / "router.lock").open("w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
     def apply(self, stable: int | None, canary: int | None = None, canary_weight: float = 0.0,
               shadow: int | None = None) -> Route:
-        """Route traffic so, and return once the live router does."""
-        route = Route(stable, canary, float(canary_weight), self.live().generation + 1, shadow)
-        files = {"split.conf": split_conf(route), "mirror.conf": mirror_conf(route)}
-        previous = {name: (self.prefix / name).read_text() for name in files if (self.prefix / name).exists()}
-        for name, text in files.items():
-            staged = self.prefix / f".{name}.{os.getpid()}"
-            staged.write_text(text)
-            staged.replace(self.prefix / name)
-        command = [nginx_binary(), "-p", str(self.prefix), "-c", str(self.prefix / "nginx.conf")]
-        checked = subprocess.run([*command, "-t", "-q"], capture_output=True, text=True)
-        if checked.returncode != 0:
-            for name, text in previous.items():
-                (self.prefix / name).write_text(text)  # never leave a config the next reload would refuse
-            raise RuntimeError(f"router config rejected by nginx -t: {checked.stderr.strip()[-300:]}")
-        old_workers = self.worker_pids()
-        subprocess.run([*command, "-s", "reload"], check=True, capture_output=True)
+        """Route this line's traffic so, and return once the live router does."""
+        with self.changing():
+            route = Route(stable, canary, float(canary_weight), self.live().generation + 1, shadow)
+            routes = {**served_routes(self.prefix), self.line.key: route}
+            files = {self.line.split_file: split_conf(route, self.line), "mirror.conf": mirror_conf(routes)}
+            previous = {name: (self.prefix / name).read_text() for name in files if (self.prefix / name).exists()}
+            for name, text in files.items():
+                staged = self.prefix / f".{name}.{os.getpid()}"
+                staged.write_text(text)
+                staged.replace(self.prefix / name)
+            command = [nginx_binary(), "-p", str(self.prefix), "-c", str(self.prefix / "nginx.conf")]
+            checked = subprocess.run([*command, "-t", "-q"], capture_output=True, text=True)
+            if checked.returncode != 0:
+                for name, text in previous.items():
+                    (self.prefix / name).write_text(text)  # never leave a config the next reload would refuse
+                raise RuntimeError(f"router config rejected by nginx -t: {checked.stderr.strip()[-300:]}")
+            old_workers = self.worker_pids()
+            subprocess.run([*command, "-s", "reload"], check=True, capture_output=True)
+
         def applied() -> bool:  # the new generation served, and no worker of the old config left
             return self.live().generation == route.generation and not old_workers & self.worker_pids()
 

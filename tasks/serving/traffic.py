@@ -207,14 +207,20 @@ def _one_stream(target: Target, body: bytes, expected: str, timeout_s: float) ->
         conn.close()
 
 
-def text_requests(reference: Mapping[str, Any]) -> list[tuple[bytes, str]]:
+def text_requests(reference: Mapping[str, Any], model: str | None = None) -> list[tuple[bytes, str]]:
     """Greedy streamed completions of the export's reference prompts, each as long as its
-    reference continuation, with the text it must produce. They name no ``model``: the front
-    serves one, whatever a deployment calls it."""
+    reference continuation, with the text it must produce. They name ``model`` (default: the model
+    line this process runs for, by its registered name; none for the demo line, the API's model
+    of a request that names none, whatever a deployment calls it): one API serves every line."""
+    if model is None:
+        from tasks.config import DEMO, current_line
+        from tasks.lib.params import load_settings
+
+        model = None if current_line() == DEMO else load_settings().pipeline.model_name
     requests = []
     for generation in reference.get("generations", []):
         body = {"prompt": generation["prompt"], "max_tokens": max(1, len(generation["tokens"])),
-                "temperature": 0, "stream": True}
+                "temperature": 0, "stream": True, **({"model": model} if model else {})}
         requests.append((json.dumps(body).encode(), generation["text"]))
     return requests
 

@@ -66,8 +66,8 @@ def test_the_lines_dag_reads_its_settings(dags: dict[str, Any]) -> None:
     assert (support.params["raw_data_uri"], support.params["train_preset"]) == ("s3://raw/support", "cpu-small")
     assert "cpu-mini" in support.params.get_param("train_preset").schema["enum"]
     assert "cpu-mini" not in demo.params.get_param("train_preset").schema["enum"]
-    # serving holds one model (the demo line's): a line's run deploys only when asked
-    assert (demo.params["skip_deploy"], support.params["skip_deploy"]) == (False, True)
+    # one API serves every line: a line's run deploys its model as the demo line's does
+    assert (demo.params["skip_deploy"], support.params["skip_deploy"]) == (False, False)
     # its raw data Asset schedules it, not the demo line's
     assets = {dag.dag_id: {(a.name, a.uri) for a in dag.timetable.asset_condition.objects} for dag in (demo, support)}
     assert assets == {"llm_retrain": {("raw_text", "s3://raw/text")},

@@ -425,7 +425,7 @@ def test_pipeline_runs_end_to_end(retrain_run: Any) -> None:
     deployed = xcom(run, "deploy")
     assert deployed["verdict"] == "promoted" and deployed["aliases"]["champion"] == registered["version"]
     with urllib.request.urlopen(f"{os.environ['ROUTER_URL']}/router/state", timeout=5) as resp:
-        assert json.loads(resp.read())["stable"] == int(registered["version"])
+        assert json.loads(resp.read())["demo"]["stable"] == int(registered["version"])
     # the run report: the summary `make pipeline` ends with, a JSON report and an HTML page
     report = xcom(run, "report")
     assert report["verdict"] == "success" and report["report_uri"].endswith(f"{run_key}/report/report.html")

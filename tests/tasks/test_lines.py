@@ -200,10 +200,12 @@ def test_make_targets_read_a_lines_dag_id_and_raw_data(lines_dir: Path) -> None:
     reported = dry_run("report", "LINE=support").stdout
     assert "PIPELINE_LINE=support LOG_LEVEL=WARNING .venvs/runtime/bin/python -m tasks.report show" in reported
     assert "PIPELINE_LINE= LOG_LEVEL=WARNING" in dry_run("report").stdout  # no LINE: the demo line, not the caller's
-    refused = subprocess.run(["make", "predict", "LINE=support"], cwd=REPO_ROOT, text=True, capture_output=True,
+    predicted = dry_run("predict", "LINE=support").stdout  # the request names the line's model
+    assert "PIPELINE_LINE=support .venvs/runtime/bin/python -m stack predict" in predicted, predicted
+    refused = subprocess.run(["make", "drift", "LINE=support"], cwd=REPO_ROOT, text=True, capture_output=True,
                              timeout=60)
     assert refused.returncode == 2 and refused.stderr.splitlines()[0] == (
-        "make predict runs the demo line; LINE= is for retrain, import, replay and report")
+        "make drift runs the demo line; LINE= is for retrain, import, replay, report and predict")
 
 
 def test_the_repository_ships_no_line() -> None:

@@ -35,9 +35,11 @@ import numpy as np
 import pytest
 import yaml
 from helpers import (
+    FIFTH_CHANGED,
     REPO_ROOT,
     RUNTIME_PY,
     SMALL,
+    clone_export,
     error_lines,
     export,
     params_with_model_name,
@@ -95,11 +97,68 @@ def test_one_config_source_for_every_backend() -> None:
 
 
 def test_split_routes_by_weight() -> None:
-    assert '10% "3";' in split_conf(Route(2, 3, 10.0, 1)) and '* "2";' in split_conf(Route(2, 3, 10.0, 1))
-    assert split_conf(Route(2, 3, 100.0, 2)).count('"3"') == 1 and '"2"' not in split_conf(Route(2, 3, 100.0, 2))
-    assert '* "";' in split_conf(Route(None))
+    def split(route: Route) -> str:  # the split_clients block: what picks each request's version
+        return split_conf(route).split("\n}\n")[0]
+
+    assert '10% "3";' in split(Route(2, 3, 10.0, 1)) and '* "2";' in split(Route(2, 3, 10.0, 1))
+    assert split(Route(2, 3, 100.0, 2)).count('"3"') == 1 and '"2"' not in split(Route(2, 3, 100.0, 2))
+    assert '* "";' in split(Route(None))
+    assert 'map "" $stable_demo { default "2"; }' in split_conf(Route(2, 3, 100.0, 2))
     with pytest.raises(ValueError):
         Route(2, None, 5.0)
+
+
+def test_each_line_has_its_own_split_in_one_router(tmp_path: Path) -> None:
+    """Two model lines in one nginx config, checked by the real nginx (``-t``): each line's split
+    in a file of its own, Triton's paths routed by their model's line, the front told every
+    line's pick; a saved route read back per line, and one line's shadow mirrors /v1."""
+    from tasks.serving.router import Listeners, RoutedLine, Upstreams, nginx_binary, saved_route, served_routes
+    from tasks.serving.router import write_router_config as write_config
+
+    demo, support = RoutedLine("demo"), RoutedLine("my-support", ("llm__s", "llm_generate__s"))
+    assert support.split_file == "split.my-support.conf" and support.var == "my_dsupport"
+    (tmp_path / support.split_file).write_text(split_conf(Route(4, shadow=5), support))
+    conf = write_config(tmp_path, Listeners(1, 4), Upstreams(2, 3), lines=[demo, support]).read_text()
+    checked = subprocess.run([nginx_binary(), "-t", "-q", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+                             capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    assert "llm__s $version_my_dsupport;" in conf and "llm_generate $version_demo;" in conf
+    assert 'X-Route-Version "demo=$version_demo:$stable_demo,my-support=$version_my_dsupport:$stable_my_dsupport"' in conf
+    assert "(?<model>llm|llm__s)/(?<action>infer)$" in conf  # the public listener: each line's logits model
+    assert served_routes(tmp_path) == {"demo": Route(None), "my-support": Route(4, shadow=5)}
+    assert saved_route(tmp_path, support) == Route(4, shadow=5) and saved_route(tmp_path) == Route(None)
+    assert "mirror /_shadow;" in (tmp_path / "mirror.conf").read_text()
+
+
+def test_the_front_picks_its_lines_version_from_the_routers_header() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from tasks.serving.front import RoutedVersions, ServedModel
+    from tasks.serving.protocol import ApiError
+
+    demo, support = ServedModel("demo", "llm-retrain", "llm_generate"), ServedModel("support", "s", "g__s")
+
+    def routed(value: str) -> RoutedVersions:
+        return RoutedVersions.of(make_mocked_request("POST", "/v1/completions", headers={"X-Route-Version": value}))
+
+    every = routed("demo=3:2,support=:")
+    assert every.version(demo) == "3" and every.stable(demo) == "2" and every.stable(support) is None
+    with pytest.raises(ApiError, match="no version of model 's' is deployed yet") as refused:
+        every.version(support)
+    assert refused.value.status == 503
+    assert routed("7").version(support) == routed("7").version(demo) == "7"  # deploy's own: the named line's
+    assert routed("").version(demo) == "" and routed("x;y").version(demo) == ""  # no router: unversioned
+
+
+def test_a_cluster_serves_the_demo_line_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from tasks.config import load
+
+    (tmp_path / "support.yaml").write_text("")
+    monkeypatch.setenv("PIPELINE_LINES_DIR", str(tmp_path))
+    monkeypatch.setenv("PIPELINE_LINE", "support")
+    monkeypatch.setenv("SERVING_PLATFORM", "kubernetes")
+    with pytest.raises(StepError, match="line 'support': a cluster serves the demo line alone"):
+        platforms.serving_platform(load())
 
 
 RISING = r"canary\.steps .*: expected rising percentages ending at 100"
@@ -447,9 +506,11 @@ def test_records_that_cannot_be_read_leave_the_streams_as_received() -> None:
 def test_a_shadow_route_mirrors_v1_only_and_marks_both_requests(tmp_path: Path) -> None:
     from tasks.serving.router import Listeners, Upstreams, mirror_conf, nginx_conf
 
-    assert mirror_conf(Route(2)).startswith("#") and "mirror /_shadow;" in mirror_conf(Route(2, shadow=3))
+    assert mirror_conf({"demo": Route(2)}).startswith("#")
+    # one line's shadow mirrors every /v1 request: the front drops the copies of other lines' requests
+    assert "mirror /_shadow;" in mirror_conf({"demo": Route(2), "support": Route(1, shadow=3)})
     shadowing = split_conf(Route(2, shadow=3))
-    assert '$shadow_version { default "3"; }' in shadowing and '$shadow_version { default ""; }' in split_conf(Route(2))
+    assert '$shadow_demo { default "3"; }' in shadowing and '$shadow_demo { default ""; }' in split_conf(Route(2))
     assert '* "2";' in shadowing and Route(2, shadow=3).versions() == [2, 3]
     conf = nginx_conf(tmp_path, Listeners(1, 4), Upstreams(2, 3))
     public, internal = (part.split("location")[0] for part in conf.split("location /v1/ {")[1:])
@@ -841,18 +902,8 @@ def register_legacy_gpt(name: str, tokenizer_uri: str, seed: int) -> str:
 
 
 # Faults of the text endpoint only, appended to an exported version's engine.py: the logits
-# model of the same version stays healthy, so only the text endpoint's shadow (or canary) catches them.
-FIFTH_CHANGED = """
-import itertools
-_init, _add, _nth = Detokenizer.__init__, Detokenizer.add, itertools.count()
-def _changing_init(self, *args, **kwargs):
-    _init(self, *args, **kwargs)
-    self.changed = next(_nth) % 5 == 4
-def _changing_add(self, token):
-    text, stopped = _add(self, token)
-    return (text.upper() if self.changed else text), stopped
-Detokenizer.__init__, Detokenizer.add = _changing_init, _changing_add
-"""
+# model of the same version stays healthy, so only the text endpoint's shadow (or canary) catches them
+# (FIFTH_CHANGED: tests/helpers.py).
 # each of the decoder's prefill runs 300 ms slower (a slower build; one prompt or several
 # prompts' in one run), after the request took its slot: what the engine's own time to first
 # token measures (the wait for a slot is not the version's)
@@ -875,23 +926,6 @@ def _flaky_admit(self, sequence):
     return _admit(self, sequence)
 Engine.admit = _flaky_admit
 """
-
-
-def clone_export(source: Path, version: str, out: Path, new_version: str, engine_fault: str = "") -> Path:
-    """The export of ``version`` as the export of ``new_version`` (same files, version folders
-    renamed), its engine given ``engine_fault``, committed again: as if the export step had
-    produced it (readers check files against the manifest)."""
-    import shutil
-
-    from tasks.lib import storage
-
-    with storage.staged_output(str(out)) as staging:
-        shutil.copytree(source, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns(storage.SUCCESS_MARKER))
-        for model in ("llm", "llm_generate"):
-            (staging / "triton" / model / version).rename(staging / "triton" / model / new_version)
-        engine = staging / "triton" / "llm_generate" / new_version / "engine.py"
-        engine.write_text(engine.read_text() + engine_fault)
-    return out
 
 
 def openai_client(env: dict[str, str]) -> Any:
@@ -1023,9 +1057,10 @@ def aliases(name: str) -> dict[str, str | None]:
     return {a: alias_version(name, a) for a in ("champion", "previous", "challenger")}
 
 
-def live_route(env: dict[str, str]) -> dict[str, Any]:
+def live_route(env: dict[str, str], line: str = "demo") -> dict[str, Any]:
+    """A model line's route as the live router applies it."""
     with urllib.request.urlopen(f"{env['ROUTER_URL']}/router/state", timeout=5) as resp:
-        loaded: dict[str, Any] = json.loads(resp.read())
+        loaded: dict[str, Any] = json.loads(resp.read())[line]
         return loaded
 
 
@@ -1338,11 +1373,11 @@ def test_rollout_promotion_rollbacks_and_restart(
     proc = subprocess.run([str(RUNTIME_PY), "-m", "stack", "reconcile-serving"], cwd=REPO_ROOT, capture_output=True,
                           text=True, env={"PATH": os.environ["PATH"], "STACK_DIR": str(tmp_path / "no-stack-here"),
                                           **compose_env}, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip() == f"serving: loaded versions [{int(v2)}] of the route", \
+    assert proc.returncode == 0 and proc.stdout.strip() == f"serving: loaded the routes' versions {{'demo': [{int(v2)}]}}", \
         proc.stdout + proc.stderr[-3000:]
     assert generate_text(env, "This module provides")[1] == v2
     proc = run_module("stack", "status", env=env)
-    assert proc.returncode == 0 and f"serving (route: versions [{v2}]): healthy" in proc.stdout, proc.stdout
+    assert proc.returncode == 0 and f"serving (routes: demo versions {v2}): healthy" in proc.stdout, proc.stdout
 
 
 def walked(steps: list[dict[str, Any]]) -> list[float]:

@@ -103,3 +103,24 @@ def test_the_logits_model_counts_once_per_instance(tmp_path: Path) -> None:
     export = write_export(tmp_path / "export", serve, 5, (10, 2))
     found = memory.footprint(export / "triton", serve, 5, export / "configs" / f"{serve.generate_model}.json")
     assert 32 * MIB < found.weights_bytes < 32 * MIB + 4096
+
+
+def test_another_lines_served_version_counts_against_the_one_budget(tmp_path: Path) -> None:
+    """One Triton holds every model line's versions: a deploy counts what the other lines' routes
+    serve (their own models, sized by their own engine configuration) beside its own."""
+    serve = serve_settings(max_slots=8, kv_cache_mb=1024, memory_budget_mb=100)
+    other = serve_settings(triton_model="llm__support", generate_model="llm_generate__support", max_slots=2)
+    repository = tmp_path / "models"
+    write_version(repository, other, 7, (20, 20))  # the support line's stable: 40 MiB + 2 x 4 MiB
+    (repository / other.generate_model / "config.json").write_text(
+        json.dumps(generate_model_config(other.generate_model, other)))
+    export = write_export(tmp_path / "export", serve, 2, (20, 20))
+    with pytest.raises(StepError) as refused:
+        stage_version(str(export), 2, repository, serve, tmp_path / "scratch", Staging(others=((other, "support", 7),)))
+    assert str(refused.value).startswith(
+        "version 2 72 MiB (40 MiB of weights, 8 KV cache slots 32 MiB) beside line support's version 7 48 MiB "
+        "(40 MiB of weights, 2 KV cache slots 8 MiB): 120 MiB, over serve.memory_budget_mb 100"), refused.value
+    assert not (repository / serve.generate_model / "2").exists()
+    stage_version(str(export), 2, repository, dataclasses.replace(serve, memory_budget_mb=150), tmp_path / "scratch2",
+                  Staging(others=((other, "support", 7),)))
+    assert (repository / serve.generate_model / "2" / "decoder.onnx").exists()
