@@ -48,7 +48,7 @@ help:
 	@echo "                LINE=<name>: retrain, replay, report and import act on that model line (docs/lines.md)"
 	@echo "make import SOURCE=...    a corpus (JSON Lines, Parquet, CSV, text files, datasets) into the raw partitions"
 	@echo "make retrain [BASE=...]   a retrain on the imported data (BASE: a Hugging Face checkpoint to start from)"
-	@echo "make predict PROMPT=...   a completion from the serving model, through the router (LINE=: a line's)"
+	@echo "make predict PROMPT=...   a completion from the serving model, through the router (LINE= or MODEL=: another's)"
 	@echo "make up/down    start/stop the local stack (SeaweedFS S3, MLflow, Triton, the OpenAI front, the router,"
 	@echo "                Prometheus and its Pushgateway) and the Airflow UI"
 	@echo "make status     health of each server"
@@ -260,11 +260,11 @@ import: env
 	to="$(IMPORT_TO)" && to=$${to:-$(call SETTING,pipeline.raw_data_uri)} && \
 	  $(STACK_ENV) && $(ON_LINE) $(RT_PY) -m tasks.ingest import "$(SOURCE)" --to "$$to" $(IMPORT_ARGS)
 
-# A completion from a line's serving model through the router (the request names the line's model):
-# make predict PROMPT="Return the number of" [LINE=support]
+# A completion from a line's serving model through the router (the request names the line's model,
+# or MODEL's): make predict PROMPT="Return the number of" [LINE=support | MODEL=support-bot]
 PROMPT ?= Return the number of
 predict:
-	@$(STACK_ENV) && $(ON_LINE) $(RT_PY) -m stack predict "$(PROMPT)"
+	@$(STACK_ENV) && $(ON_LINE) $(RT_PY) -m stack predict "$(PROMPT)" $(if $(MODEL),--model "$(MODEL)")
 
 # The data half as DVC stages (dvc.yaml), outside Airflow, against the local stack.
 repro: env

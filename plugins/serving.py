@@ -2,6 +2,7 @@
 
     python plugins/serving.py --install | kubectl create -f -    # once: the objects and deploy's initial state
     python plugins/serving.py | kubectl apply -f -                # after any change (image, resources): safe
+    python plugins/serving.py --install --line support | kubectl create -f -   # once, for a line added later
 
 What the deploy step owns is live state: the tracks' replicas and versions (pod template
 annotations), the public HTTPRoute (its weights, version headers and rollout state) and the deploy
@@ -58,13 +59,14 @@ from typing import Any
 import yaml
 from cluster import DEPLOYER_LABEL, capture_secret_name, pinned_image
 
-from pipeline_params import Settings, pipeline_params
-from tasks.config import ServeKubernetes, ServeSettings
+from pipeline_params import Settings, pipeline_lines, pipeline_params
+from tasks.config import DEMO, LINE_ENV, ServeKubernetes, ServeSettings, line_label
 from tasks.serving.contract import (
     ANNOTATION,
     BASELINE,
     COPY_HEADER,
     INTERNAL_HEADERS,
+    MODEL_HEADER,
     NO_VERSION,
     PUBLIC_LOGITS_ACTIONS,
     RECORD_HEADER,
@@ -93,8 +95,14 @@ def _hardened() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def track_deployment(params: Settings, track: str, install: bool = False) -> dict[str, Any]:
-    """A track's Deployment; ``install``: with deploy's initial state (0 replicas, no version)."""
+def line_env(line: str) -> list[dict[str, str]]:
+    """What makes a pod's processes read a model line's settings (none: the demo line's)."""
+    return [] if line == DEMO else [{"name": LINE_ENV, "value": line}]
+
+
+def track_deployment(params: Settings, track: str, install: bool = False, line: str = DEMO) -> dict[str, Any]:
+    """A track's Deployment of model ``line`` (``params``: its settings); ``install``: with
+    deploy's initial state (0 replicas, no version)."""
     cluster, serve = params.launcher.kubernetes, params.serve
     settings = serve.kubernetes
     kind = cluster.kinds[settings.kind]
@@ -114,7 +122,7 @@ def track_deployment(params: Settings, track: str, install: bool = False) -> dic
                     "--export", "$(EXPORT_URI)", "--repository", "/models",
                     "--config-variant", settings.config_variant],
         "env": [from_annotation("model-version"), from_annotation("export-uri"),
-                {"name": "PYTHONUNBUFFERED", "value": "1"}],
+                {"name": "PYTHONUNBUFFERED", "value": "1"}, *line_env(line)],
         "envFrom": [{"secretRef": {"name": name}} for name in cluster.env_from_secrets],
         "resources": cluster.kinds["cpu"].resources,
         "securityContext": _hardened(),
@@ -144,13 +152,15 @@ def track_deployment(params: Settings, track: str, install: bool = False) -> dic
         "name": "openai",
         "image": step_image,
         "imagePullPolicy": cluster.image_pull_policy,
-        # only the stable track's fronts capture served traffic: the canary track's receive the
-        # gateway's mirrored copies, which a RequestMirror cannot mark as copies (its filters act on
-        # the request and its copy alike), and the baseline's deploy's own load; what the canary's
-        # share of users asks during a rollout goes uncaptured, a sample the capture is anyway
+        # only the demo line's stable track's fronts capture served traffic (its drift check
+        # reads it): the canary track's receive the gateway's mirrored copies, which a
+        # RequestMirror cannot mark as copies (its filters act on the request and its copy alike),
+        # and the baseline's deploy's own load; what the canary's share of users asks during a
+        # rollout goes uncaptured, a sample the capture is anyway. Each pod serves its line's model
         "command": ["python", "-m", "tasks.serving.front", "--host", "0.0.0.0", "--port", str(ports["openai"]),
-                    "--triton-url", f"http://127.0.0.1:{ports['http']}", "--demo-line-only",  # docs/lines.md
-                    *(["--capture-rate", "0"] if track != "stable" else [])],
+                    "--triton-url", f"http://127.0.0.1:{ports['http']}", "--line", line_label(line),
+                    *(["--capture-rate", "0"] if track != "stable" or line != DEMO else [])],
+        "env": line_env(line),
         "ports": [{"name": "openai", "containerPort": ports["openai"]}],
         # the served-traffic capture's S3 keys (serve.capture), which may write that alone: the
         # front's own Secret (the stage init container holds the steps'; Triton's container none)
@@ -232,14 +242,22 @@ def track_service(params: Settings, track: str) -> dict[str, Any]:
     }
 
 
-def public_triton_paths(serve: ServeSettings) -> list[str]:
+def public_triton_paths(serve: ServeSettings, line: str = DEMO) -> list[str]:
     """What clients may call of Triton's: the logits model's inference (text goes through the
     OpenAI front's /v1: contract's ``PUBLIC_LOGITS_ACTIONS``), each served model's metadata and
-    readiness (tritonclient's ``is_model_ready``), the server's health and metadata."""
+    readiness (tritonclient's ``is_model_ready``), the server's health and metadata (the demo
+    line's route: paths that name no model are one route's)."""
     models = (serve.triton_model, serve.generate_model)
+    server = ["/v2", "/v2/health/live", "/v2/health/ready"] if line == DEMO else []
     return [*(f"/v2/models/{serve.triton_model}/{a}" for a in PUBLIC_LOGITS_ACTIONS),
-            *(f"/v2/models/{m}" for m in models), *(f"/v2/models/{m}/ready" for m in models),
-            "/v2", "/v2/health/live", "/v2/health/ready"]
+            *(f"/v2/models/{m}" for m in models), *(f"/v2/models/{m}/ready" for m in models), *server]
+
+
+def model_match(params: Settings, line: str) -> list[dict[str, str]]:
+    """The header match of a model line's ``/v1`` rules: the model the request names (the
+    gateway's body-based router sets it). The demo line's match none: they take the requests
+    that name no model (a rule with a header match wins over one without)."""
+    return [] if line == DEMO else [{"type": "Exact", "name": MODEL_HEADER, "value": params.pipeline.model_name}]
 
 
 def without_internal_headers() -> dict[str, Any]:
@@ -249,13 +267,13 @@ def without_internal_headers() -> dict[str, Any]:
     return {"type": "RequestHeaderModifier", "requestHeaderModifier": {"remove": list(INTERNAL_HEADERS)}}
 
 
-def http_route(params: Settings) -> dict[str, Any]:
-    """The public route: an allowlist, split between the tracks by weight (rules 0: Triton's
-    inference, health and metadata paths, exact; 1: the OpenAI front's ``/v1``), each removing
-    the internal headers a client sent (deploy's patches of rule 1's filters keep that removal,
-    adding the shadow's mirror). Nothing else of Triton's (repository control, a version's own
-    paths) matches: the gateway answers 404. Deploy's once created (``--install`` only): its
-    weights and state are the live split."""
+def http_route(params: Settings, line: str = DEMO) -> dict[str, Any]:
+    """A model line's public route: an allowlist, split between its tracks by weight (rules 0:
+    Triton's inference, health and metadata paths of its models, exact; 1: the OpenAI front's
+    ``/v1`` for its model, :func:`model_match`), each removing the internal headers a client
+    sent (deploy's patches of rule 1's filters keep that removal, adding the shadow's mirror).
+    Nothing else of Triton's (repository control, a version's own paths) matches: the gateway
+    answers 404. Deploy's once created (``--install`` only): its weights and state are the live split."""
     settings = params.serve.kubernetes
     names = {track: f"{settings.name}-{track}" for track in TRACKS}
 
@@ -268,7 +286,8 @@ def http_route(params: Settings) -> dict[str, Any]:
         return {"matches": matches, "filters": [without_internal_headers()],
                 "backendRefs": [backend("stable", WEIGHT_SCALE, port), backend("canary", 0, port)]}
 
-    triton_paths = [{"path": {"type": "Exact", "value": path}} for path in public_triton_paths(params.serve)]
+    triton_paths = [{"path": {"type": "Exact", "value": path}} for path in public_triton_paths(params.serve, line)]
+    v1 = {"path": {"type": "PathPrefix", "value": "/v1/"}, **({"headers": model_match(params, line)} if line else {})}
     state = {"stable": None, "canary": None, "canary_weight": 0.0, "generation": 0}
     return {
         "apiVersion": "gateway.networking.k8s.io/v1",
@@ -280,15 +299,16 @@ def http_route(params: Settings) -> dict[str, Any]:
             "parentRefs": [_gateway_ref(settings, settings.gateway.listener)],
             "hostnames": [settings.hostname],
             "rules": [weighted(triton_paths, settings.ports["http"]),
-                      weighted([{"path": {"type": "PathPrefix", "value": "/v1/"}}], settings.ports["openai"])],
+                      weighted([v1], settings.ports["openai"])],
         },
     }
 
 
-def internal_route(params: Settings) -> dict[str, Any]:
-    """Deploy's route, on the gateway's internal listener (not reachable from outside the
-    cluster): ``X-Serving-Track: canary|stable|baseline`` reaches one track alone, Triton's model paths (a
-    version's own included; not its repository control) and the OpenAI front's, for the smoke test before any traffic moves
+def internal_route(params: Settings, line: str = DEMO) -> dict[str, Any]:
+    """Deploy's route of a model line, on the gateway's internal listener (not reachable from outside the
+    cluster): ``X-Serving-Track: canary|stable|baseline`` reaches one track alone, Triton's paths of the line's models (a
+    version's own included; not its repository control) and the OpenAI front's (for a line's
+    model, :func:`model_match`: deploy sets the header), for the smoke test before any traffic moves
     and the canary analysis's baseline; through the same gateway hop as the split's requests.
     ``X-Serving-Track: shadow`` carries deploy's paired shadow requests (``X-Shadow-Pair``, which
     the public route removes): stable's pods answer and record them, the canary track's (the
@@ -297,9 +317,12 @@ def internal_route(params: Settings) -> dict[str, Any]:
     openai_port = settings.ports["openai"]
 
     def rule(prefix: str, track: str, port: int) -> dict[str, Any]:
-        header = {"type": "Exact", "name": TRACK_HEADER, "value": track}
-        return {"matches": [{"path": {"type": "PathPrefix", "value": prefix}, "headers": [header]}],
+        headers = [{"type": "Exact", "name": TRACK_HEADER, "value": track},
+                   *(model_match(params, line) if prefix == "/v1/" else [])]
+        return {"matches": [{"path": {"type": "PathPrefix", "value": prefix}, "headers": headers}],
                 "backendRefs": [{"name": f"{settings.name}-{track}", "port": port}]}
+
+    models = [f"/v2/models/{model}" for model in (params.serve.triton_model, params.serve.generate_model)]
 
     # the shadow's copies go to the canary track alone, and only while deploy sends them (the
     # shadow stage): marked for the record before the mirror, so both answers are kept
@@ -317,8 +340,8 @@ def internal_route(params: Settings) -> dict[str, Any]:
                      "labels": {"app.kubernetes.io/part-of": "llm-pipeline"}},
         "spec": {
             "parentRefs": [_gateway_ref(settings, settings.gateway.internal_listener)],
-            "rules": [*(rule(prefix, track, settings.ports[port]) for prefix, port in (("/v2/models/", "http"),
-                                                                                         ("/v1/", "openai"))
+            "rules": [*(rule(prefix, track, settings.ports[port])
+                        for prefix, port in (*((model, "http") for model in models), ("/v1/", "openai"))
                         for track in ("canary", "stable", "baseline")), shadow],
         },
     }
@@ -330,11 +353,11 @@ def _gateway_ref(settings: ServeKubernetes, listener: str) -> dict[str, Any]:
             "namespace": gateway.namespace, "sectionName": listener}
 
 
-def deployer_rbac(params: Settings) -> list[dict[str, Any]]:
-    """What the deploy step's service account may do: get and patch these objects and hold the
-    deploy lock, nothing else."""
+def deployer_rbac(params: Settings, line: str = DEMO) -> list[dict[str, Any]]:
+    """What the deploy step's service account may do for a model line: get and patch its
+    objects and hold its deploy lock, nothing else."""
     cluster, settings = params.launcher.kubernetes, params.serve.kubernetes
-    name, namespace = "llm-pipeline-deployer", cluster.namespace
+    name, namespace = "llm-pipeline-deployer" + ("" if line == DEMO else f"-{line}"), cluster.namespace
     return [
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
          "metadata": {"name": name, "namespace": namespace},
@@ -387,16 +410,32 @@ def network_policy(params: Settings) -> dict[str, Any]:
     }
 
 
-def serving_manifests(params: Settings | None = None, install: bool = False) -> list[dict[str, Any]]:
-    """The serving objects; ``install``: with what deploy owns afterwards, in its initial state
-    (see the module docstring)."""
-    params = params or pipeline_params()
+def line_manifests(params: Settings, line: str = DEMO, install: bool = False) -> list[dict[str, Any]]:
+    """One model line's serving objects; ``install``: with what deploy owns afterwards, in its
+    initial state (see the module docstring)."""
     tracks = [obj for track in TRACKS
-              for obj in (track_deployment(params, track, install), track_service(params, track))]
-    public = [http_route(params)] if install else []
-    return [*tracks, disruption_budget(params), *public, internal_route(params), network_policy(params),
-            *deployer_rbac(params)]
+              for obj in (track_deployment(params, track, install, line), track_service(params, track))]
+    public = [http_route(params, line)] if install else []
+    return [*tracks, disruption_budget(params), *public, internal_route(params, line), network_policy(params),
+            *deployer_rbac(params, line)]
+
+
+def serving_manifests(params: Settings | None = None, install: bool = False,
+                      only: str | None = None) -> list[dict[str, Any]]:
+    """Every model line's serving objects, the demo line's first (its names are today's), or
+    the line ``only`` names (``demo``: params.yaml's); ``params``: the demo line's objects of
+    those settings alone."""
+    if params is not None:
+        return line_manifests(params, DEMO, install)
+    lines = [line for line in pipeline_lines() if only is None or line_label(line) == only]
+    if not lines:
+        print(f"error: --line {only!r}: no such model line (lines: {', '.join(map(line_label, pipeline_lines()))})",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return [obj for line in lines for obj in line_manifests(pipeline_params(line), line, install)]
 
 
 if __name__ == "__main__":
-    yaml.safe_dump_all(serving_manifests(install="--install" in sys.argv[1:]), sys.stdout, sort_keys=False)
+    arguments = sys.argv[1:]
+    chosen = arguments[arguments.index("--line") + 1] if "--line" in arguments[:-1] else None
+    yaml.safe_dump_all(serving_manifests(install="--install" in arguments, only=chosen), sys.stdout, sort_keys=False)

@@ -48,7 +48,7 @@ S3_IDENTITY_VARIABLES = {"pipeline": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KE
                          "capture": ("CAPTURE_AWS_ACCESS_KEY_ID", "CAPTURE_AWS_SECRET_ACCESS_KEY")}
 
 
-def predict(prompt: str, max_tokens: int) -> int:
+def predict(prompt: str, max_tokens: int, model: str | None = None) -> int:
     """A completion through the router's OpenAI-compatible API (the traffic split a client
     sees), streamed token by token as the engine produces them, with the version that answered;
     one line of error when nothing serves yet."""
@@ -60,7 +60,7 @@ def predict(prompt: str, max_tokens: int) -> int:
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
     try:
         with client.completions.with_streaming_response.create(
-                model=load().pipeline.model_name, prompt=prompt, max_tokens=max_tokens, stream=True) as resp:
+                model=model or load().pipeline.model_name, prompt=prompt, max_tokens=max_tokens, stream=True) as resp:
             print(f"[version {resp.headers.get('X-Model-Version', '?')}] {prompt}", end="", flush=True)
             for chunk in resp.parse():
                 print(chunk.choices[0].text if chunk.choices else "", end="", flush=True)
@@ -146,12 +146,13 @@ def main() -> int:
                         "`metrics-auth` and `s3-identities`: the folder to write")
     parser.add_argument("--airflow", action="store_true", help="with `up`: also start Airflow (needs its venv)")
     parser.add_argument("--max-tokens", type=int, default=24, help="with `predict`: tokens to generate")
+    parser.add_argument("--model", help="with `predict`: the served model to ask (default: the line's, PIPELINE_LINE)")
     parser.add_argument("--count", type=int, default=200, help="with `traffic`: prompts to send")
     args = parser.parse_args()
     if args.command == "predict":
         if not args.prompt:
             parser.error("predict needs a PROMPT")
-        return predict(args.prompt, args.max_tokens)
+        return predict(args.prompt, args.max_tokens, args.model)
     if args.command == "traffic":
         from stack.traffic import KINDS, send
 

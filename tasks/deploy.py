@@ -461,7 +461,7 @@ class Rollout:
         serving, params, stable = self.serving, self.params, self.stable
         requests, texts = LogitsRequests.of(self.reference), text_requests(self.reference)
         routed = Target(serving.url + triton.infer_path(self.serve.triton_model))
-        routed_text = Target(serving.url + "/v1/completions")
+        routed_text = Target(serving.url + "/v1/completions", serving.model_headers)
         duration, fresh = params.step_duration_s, serving.fresh_baseline
         rate, direct_rps = split_rates(params.rate_rps, params.min_samples, weight, stable, duration, fresh)
         text_rate, direct_text_rps = split_rates(params.text_rps, params.text_min_samples, weight, stable, duration,

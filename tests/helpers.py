@@ -290,6 +290,21 @@ def cuda_provider_present() -> bool:
     return torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
 
 
+def imported_base(family: str, snapshot: Path, folder: Path, env: dict[str, str]) -> dict[str, Any]:
+    """A tiny base checkpoint of ``family`` (examples/tiny_base.py, built offline) imported by the
+    tokenize step: its result (``init_model_uri``, ``tokenizer_uri``)."""
+    from examples.tiny_base import make_base
+    from tasks.lib import tokens
+
+    base = make_base(family, [r["text"] for r in tokens.read_jsonl(snapshot)], folder / family)
+    proc = run_module("tasks.tokenize", "prepare", "--snapshot", str(snapshot), "--base", str(base),
+                      "--preset", "cpu-tiny", "--output", str(folder / f"{family}-prepare"),
+                      "--set", f"tokenizer_store={folder / 'tokenizers'}", "--set", f"base_store={folder / 'bases'}",
+                      env=env)
+    assert proc.returncode == 0 and not error_lines(proc), proc.stderr[-2000:]
+    return step_result(proc)
+
+
 # an engine whose every fifth answer is changed (upper case): a broken text path behind a healthy
 # logits model, which a shadow's text agreement catches
 FIFTH_CHANGED = """

@@ -41,7 +41,8 @@ LINES_DIR_ENV = "PIPELINE_LINES_DIR"
 LINE_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 # what no two lines may share: each line's runs read and write their own
 APART = ("pipeline.dag_id", "pipeline.model_name", "pipeline.raw_data_uri", "pipeline.raw_data_asset",
-         "snapshot.tag_prefix", "train.experiment", "serve.triton_model", "serve.generate_model")
+         "snapshot.tag_prefix", "train.experiment", "serve.triton_model", "serve.generate_model",
+         "serve.kubernetes.name", "serve.kubernetes.route")
 
 
 def current_line() -> str:
@@ -86,7 +87,7 @@ def line_dag_id(dag_id: str, line: str) -> str:
     return dag_id if line == DEMO else f"{dag_id}__{line}"
 
 
-def apart_defaults(demo: Settings, line: str) -> dict[str, dict[str, str]]:
+def apart_defaults(demo: Settings, line: str) -> dict[str, dict[str, Any]]:
     """What keeps ``line`` apart from the demo line where its file does not say (:data:`APART`)."""
     pipeline = demo.pipeline
     return {
@@ -95,9 +96,12 @@ def apart_defaults(demo: Settings, line: str) -> dict[str, dict[str, str]]:
                      "raw_data_asset": f"{pipeline.raw_data_asset}__{line}"},
         "snapshot": {"tag_prefix": f"{demo.snapshot.tag_prefix}{line}-"},
         "train": {"experiment": f"{demo.train.experiment}-{line}"},
-        # one Triton serves every line: each line's versions are folders of its own two models
+        # one Triton serves every line locally: each line's versions are folders of its own two
+        # models; in a cluster each line has its own tracks (Deployments, Services) and HTTPRoutes
         "serve": {"triton_model": f"{demo.serve.triton_model}__{line}",
-                  "generate_model": f"{demo.serve.generate_model}__{line}"},
+                  "generate_model": f"{demo.serve.generate_model}__{line}",
+                  "kubernetes": {"name": f"{demo.serve.kubernetes.name}-{line}",
+                                 "route": f"{demo.serve.kubernetes.route}-{line}"}},
     }
 
 

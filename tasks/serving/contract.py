@@ -39,6 +39,10 @@ COPY_HEADER = "X-Shadow-Copy"  # on a mirrored copy only: the front answers 202 
 TRACK_HEADER = "X-Serving-Track"  # the internal HTTPRoute's rules: picks one track (clusters)
 SHADOW_TRACK = "shadow"  # its value on deploy's paired shadow requests: stable answers, the canary track gets a copy
 CLIENT_HEADER = "X-Client-Address"  # router -> front: the client's address, kept hashed by the capture
+# In a cluster the gateway's body-based router (the Gateway API inference extension's) copies a
+# request's ``model`` into this header: a model line's HTTPRoute rules match it (deploy sets it on
+# its own requests to a line's internal route)
+MODEL_HEADER = "X-Gateway-Model-Name"
 # Set only by the router or gateway: the public entry removes a client's own (nginx overwrites or
 # empties them; the public HTTPRoute's RequestHeaderModifier removes them), so no client picks a
 # version, fills deploy's shadow records or speaks for another client

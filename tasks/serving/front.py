@@ -688,8 +688,8 @@ def main() -> None:
     parser.add_argument("--capture-rate", type=float, default=serve.capture.rate,
                         help="share of answered requests captured (default: serve.capture.rate)")
     parser.add_argument("--capture-uri", default=serve.capture.uri, help="where (default: serve.capture.uri)")
-    parser.add_argument("--demo-line-only", action="store_true",
-                        help="serve params.yaml's model alone (a cluster track's pod: its Triton holds no other line)")
+    parser.add_argument("--line", help="serve this model line's model alone ('demo': params.yaml's; a cluster "
+                                       "track's pod, whose Triton holds that line alone); default: every line")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     timeout = serve.generate.request_timeout_s + 30
@@ -700,7 +700,11 @@ def main() -> None:
         log.info("capturing %.0f%% of answered requests to %s", 100 * args.capture_rate, args.capture_uri)
     # handler_cancellation: a client that goes away cancels its handler, and with it the
     # engine's work on its request (aiohttp lets handlers run on by default)
-    models = ServedModel.every_line()[:1] if args.demo_line_only else ServedModel.every_line()
+    models = ServedModel.every_line()
+    if args.line is not None:
+        models = [model for model in models if model.key == args.line]
+        if not models:
+            parser.error(f"--line {args.line!r}: no such model line")
     web.run_app(app(args.triton_url, models, timeout, capture),
                 host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from tasks.config import DEMO_LABEL, ServeSettings, Settings
+from tasks.config import DEMO, DEMO_LABEL, ServeSettings, Settings, current_line
 from tasks.lib import metrics, storage, triton
 from tasks.lib.errors import StepError, Terminated, first_line
 from tasks.lib.kube import KubeApi, KubeError, Lease, LeaseLost
@@ -45,6 +45,7 @@ from tasks.serving.contract import (
     ANNOTATION,
     BASELINE,
     INTERNAL_HEADERS,
+    MODEL_HEADER,
     NO_VERSION,
     RECORD_HEADER,
     ROUTE_HEADER,
@@ -197,6 +198,9 @@ class Serving(Protocol):
     step_records: bool
 
     url: str  # where the canary sends its traffic to the split, as clients' requests go: the router / gateway
+    # on deploy's /v1 requests to the split: what a cluster's gateway routes a model line's by
+    # (its body-based router sets it from a client's body; deploy does not depend on one)
+    model_headers: dict[str, str]
 
     def lock(self) -> contextlib.AbstractContextManager[None]:
         ...
@@ -271,6 +275,7 @@ class LocalServing:
         if missing:
             raise StepError(f"{', '.join(missing)} not set: Triton is started by `python -m stack up`")
         self.serve = serve
+        self.model_headers: dict[str, str] = {}  # the local front reads the model from the body
         self.client = triton.TritonClient(os.environ["TRITON_URL"])
         self.repository = Path(os.environ["TRITON_REPOSITORY"])
         self.router = NginxRouter.from_env(metrics.line_label())  # this line's split
@@ -467,7 +472,10 @@ def deployment_rolled_out(deployment: dict[str, Any]) -> bool:
 class KubernetesServing:
     """A Triton Deployment per track behind a Gateway API HTTPRoute (``plugins/serving.py``)."""
 
-    def __init__(self, serve: ServeSettings, namespace: str, api: KubeApi | None = None) -> None:
+    def __init__(self, serve: ServeSettings, namespace: str, api: KubeApi | None = None,
+                 model: str | None = None) -> None:
+        """``model``: a model line's registered name (None: the demo line's), which its routes'
+        ``/v1`` rules match in :data:`MODEL_HEADER` (plugins/serving.py)."""
         missing = [k for k in ("ROUTER_URL", "ROUTER_INTERNAL_URL") if not os.environ.get(k)]
         if missing:
             raise StepError(f"{', '.join(missing)} not set: the gateway's public and internal addresses "
@@ -481,6 +489,7 @@ class KubernetesServing:
         self.per_version_metrics = self.step_records = False
         self.exports: dict[int, str] = {}
         self.lease = Lease(self.api, namespace, f"{self.cluster.route}-deploy", int(self.cluster.lease_duration_s))
+        self.model_headers = {MODEL_HEADER: model} if model else {}  # on deploy's /v1 requests
 
     def _path(self, kind: str, name: str) -> str:
         group = "/apis/apps/v1" if kind == "deployments" else "/apis/gateway.networking.k8s.io/v1"
@@ -631,11 +640,11 @@ class KubernetesServing:
                     "/v1/completions", {})
         # marked for the record (the internal route passes it on): the baseline's engine timings
         return self.internal_url + "/v1/completions", {TRACK_HEADER: BASELINE if self.fresh_baseline else "stable",
-                                                       RECORD_HEADER: "1"}
+                                                       RECORD_HEADER: "1", **self.model_headers}
 
     def shadow_target(self) -> tuple[str, dict[str, str]]:
         # the internal route's shadow rule (plugins/serving.py): stable's pods, mirrored to the canary track
-        return self.internal_url + "/v1/completions", {TRACK_HEADER: SHADOW_TRACK}
+        return self.internal_url + "/v1/completions", {TRACK_HEADER: SHADOW_TRACK, **self.model_headers}
 
     def shadow_records(self, request_ids: list[str], stable: int, shadow: int) -> list[dict[str, Any]]:
         # each track's pod runs its own front and serves one version: the shadow is on the canary
@@ -664,10 +673,6 @@ def serving_platform(settings: Settings) -> Serving:
     if platform == "local":
         return LocalServing(settings.serve)
     if platform == "kubernetes":
-        from tasks.config import DEMO, current_line
-
-        if current_line() != DEMO:  # its tracks and HTTPRoute are the demo line's (plugins/serving.py)
-            raise StepError(f"line {current_line()!r}: a cluster serves the demo line alone (docs/lines.md): "
-                            "run its retrain with skip_deploy")
-        return KubernetesServing(settings.serve, settings.launcher.kubernetes.namespace)
+        return KubernetesServing(settings.serve, settings.launcher.kubernetes.namespace,
+                                 model=None if current_line() == DEMO else settings.pipeline.model_name)
     raise StepError(f"SERVING_PLATFORM={platform!r}: expected 'local' or 'kubernetes'")

@@ -253,3 +253,62 @@ def test_only_the_gateway_deploy_and_prometheus_reach_triton_pods_and_only_ranks
     assert steps["spec"]["podSelector"] == {"matchExpressions": [{"key": cluster.STEP_LABEL, "operator": "Exists"}]}
     assert steps["spec"]["ingress"] == [{"from": [{"podSelector": {"matchExpressions": [
         {"key": cluster.JOB_LABEL, "operator": "Exists"}]}}]}]
+
+
+def test_each_model_line_has_its_own_tracks_and_routes_picked_by_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second line (``lines/support.yaml``) renders its own tracks, Services, budget, routes,
+    network policy and deployer Role, none sharing a name with the demo line's, all valid. Its
+    public ``/v1`` rule matches the model a request names (the gateway's body-based router's
+    header) and so wins over the demo line's, which keeps the requests that name no model; its
+    Triton rules are its own models' paths. Its pods read the line's settings."""
+    from tasks.config import load
+    from tasks.serving.contract import MODEL_HEADER
+
+    (tmp_path / "lines").mkdir()
+    (tmp_path / "lines" / "support.yaml").write_text("pipeline: {model_name: support-bot}\n")
+    monkeypatch.setenv("PIPELINE_LINES_DIR", str(tmp_path / "lines"))
+    objects = serving.serving_manifests(install=True)
+    support = [o for o in objects if "support" in o["metadata"]["name"]]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in support) == sorted([
+        *(("Deployment", f"triton-support-{t}") for t in ("stable", "canary", "baseline")),
+        *(("Service", f"triton-support-{t}") for t in ("stable", "canary", "baseline")),
+        ("PodDisruptionBudget", "triton-support-stable"), ("HTTPRoute", "llm-serving-support"),
+        ("HTTPRoute", "llm-serving-support-internal"), ("NetworkPolicy", "triton-support"),
+        ("Role", "llm-pipeline-deployer-support"), ("RoleBinding", "llm-pipeline-deployer-support")])
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names)) == 2 * len(support)
+    proc = validate_objects(objects, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the deployer of the line patches its own objects and holds its own lock
+    role = next(o for o in support if o["kind"] == "Role")
+    assert ["llm-serving-support"] in [r.get("resourceNames") for r in role["rules"]]
+    assert ["llm-serving-support-deploy"] in [r.get("resourceNames") for r in role["rules"]]
+    # the line's pods: its settings (its Triton models staged and loaded), its model served alone, no capture
+    stable = next(o for o in support if o["metadata"]["name"] == "triton-support-stable")
+    pod = stable["spec"]["template"]["spec"]
+    (stage,), (server, front) = pod["initContainers"], pod["containers"]
+    assert {"name": "PIPELINE_LINE", "value": "support"} in stage["env"] and front["env"] == stage["env"][-1:]
+    assert "--load-model=llm__support" in server["args"] and "--load-model=llm_generate__support" in server["args"]
+    assert front["command"][-4:] == ["--line", "support", "--capture-rate", "0"]
+    # one gateway, two lines' public routes: a request goes to the most specific rule of either
+    public = {o["metadata"]["name"]: o for o in objects if o["kind"] == "HTTPRoute" and not o["metadata"][
+        "name"].endswith("-internal")}
+    both = {"spec": {"rules": [*public["llm-serving"]["spec"]["rules"], *public["llm-serving-support"]["spec"]["rules"]]}}
+    support_rules = len(public["llm-serving"]["spec"]["rules"])
+    assert matching_rule(both, "/v1/completions", {MODEL_HEADER: "support-bot"}) == support_rules + 1
+    assert matching_rule(both, "/v1/completions", {}) == 1  # no model named: the demo line's
+    assert matching_rule(both, "/v1/completions", {MODEL_HEADER: load(line="").pipeline.model_name}) == 1
+    assert matching_rule(both, "/v2/models/llm__support/infer", {}) == support_rules
+    assert matching_rule(both, "/v2/models/llm/infer", {}) == 0 and matching_rule(both, "/v2/health/ready", {}) == 0
+    # deploy's internal requests of the line name its model: its own tracks answer them
+    internal = next(o for o in support if o["metadata"]["name"] == "llm-serving-support-internal")
+    for track in ("canary", "stable"):
+        rule = internal["spec"]["rules"][matching_rule(internal, "/v1/completions", {  # type: ignore[index]
+            serving.TRACK_HEADER: track, MODEL_HEADER: "support-bot"})]
+        assert [b["name"] for b in rule["backendRefs"]] == [f"triton-support-{track}"]
+        assert matching_rule(internal, "/v1/completions", {serving.TRACK_HEADER: track}) is None
+        rule = internal["spec"]["rules"][matching_rule(internal, "/v2/models/llm__support/versions/2/infer", {  # type: ignore[index]
+            serving.TRACK_HEADER: track})]
+        assert [b["name"] for b in rule["backendRefs"]] == [f"triton-support-{track}"]
+        assert matching_rule(internal, "/v2/models/llm/versions/2/infer", {serving.TRACK_HEADER: track}) is None

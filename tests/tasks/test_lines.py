@@ -202,6 +202,7 @@ def test_make_targets_read_a_lines_dag_id_and_raw_data(lines_dir: Path) -> None:
     assert "PIPELINE_LINE= LOG_LEVEL=WARNING" in dry_run("report").stdout  # no LINE: the demo line, not the caller's
     predicted = dry_run("predict", "LINE=support").stdout  # the request names the line's model
     assert "PIPELINE_LINE=support .venvs/runtime/bin/python -m stack predict" in predicted, predicted
+    assert '-m stack predict "Return the number of" --model "support-bot"' in dry_run("predict", "MODEL=support-bot").stdout
     refused = subprocess.run(["make", "drift", "LINE=support"], cwd=REPO_ROOT, text=True, capture_output=True,
                              timeout=60)
     assert refused.returncode == 2 and refused.stderr.splitlines()[0] == (

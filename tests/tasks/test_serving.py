@@ -150,15 +150,30 @@ def test_the_front_picks_its_lines_version_from_the_routers_header() -> None:
     assert routed("").version(demo) == "" and routed("x;y").version(demo) == ""  # no router: unversioned
 
 
-def test_a_cluster_serves_the_demo_line_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_lines_cluster_deploy_drives_its_own_tracks_and_names_its_model(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """In a cluster a model line's deploy patches its own Deployments and HTTPRoute, holds its own
+    Lease, and its requests to the internal route name its model (plugins/serving.py's rules)."""
     from tasks.config import load
+    from tasks.lib.kube import KubeApi
+    from tasks.serving.contract import MODEL_HEADER
 
-    (tmp_path / "support.yaml").write_text("")
+    (tmp_path / "support.yaml").write_text("pipeline: {model_name: support-bot}\n")
     monkeypatch.setenv("PIPELINE_LINES_DIR", str(tmp_path))
-    monkeypatch.setenv("PIPELINE_LINE", "support")
+    monkeypatch.setenv("ROUTER_URL", "http://gateway.example")
+    monkeypatch.setenv("ROUTER_INTERNAL_URL", "http://gateway-internal.example")
+    monkeypatch.setattr(KubeApi, "in_cluster", classmethod(lambda cls: KubeApi("http://api.example", "t", None)))
     monkeypatch.setenv("SERVING_PLATFORM", "kubernetes")
-    with pytest.raises(StepError, match="line 'support': a cluster serves the demo line alone"):
-        platforms.serving_platform(load())
+    monkeypatch.setenv("PIPELINE_LINE", "support")
+    support = platforms.serving_platform(load())
+    assert isinstance(support, platforms.KubernetesServing)
+    assert support.names["stable"] == "triton-support-stable" and support.lease.name == "llm-serving-support-deploy"
+    assert support.shadow_target()[1] == {"X-Serving-Track": "shadow", MODEL_HEADER: "support-bot"}
+    assert support.model_headers == {MODEL_HEADER: "support-bot"}
+    monkeypatch.setenv("PIPELINE_LINE", "")
+    demo = platforms.serving_platform(load())
+    assert isinstance(demo, platforms.KubernetesServing) and demo.model_headers == {}
+    assert demo.names["stable"] == "triton-stable" and demo.shadow_target()[1] == {"X-Serving-Track": "shadow"}
 
 
 RISING = r"canary\.steps .*: expected rising percentages ending at 100"

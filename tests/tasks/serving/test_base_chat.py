@@ -14,17 +14,14 @@ from typing import Any
 
 import pytest
 from helpers import (
-    error_lines,
     export,
+    imported_base,
     params_with_model_name,
     register_model_dir,
-    run_module,
     served_alone,
-    step_result,
     write_eval_text,
 )
 
-from examples.tiny_base import make_base
 from tasks.lib import tokens
 from tasks.lib.model import generate_greedy
 from tasks.lib.model_store import load_model_dir
@@ -35,16 +32,6 @@ pytestmark = pytest.mark.integration
 
 MESSAGES = [{"role": "system", "content": "You answer in one line."},
             {"role": "user", "content": "Return the number of items"}]
-
-
-def imported_base(family: str, snapshot: Path, folder: Path, env: dict[str, str]) -> dict[str, Any]:
-    base = make_base(family, [r["text"] for r in tokens.read_jsonl(snapshot)], folder / family)
-    proc = run_module("tasks.tokenize", "prepare", "--snapshot", str(snapshot), "--base", str(base),
-                      "--preset", "cpu-tiny", "--output", str(folder / f"{family}-prepare"),
-                      "--set", f"tokenizer_store={folder / 'tokenizers'}", "--set", f"base_store={folder / 'bases'}",
-                      env=env)
-    assert proc.returncode == 0 and not error_lines(proc), proc.stderr[-2000:]
-    return step_result(proc)
 
 
 def greedy_text(model: Any, vocabulary: tokens.Vocabulary, ids: list[int], max_tokens: int) -> tuple[str, str]:

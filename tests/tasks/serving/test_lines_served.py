@@ -1,20 +1,23 @@
 """Two model lines behind one API, against the real router, OpenAI front and Triton: the demo
-line and a line of its own file (``lines/support.yaml``), each with its own Triton models, split,
-deploy lock and champion. A request's ``model`` picks the line; a rollout of one line (its first
-model promoted, then a broken build rolled back in the shadow) runs while the other line's lock
-is held and its client streams through the same router, and that client sees no error and no
-other version."""
+line (our GPT) and a line of its own file (``lines/support.yaml``) whose model is a base
+checkpoint (a tiny Llama, its own tokenizer and chat template), each with its own Triton models,
+split, deploy lock and champion. A request's ``model`` picks the line. Both lines' first models
+roll out at once and are promoted; then a broken build of the support line is rolled back in its
+shadow while the demo line's lock is held and its client streams through the same router, and
+that client sees no error and no other version."""
 
 from __future__ import annotations
 
 import fcntl
 import json
+import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +26,22 @@ import pytest
 import yaml
 from helpers import (
     FIFTH_CHANGED,
+    REPO_ROOT,
+    RUNTIME_PY,
     clone_export,
     error_lines,
     export,
+    imported_base,
     params_with_model_name,
     register_gpt,
+    register_model_dir,
     run_module,
-    served_alone,
     step_result,
     write_eval_text,
 )
 
 from tasks.lib import triton
+from tasks.serving.router import NginxRouter
 
 pytestmark = [pytest.mark.integration, pytest.mark.timed]  # a rollout's canary judges latencies
 LINE = "support"
@@ -57,7 +64,13 @@ def lines_stack(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
     assert proc.returncode == 0, proc.stderr[-3000:]
     try:
         yield env
-    finally:
+    finally:  # the line's route emptied (and pushed so: no alert on it), its models unloaded
+        from tasks.lib.params import load_settings
+        from tasks.serving.platforms import publish_route
+        from tasks.serving.router import Route
+
+        NginxRouter(Path(env["ROUTER_DIR"]), env["ROUTER_URL"], env["ROUTER_INTERNAL_URL"], line=LINE).apply(None)
+        publish_route(Route(None), load_settings().serve, env, line=LINE)
         client = triton.TritonClient(env["TRITON_URL"])
         for model in reversed(SUPPORT_MODELS):
             client.unload(model)
@@ -112,51 +125,68 @@ def live_states(env: dict[str, str]) -> dict[str, dict[str, Any]]:
         return states
 
 
-def deploy(env: dict[str, str], version: str, export_uri: Path, out: Path) -> Any:
-    return run_module("tasks.deploy", *CANARY, "canary", "--model-version", version, "--export", str(export_uri),
-                      "--output", str(out), env=env)
+def deploy(env: dict[str, str], version: str, export_uri: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """``tasks.deploy canary`` of a version, as the line of ``env`` (``PIPELINE_LINE``) runs it."""
+    command = [str(RUNTIME_PY), "-m", "tasks.deploy", *CANARY, "canary", "--model-version", version,
+               "--export", str(export_uri), "--output", str(out)]
+    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def deploy_both_at_once(first: tuple[dict[str, str], str, Path, Path],
+                        second: tuple[dict[str, str], str, Path, Path]) -> list[subprocess.CompletedProcess[str]]:
+    """Two deploys started together, each to its end."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda args: deploy(*args), (first, second)))
 
 
 def test_one_api_serves_two_lines_and_one_lines_rollout_leaves_the_other_alone(
-        lines_stack: dict[str, str], tokenizer_uri: str, tmp_path: Path) -> None:
+        lines_stack: dict[str, str], tokenizer_uri: str, snapshot: Path, tmp_path: Path) -> None:
     env = lines_stack
     support_env = {**env, "PIPELINE_LINE": LINE}
     support_name = env["SUPPORT_NAME"]
     eval_text = write_eval_text(tmp_path, 600, 640)
     assert set(live_states(env)) == {"demo", LINE}  # every line's split, each its own
+    router = NginxRouter(Path(env["ROUTER_DIR"]), env["ROUTER_URL"], env["ROUTER_INTERNAL_URL"])
+    router.apply(None)  # the demo line's route as a fresh stack has it (an earlier module may have used it)
 
-    # the demo line's version, served; the support line has none yet: its requests are a 503 in
-    # OpenAI's shape while the demo line answers
+    # neither line serves yet: 503 in OpenAI's shape for each; another model is a 404 naming both
+    asked = {"prompt": "Return the number of", "max_tokens": 4}
+    for model in (support_name, env["MODEL_NAME"]):
+        status, answer, _ = call(env, "/v1/completions", {**asked, "model": model})
+        assert status == 503 and answer["error"]["code"] == "no_version" and model in answer["error"]["message"]
+    status, answer, _ = call(env, "/v1/completions", {**asked, "model": "no-such-model"})
+    assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+    assert support_name in answer["error"]["message"] and env["MODEL_NAME"] in answer["error"]["message"]
+
+    # the demo line's model (our GPT) and the support line's (a base checkpoint), each exported
+    # into its own Triton models
     demo_version = register_gpt(env["MODEL_NAME"], tokenizer_uri, seed=5)
     export(demo_version, tmp_path / "demo-export", env, eval_text)
-    with served_alone(env, demo_version, tmp_path / "demo-export", tmp_path / "scratch"):
-        asked = {"prompt": "Return the number of", "max_tokens": 4}
-        status, answer, version = call(env, "/v1/completions", {**asked, "model": support_name})
-        assert status == 503 and answer["error"]["code"] == "no_version" and support_name in answer["error"]["message"]
+    base = imported_base("llama", snapshot, tmp_path / "base", support_env)
+    support_v1 = register_model_dir(support_name, str(base["init_model_uri"]))
+    export(support_v1, tmp_path / "support-export", support_env, eval_text)
+    for model in SUPPORT_MODELS:
+        assert (tmp_path / "support-export" / "triton" / model / support_v1).is_dir()
+    assert (tmp_path / "support-export" / "triton" / SUPPORT_MODELS[1] / support_v1 / "chat.py").exists()
+    broken = register_model_dir(support_name, str(base["init_model_uri"]))
+    clone_export(tmp_path / "support-export", support_v1, tmp_path / "broken-export", broken, FIFTH_CHANGED,
+                 SUPPORT_MODELS)
+
+    try:
+        # both lines' first models rolled out at once (each line its own lock and split): both promoted
+        demo_first, support_first = deploy_both_at_once(
+            (env, demo_version, tmp_path / "demo-export", tmp_path / "deploy-demo"),
+            (support_env, support_v1, tmp_path / "support-export", tmp_path / "deploy-v1"))
+        for proc in (demo_first, support_first):
+            assert proc.returncode == 0 and step_result(proc)["verdict"] == "promoted", proc.stderr[-3000:]
         status, answer, version = call(env, "/v1/completions", asked)
         assert status == 200 and version == demo_version and answer["model"] == env["MODEL_NAME"]
-        status, answer, _ = call(env, "/v1/completions", {**asked, "model": "no-such-model"})
-        assert status == 404 and answer["error"]["code"] == "model_not_found", answer
-        assert support_name in answer["error"]["message"] and env["MODEL_NAME"] in answer["error"]["message"]
 
-        # the support line's own export: its Triton models are its own
-        support_v1 = register_gpt(support_name, tokenizer_uri, seed=6)
-        export(support_v1, tmp_path / "support-export", support_env, eval_text)
-        for model in SUPPORT_MODELS:
-            assert (tmp_path / "support-export" / "triton" / model / support_v1).is_dir()
-        broken = register_gpt(support_name, tokenizer_uri, seed=7)
-        clone_export(tmp_path / "support-export", support_v1, tmp_path / "broken-export", broken, FIFTH_CHANGED,
-                     SUPPORT_MODELS)
-
-        # the support line rolls out while the demo line's deploy lock is held (as a demo rollout
-        # would hold it) and the demo line's client streams through the same router
-        router = Path(env["ROUTER_DIR"])
+        # the support line's broken build rolls out while the demo line's deploy lock is held (as a
+        # demo rollout would hold it) and the demo line's client streams through the same router
         demo_route = live_states(env)["demo"]
-        with DemoClient(env) as demo_client, (router / "deploy.lock").open("w") as demo_lock:
+        with DemoClient(env) as demo_client, (Path(env["ROUTER_DIR"]) / "deploy.lock").open("w") as demo_lock:
             fcntl.flock(demo_lock, fcntl.LOCK_EX)
-            first = deploy(support_env, support_v1, tmp_path / "support-export", tmp_path / "deploy-v1")
-            assert first.returncode == 0, first.stderr[-3000:]
-            assert step_result(first)["verdict"] == "promoted"
             rolled_back = deploy(support_env, broken, tmp_path / "broken-export", tmp_path / "deploy-broken")
             assert rolled_back.returncode == 2, rolled_back.stderr[-3000:]
             assert error_lines(rolled_back)[0].startswith(
@@ -179,8 +209,15 @@ def test_one_api_serves_two_lines_and_one_lines_rollout_leaves_the_other_alone(
         status, listed, _ = call(env, "/v1/models")
         assert [(card["id"], card["version"]) for card in listed["data"]] == [
             (env["MODEL_NAME"], demo_version), (support_name, support_v1)]
-        ids = json.loads((tmp_path / "support-export" / "parity.json").read_text())["reference"]["inputs"][0]
-        body = triton.infer_request(np.asarray(ids, dtype=np.int64))  # a batch of one already
-        for model, expected in (("llm", demo_version), (SUPPORT_MODELS[0], support_v1)):
+        for model, expected, exported in (("llm", demo_version, "demo-export"),
+                                          (SUPPORT_MODELS[0], support_v1, "support-export")):
+            ids = json.loads((tmp_path / exported / "parity.json").read_text())["reference"]["inputs"][0]
+            body = triton.infer_request(np.asarray(ids, dtype=np.int64))  # a batch of one already
             status, answer, version = call(env, f"/v2/models/{model}/infer", body)
             assert status == 200 and version == expected, (model, status, version, answer)
+    finally:  # the demo line's route and Triton as this module found them
+        from tasks.lib.params import load_settings
+        from tasks.serving.platforms import serve_versions
+
+        router.apply(None)
+        serve_versions(triton.TritonClient(env["TRITON_URL"]), Path(env["TRITON_REPOSITORY"]), load_settings().serve, [])
