@@ -1373,7 +1373,8 @@ def test_rollout_promotion_rollbacks_and_restart(
     # Meanwhile Prometheus's alert rule sees the route name a version Triton does not serve
     assert eventually(lambda: route_versions_not_served(env), []) == []
     os.killpg(int((Path(env["STACK_DIR"]) / "triton.pid").read_text()), signal.SIGKILL)
-    assert eventually(lambda: route_versions_not_served(env), [v2]) == [v2]
+    not_served = [("llm", v2), ("llm_generate", v2)]  # both of the champion's models, each paged
+    assert eventually(lambda: route_versions_not_served(env), not_served) == not_served
     proc = run_module("stack", "up", env=env)
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr[-3000:]
     text, answered_by = generate_text(env, "This module provides")
@@ -1408,12 +1409,12 @@ def walked(steps: list[dict[str, Any]]) -> list[float]:
     return weights
 
 
-def route_versions_not_served(env: dict[str, str]) -> list[str]:
-    """The versions for which the alert rule LLMServingRouteVersionNotServed holds now, asked of
-    the stack's Prometheus with the rule's own expression."""
+def route_versions_not_served(env: dict[str, str]) -> list[tuple[str, str]]:
+    """The (model, version) pairs for which the alert rule LLMServingRouteVersionNotServed holds
+    now, asked of the stack's Prometheus with the rule's own expression."""
     rules = yaml.safe_load((REPO_ROOT / "observability" / "alerts.yml").read_text())["groups"]
     expr = next(r["expr"] for g in rules for r in g["rules"] if r.get("alert") == "LLMServingRouteVersionNotServed")
-    return sorted(r["metric"]["version"] for r in prometheus_query(expr, env)["data"]["result"])
+    return sorted((r["metric"]["model"], r["metric"]["version"]) for r in prometheus_query(expr, env)["data"]["result"])
 
 
 def eventually(read: Any, wanted: Any, timeout_s: float = 60.0) -> Any:

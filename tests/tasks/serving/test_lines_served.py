@@ -183,11 +183,18 @@ def test_one_api_serves_two_lines_and_one_lines_rollout_leaves_the_other_alone(
         assert status == 200 and version == demo_version and answer["model"] == env["MODEL_NAME"]
 
         # the support line's broken build rolls out while the demo line's deploy lock is held (as a
-        # demo rollout would hold it) and the demo line's client streams through the same router
-        demo_route = live_states(env)["demo"]
-        with DemoClient(env) as demo_client, (Path(env["ROUTER_DIR"]) / "deploy.lock").open("w") as demo_lock:
+        # demo rollout would hold it) and the demo line's client streams through the same router;
+        # it waits first for its own line's lock, held as another rollout of the line would hold it
+        demo_route, locks = live_states(env)["demo"], Path(env["ROUTER_DIR"])
+        with DemoClient(env) as demo_client, (locks / "deploy.lock").open("w") as demo_lock:
             fcntl.flock(demo_lock, fcntl.LOCK_EX)
-            rolled_back = deploy(support_env, broken, tmp_path / "broken-export", tmp_path / "deploy-broken")
+            with ThreadPoolExecutor(1) as pool, (locks / f"deploy.{LINE}.lock").open("w") as support_lock:
+                fcntl.flock(support_lock, fcntl.LOCK_EX)
+                waiting = pool.submit(deploy, support_env, broken, tmp_path / "broken-export", tmp_path / "deploy-broken")
+                time.sleep(10)
+                assert not waiting.done() and live_states(env)[LINE]["shadow"] is None  # serialized: nothing moved
+                fcntl.flock(support_lock, fcntl.LOCK_UN)
+                rolled_back = waiting.result()
             assert rolled_back.returncode == 2, rolled_back.stderr[-3000:]
             assert error_lines(rolled_back)[0].startswith(
                 f"ERROR python -m tasks.deploy: canary of version {broken} rolled back before any user reached it: "
