@@ -66,7 +66,7 @@ def predict(prompt: str, max_tokens: int, model: str | None = None) -> int:
                 print(chunk.choices[0].text if chunk.choices else "", end="", flush=True)
     except openai.APIStatusError as exc:
         print(f"error: {url}/completions: {exc.status_code} {exc.message} (is a model serving? run `make pipeline` "
-              "first)", file=sys.stderr)
+              "first, or `make retrain LINE=<name>` for a model line)", file=sys.stderr)
         return 1
     except openai.APIConnectionError as exc:
         print(f"error: {url}/completions: {exc} (is the stack up? run `make pipeline` first)", file=sys.stderr)

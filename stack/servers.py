@@ -21,6 +21,7 @@ from stack.serving import (
     openai_api_env,
     publish_saved_route,
     reconcile_serving,
+    refresh_router,
     route_versions_ready,
     router_command,
     router_current,
@@ -47,7 +48,7 @@ SERVERS = (
            lambda: front_current(f"http://127.0.0.1:{ports()['openai_api']}"), start_timeout_s=30, port="openai_api"),
     Server("router", router_command, dict, lambda: all(router_current(client_env()[url])
                                                         for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")),
-           start_timeout_s=20, port="router"),
+           start_timeout_s=20, port="router", refresh=refresh_router),
     Server("pushgateway", pushgateway_command, dict,
            lambda: asks_for_login("pushgateway", "/-/ready"), start_timeout_s=20, port="pushgateway"),
     Server("prometheus", prometheus_command, dict,

@@ -109,6 +109,39 @@ def served_lines() -> list[tuple[RoutedLine, ServeSettings]]:
             for line, settings in every_line().items()]
 
 
+def refresh_router() -> bool:
+    """The running router of this stack made current in place: its configuration written again
+    (every line the settings name now) and reloaded (new nginx workers take new connections, the
+    old ones finish theirs: no request refused), then waited for. False where the running process
+    is not this folder's nginx master, or the reload did not take: it is restarted instead."""
+    import subprocess
+
+    from stack.state import state_dir
+    from tasks.lib.polling import wait_until
+
+    prefix = router_dir()
+    try:
+        master = int((state_dir() / "router.pid").read_text())
+        if master != int((prefix / "nginx.pid").read_text()) or \
+                not Path(f"/proc/{master}/cmdline").read_bytes().startswith(b"nginx: master"):
+            return False
+    except (OSError, ValueError):
+        return False
+    with (prefix / "router.lock").open("w") as lock:  # no deploy's route change in between
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        command = router_command()  # writes the configuration
+        if subprocess.run([*command, "-t", "-q"], capture_output=True).returncode != 0:
+            return False
+        if subprocess.run([*command, "-s", "reload"], capture_output=True).returncode != 0:
+            return False
+    urls = [client_env()[url] for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")]
+    try:
+        wait_until(lambda: all(router_current(url) for url in urls), 15, 0.1, lambda: TimeoutError())
+    except TimeoutError:
+        return False
+    return True
+
+
 def router_current(url: str) -> bool:
     """The router answers every model line's route state, in this code's form: one started by
     older code (one line's state alone, or whose nginx.conf lacks the shadow's mirror), or before

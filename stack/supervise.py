@@ -42,6 +42,9 @@ class Server:
     # its process holds the credentials of env() alone (see process_env); Airflow's components
     # are not isolated: they run the steps, and a developer's AIRFLOW__ settings are meant for them
     isolated: bool = True
+    # a running server that is not healthy brought current in place (True), instead of being
+    # restarted: the router takes a new set of model lines by a reload, refusing no request
+    refresh: Callable[[], bool] | None = None
 
     @property
     def pid_file(self) -> Path:
@@ -69,6 +72,8 @@ class Server:
     def start(self) -> None:
         if self.pid() and self.healthy():
             return  # reuse a healthy running server
+        if self.pid() and self.refresh is not None and self.refresh():
+            return
         self.stop()
         if self.port is not None and _listening(port := ports()[self.port]):
             # another stack's server on the same port would answer the health check (and the steps)

@@ -66,13 +66,14 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, NoReturn
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from tasks.lib.errors import first_line
 from tasks.serving.capture import CapturedAnswer, CapturedRequest, TrafficCapture, served_record
 from tasks.serving.contract import (
     CLIENT_HEADER,
@@ -107,6 +108,7 @@ from tasks.serving.protocol import (
 log = logging.getLogger("front")
 MAX_COPIES = 64  # a shadow's copies generating at once; more are dropped
 DROPPED = "dropped"  # a recorded copy's error when it was never generated
+REDISCOVER_S = 2.0  # the least time between two readings of the model lines (Api.rediscover)
 VERSION_KEY = "routed_version"  # request storage: the version answering a request, for its X-Model-Version
 CLIENT_KEY_ENV = "CAPTURE_CLIENT_KEY"  # keys the client hash: without it, equal addresses still hash equal
 
@@ -212,11 +214,16 @@ class Api:
     (of the first's traffic: its drift check reads it)."""
 
     def __init__(self, triton_url: str, models: list[ServedModel], timeout_s: float,
-                 capture: TrafficCapture | None = None) -> None:
+                 capture: TrafficCapture | None = None,
+                 discover: Callable[[], list[ServedModel]] | None = None) -> None:
         if not models:
             raise ValueError("an API serving no model")
-        self.triton_url, self.served_models = triton_url.rstrip("/"), models
-        self.by_name = {model.name: model for model in models}
+        self.triton_url = triton_url.rstrip("/")
+        self.served_models, self.by_name = models, {model.name: model for model in models}
+        # where the served models are found again (the lines' files): a line added to a running
+        # stack is served without a restart of this front, its model looked for at most every
+        # REDISCOVER_S when a request names an unknown model or the models are listed
+        self.discover, self.discovered_at = discover, time.monotonic()
         self.timeout = ClientTimeout(total=timeout_s, sock_connect=10)
         self.session: ClientSession | None = None
         self.records = ShadowRecords()
@@ -245,10 +252,27 @@ class Api:
         versioned = f"/versions/{reply.route}" if reply.route else ""
         return f"{self.triton_url}/v2/models/{reply.engine}{versioned}/generate_stream"
 
+    def rediscover(self) -> None:
+        """The served models read again (a line file added since), at most every REDISCOVER_S."""
+        if self.discover is None or time.monotonic() - self.discovered_at < REDISCOVER_S:
+            return
+        self.discovered_at = time.monotonic()
+        try:
+            found = self.discover()
+        except Exception as exc:  # a line file being written, or invalid: keep serving what was read
+            log.warning("model lines not read again (%s): serving %s", first_line(exc),
+                        ", ".join(m.name for m in self.served_models))
+            return
+        if found and found != self.served_models:
+            log.info("serving the models of every line: %s", ", ".join(m.name for m in found))
+            self.served_models, self.by_name = found, {model.name: model for model in found}
+
     def served(self, name: str | None) -> ServedModel:
         """The model line a request's ``model`` names (none: the first); a 404 for any other."""
         if name is None:
             return self.served_models[0]
+        if name not in self.by_name:
+            self.rediscover()
         if name not in self.by_name:
             raise ApiError(404, f"model {name!r} does not exist (this server serves "
                            f"{', '.join(repr(m.name) for m in self.served_models)})", "model", code="model_not_found")
@@ -257,6 +281,7 @@ class Api:
     # -- endpoints ------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
+        self.rediscover()
         routed = RoutedVersions.of(request)
         return typed_response(ModelList(data=[ModelCard(id=m.name, version=routed.stable(m)) for m in self.served_models]))
 
@@ -292,7 +317,7 @@ class Api:
         finally:  # whatever the outcome, also a client gone (the handler cancelled)
             if request_id:
                 self.records.add(request_id, reply.route, record_of(reply, response))
-            if self.capture is not None and reply.line is self.served_models[0] and self.capture.take():
+            if self.capture is not None and reply.line == self.served_models[0] and self.capture.take():
                 self.capture_reply(request, reply, response)
 
     def capture_reply(self, request: web.Request, reply: Reply, response: web.StreamResponse | None) -> None:
@@ -658,9 +683,9 @@ async def name_the_version(request: web.Request, response: web.StreamResponse) -
         response.headers[VERSION_HEADER] = request[VERSION_KEY]
 
 
-def app(triton_url: str, models: list[ServedModel], timeout_s: float,
-        capture: TrafficCapture | None = None) -> web.Application:
-    api = Api(triton_url, models, timeout_s, capture)
+def app(triton_url: str, models: list[ServedModel], timeout_s: float, capture: TrafficCapture | None = None,
+        discover: Callable[[], list[ServedModel]] | None = None) -> web.Application:
+    api = Api(triton_url, models, timeout_s, capture, discover)
     application = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
     application.on_response_prepare.append(name_the_version)
     application.on_startup.append(api.start)
@@ -705,7 +730,8 @@ def main() -> None:
         models = [model for model in models if model.key == args.line]
         if not models:
             parser.error(f"--line {args.line!r}: no such model line")
-    web.run_app(app(args.triton_url, models, timeout, capture),
+    discover = ServedModel.every_line if args.line is None else None
+    web.run_app(app(args.triton_url, models, timeout, capture, discover),
                 host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
 
 

@@ -150,6 +150,36 @@ def test_the_front_picks_its_lines_version_from_the_routers_header() -> None:
     assert routed("").version(demo) == "" and routed("x;y").version(demo) == ""  # no router: unversioned
 
 
+def test_the_front_finds_a_line_added_since_it_started() -> None:
+    """A request naming a model the front does not know reads the lines again (at most every
+    REDISCOVER_S), so a line added to a running stack is served without restarting the front; a
+    lines folder that cannot be read keeps what was served."""
+    from tasks.serving.front import Api, ServedModel
+    from tasks.serving.protocol import ApiError
+
+    demo, support = ServedModel("demo", "llm-retrain", "llm_generate"), ServedModel("support", "s", "g__s")
+    found: list[Any] = [[demo]]
+
+    def discover() -> list[ServedModel]:
+        if isinstance(found[0], Exception):
+            raise found[0]
+        return list(found[0])
+
+    api = Api("http://triton", [demo], 5.0, discover=discover)
+    api.discovered_at = 0.0
+    with pytest.raises(ApiError, match="model 's' does not exist"):
+        api.served("s")
+    found[0] = [demo, support]
+    with pytest.raises(ApiError):  # read again within REDISCOVER_S: not yet
+        api.served("s")
+    api.discovered_at = 0.0
+    assert api.served("s") == support and api.served(None) == demo
+    found[0], api.discovered_at = ValueError("lines/x.yaml: invalid YAML"), 0.0
+    with pytest.raises(ApiError, match="model 'x' does not exist"):
+        api.served("x")
+    assert api.served("s") == support  # kept
+
+
 def test_a_lines_cluster_deploy_drives_its_own_tracks_and_names_its_model(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """In a cluster a model line's deploy patches its own Deployments and HTTPRoute, holds its own

@@ -60,8 +60,11 @@ def lines_stack(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
     support_name = f"lines-support-{time.time_ns()}"
     (folder / "lines" / f"{LINE}.yaml").write_text(yaml.safe_dump({"pipeline": {"model_name": support_name}}))
     env = {**stack_env, **demo, "PIPELINE_LINES_DIR": str(folder / "lines"), "SUPPORT_NAME": support_name}
+    router_pid = (Path(stack_env["STACK_DIR"]) / "router.pid").read_text()
     proc = run_module("stack", "up", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the router takes the new line by a reload (no request refused), not a restart
+    assert (Path(stack_env["STACK_DIR"]) / "router.pid").read_text() == router_pid
     try:
         yield env
     finally:  # the line's route emptied (and pushed so: no alert on it), its models unloaded
@@ -76,6 +79,7 @@ def lines_stack(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFact
             client.unload(model)
         proc = run_module("stack", "up", env=stack_env)  # the demo line alone again
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (Path(stack_env["STACK_DIR"]) / "router.pid").read_text() == router_pid
 
 
 def call(env: dict[str, str], path: str, body: dict[str, Any] | bytes | None = None) -> tuple[int, dict[str, Any], str]:
