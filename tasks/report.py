@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tasks.config import ServeSettings, Settings
+from tasks.config import DEMO, ServeSettings, Settings, current_line
 from tasks.contract import REPORTED_STEPS, RolloutVerdict, from_json, to_json
 from tasks.lib import metrics, storage
 from tasks.lib.errors import StepError
@@ -161,7 +161,8 @@ def build_report(args: argparse.Namespace, settings: Settings, states: dict[str,
         "drift_loop": results.get("drift_recheck") or {},
         "serving": {"endpoint": f"{url}/v1", "model": settings.pipeline.model_name,
                     "query": query_command(url, settings.pipeline.model_name),
-                    "predict": 'make predict PROMPT="Return the number of"'},
+                    "predict": 'make predict PROMPT="Return the number of"' + (
+                        f" LINE={current_line()}" if current_line() != DEMO else "")},
     }
 
 
