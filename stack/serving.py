@@ -157,14 +157,18 @@ def router_current(url: str) -> bool:
 
 
 def front_current(url: str) -> bool:
-    """The OpenAI front is up and serves every model line (one started before a line was added
-    is restarted)."""
+    """The OpenAI front is up, of this code, and serves every model line (it finds a line added
+    since it started itself: Api.rediscover; one whose lines differ still is restarted)."""
     try:
         with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as resp:
-            served = {card["id"] for card in json.loads(resp.read())["data"]}
+            cards = json.loads(resp.read())["data"]
+        served = {card["id"] for card in cards}
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return served == {settings.pipeline.model_name for settings in every_line().values()}
+    # each card names its line's version: a front of older code (one line, no version) reads the
+    # router's per-line header as no version at all, and is restarted
+    return all("version" in card for card in cards) and served == {
+        settings.pipeline.model_name for settings in every_line().values()}
 
 
 ROUTE_READ_ERRORS = (OSError, ValueError, IndexError, KeyError)  # Triton not answering, a split file unreadable

@@ -106,7 +106,28 @@ def every_line(path: Path | None = None) -> dict[str, Settings]:
             if first != pool:
                 raise SettingsError(f"{line_path(line)}: pipeline.pools.{name} differs from {_named(owner)}'s: one "
                                     "pool, one definition")
+    check_one_triton(settings)
     return settings
+
+
+def check_one_triton(settings: dict[str, Settings]) -> None:
+    """One Triton serves every line: its models' names are one namespace (no line's logits model
+    is another's engine, nor its own), and it has one memory budget (params.yaml's)."""
+    models: dict[str, str] = {}
+    budget = settings[DEMO].serve.memory_budget_mb
+    for line, each in settings.items():
+        serve = each.serve
+        if serve.triton_model == serve.generate_model:
+            raise SettingsError(f"{_named(line)}: serve.triton_model and serve.generate_model are both "
+                                f"{serve.triton_model!r}: two models need two names")
+        for key in ("triton_model", "generate_model"):
+            owner = models.setdefault(getattr(serve, key), line)
+            if owner != line:
+                raise SettingsError(f"{_named(line)}: serve.{key} {getattr(serve, key)!r} is a Triton model of "
+                                    f"{_named(owner)} too: one Triton serves every line")
+        if serve.memory_budget_mb != budget:
+            raise SettingsError(f"{_named(line)}: serve.memory_budget_mb {serve.memory_budget_mb:g} differs from "
+                                f"params.yaml's {budget:g}: one Triton, one budget (set it there)")
 
 
 def _setting(settings: Settings, key: str) -> Any:

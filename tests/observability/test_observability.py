@@ -61,7 +61,7 @@ def test_exposition_and_group_path() -> None:
 
 def test_the_route_alert_reads_the_series_deploy_pushes() -> None:
     """The versions the route serves, one series per track, one HELP for the name; the alert
-    rule reads that name (a rename would leave it silently never firing)."""
+    rule reads that name and the model label (a rename would leave it silently never firing)."""
     from tasks.serving import platforms
 
     name = platforms.ROUTE_METRIC
@@ -71,7 +71,7 @@ def test_the_route_alert_reads_the_series_deploy_pushes() -> None:
                     f'{name}{{track="canary",version="5"}} 1.0\n')
     rules = yaml.safe_load((OBSERVABILITY / "alerts.yml").read_text())["groups"]
     expr = next(r["expr"] for g in rules for r in g["rules"] if r.get("alert") == "LLMServingRouteVersionNotServed")
-    assert expr.split()[0] == name
+    assert expr.split()[0] == f'{name}{{model!=""}}' and "on (model, version)" in expr
 
 
 def test_push_without_a_gateway_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -213,3 +214,23 @@ def test_the_repository_ships_no_line() -> None:
     """The demo line is params.yaml alone: lines/ holds the format's README, no line (users get no extra DAG)."""
     assert list((REPO_ROOT / "lines").glob("*.yaml")) == []
     assert (REPO_ROOT / "lines" / "README.md").is_file()
+
+
+@pytest.mark.parametrize(
+    ("serve", "message"),
+    [
+        ({"triton_model": "llm_generate"},
+         "line 'zeta' ({file}): serve.triton_model 'llm_generate' is a Triton model of the demo line (params.yaml) too"),
+        ({"triton_model": "one", "generate_model": "one"},
+         "line 'zeta' ({file}): serve.triton_model and serve.generate_model are both 'one'"),
+        ({"memory_budget_mb": 1},
+         "line 'zeta' ({file}): serve.memory_budget_mb 1 differs from params.yaml's 16384: one Triton, one budget"),
+    ],
+)
+def test_one_triton_serves_every_line(lines_dir: Path, serve: dict[str, Any], message: str) -> None:
+    """Triton's model names are one namespace across lines (nginx routes a model to its line's
+    split: a name in two lines would be two routes), and its memory has one budget."""
+    (lines_dir / "zeta.yaml").write_text(yaml.safe_dump({"serve": serve}))
+    with pytest.raises(SettingsError) as refused:
+        every_line()
+    assert str(refused.value).startswith(message.format(file=lines_dir / "zeta.yaml")), str(refused.value)

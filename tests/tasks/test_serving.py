@@ -150,6 +150,49 @@ def test_the_front_picks_its_lines_version_from_the_routers_header() -> None:
     assert routed("").version(demo) == "" and routed("x;y").version(demo) == ""  # no router: unversioned
 
 
+@contextlib.contextmanager
+def answering(path: str, body: Any) -> Iterator[str]:
+    """A local HTTP server answering ``path`` with ``body`` as JSON (a process of older code)."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200 if self.path == path else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_servers_of_older_code_are_read_or_replaced() -> None:
+    """A router of older code answers one line's state: deploy reads it as the demo line's (until
+    `up` reloads the router). A front of older code lists its model without a version: `up`
+    restarts it (it would read the router's per-line header as no version at all)."""
+    from stack.serving import front_current
+    from tasks.serving.router import NginxRouter
+
+    old_state = {"stable": 3, "canary": None, "canary_weight": 0.0, "generation": 7}
+    with answering("/router/state", old_state) as url:
+        assert NginxRouter(Path("."), url, url).live() == Route(3, generation=7)
+    name = load().pipeline.model_name
+    with answering("/v1/models", {"object": "list", "data": [{"id": name, "object": "model"}]}) as url:
+        assert not front_current(url)
+    with answering("/v1/models", {"object": "list", "data": [{"id": name, "object": "model", "version": "3"}]}) as url:
+        assert front_current(url)
+
+
 def test_the_front_finds_a_line_added_since_it_started() -> None:
     """A request naming a model the front does not know reads the lines again (at most every
     REDISCOVER_S), so a line added to a running stack is served without restarting the front; a
