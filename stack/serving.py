@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 from stack.credentials import capture_env, client_env, secret
 from stack.state import REPO_ROOT, ports, router_dir, state_dir, triton_repository
 from stack.supervise import StackError
-from tasks.config import ServeSettings, every_line, line_label
+from tasks.config import ServeSettings, every_line
 
 
 def _pytriton_dir() -> Path:
@@ -103,10 +103,9 @@ def router_command() -> list[str]:
 
 def served_lines() -> list[tuple[RoutedLine, ServeSettings]]:
     """Every model line one stack serves (params.yaml's first): its route and its serve settings."""
-    from tasks.serving.router import RoutedLine
+    from tasks.serving.router import routed_lines
 
-    return [(RoutedLine(line_label(line), (settings.serve.triton_model, settings.serve.generate_model)), settings.serve)
-            for line, settings in every_line().items()]
+    return list(zip(routed_lines(), (settings.serve for settings in every_line().values()), strict=True))
 
 
 def refresh_router() -> bool:
@@ -118,6 +117,7 @@ def refresh_router() -> bool:
 
     from stack.state import state_dir
     from tasks.lib.polling import wait_until
+    from tasks.serving.router import NginxRouter
 
     prefix = router_dir()
     try:
@@ -127,14 +127,13 @@ def refresh_router() -> bool:
             return False
     except (OSError, ValueError):
         return False
-    with (prefix / "router.lock").open("w") as lock:  # no deploy's route change in between
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    urls = [client_env()[url] for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")]
+    with NginxRouter(prefix, urls[0], urls[1]).changing():  # no deploy's route change in between
         command = router_command()  # writes the configuration
         if subprocess.run([*command, "-t", "-q"], capture_output=True).returncode != 0:
             return False
         if subprocess.run([*command, "-s", "reload"], capture_output=True).returncode != 0:
             return False
-    urls = [client_env()[url] for url in ("ROUTER_URL", "ROUTER_INTERNAL_URL")]
     try:
         wait_until(lambda: all(router_current(url) for url in urls), 15, 0.1, lambda: TimeoutError())
     except TimeoutError:
