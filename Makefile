@@ -287,7 +287,7 @@ FAST := not integration and not torchrun
 test: test-fast
 	$(RT_PY) -m pytest -n 2 --dist loadfile -m "not ($(FAST)) and not timed" $(RT_TESTS)
 	$(RT_PY) -m pytest -m "not ($(FAST)) and timed" $(RT_TESTS)
-	$(ORCH_PY) -m pytest -m "not ($(FAST))" $(ORCH_TESTS)
+	$(ORCH_PY) -m pytest -n 2 --dist loadfile -m "not ($(FAST))" $(ORCH_TESTS)
 
 # the fast tier starts no server: its modules run in a process per core (a module's tests together,
 # its fixtures built once)

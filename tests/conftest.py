@@ -13,6 +13,7 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ from helpers import (
     SEED_END,
     SEED_URI,
     SESSION_DIR,
+    SHARED_RUN_MODULES,
     TEST_PORTS,
     run_module,
     step_result,
@@ -48,6 +50,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "stack_env" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.integration)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, with the modules that share a DAG run as one unit (helpers.py's
+    SHARED_RUN_MODULES; not xdist's loadgroup: pytest 9 ignores the node id xdist 3.8 rewrites)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedRunScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SHARED_RUN_MODULES.get(module, module)
+
+    return SharedRunScheduling(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

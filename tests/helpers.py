@@ -44,6 +44,11 @@ TEST_PORTS = {
     }.items()
 }
 
+# Modules whose tests share a session fixture that is a whole DAG run (tests/dags/conftest.py's
+# end-to-end retrain): under pytest-xdist they run in one process, so the run is made once.
+SHARED_RUN_MODULES = {f"tests/dags/{name}.py": "retrain_run"
+                      for name in ("test_llm_retrain", "test_llm_drift", "test_llm_replay")}
+
 # Raw demo data the integration tests share: 14 days ending on SEED_END, a week per run.
 SEED_URI = "s3://raw/test-seed"
 SEED_END = "2026-11-21"
@@ -336,3 +341,13 @@ def clone_export(source: Path, version: str, out: Path, new_version: str, engine
         engine = staging / "triton" / models[1] / new_version / "engine.py"
         engine.write_text(engine.read_text() + engine_fault)
     return out
+
+
+def ti_states(run: Any) -> dict[str, str]:
+    """A DAG run's task states by task id (a mapped task's instances as ``task[i]``)."""
+    return {ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): ti.state for ti in run.get_task_instances()}
+
+
+def xcom(run: Any, task_id: str, key: str = "return_value") -> Any:
+    """What ``task_id`` of a DAG run pushed (its result, by default)."""
+    return next(ti for ti in run.get_task_instances() if ti.task_id == task_id).xcom_pull(task_ids=task_id, key=key)

@@ -12,18 +12,12 @@ import subprocess
 from typing import Any
 
 import pytest
-from helpers import REPO_ROOT, RUNTIME_PY, SEED_DOCUMENTS, SEED_URI, run_module
+from helpers import REPO_ROOT, RUNTIME_PY, SEED_DOCUMENTS, SEED_URI, run_module, ti_states, xcom
 
 pytestmark = pytest.mark.integration
 CLIENTS = 6  # stack.traffic's: 127.0.0.2 .. 127.0.0.7, each a client of its own (drift.min_clients: 3)
 
 
-def ti_states(run: Any) -> dict[str, str]:
-    return {ti.task_id: ti.state for ti in run.get_task_instances()}
-
-
-def xcom(run: Any, task_id: str) -> Any:
-    return next(ti for ti in run.get_task_instances() if ti.task_id == task_id).xcom_pull(task_ids=task_id)
 
 
 def send(kind: str, count: int, seed: int, clients: int = CLIENTS) -> None:

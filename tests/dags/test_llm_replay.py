@@ -7,19 +7,13 @@ import subprocess
 from typing import Any
 
 import pytest
-from helpers import REPO_ROOT, RUNTIME_PY, mlflow_rest
+from helpers import REPO_ROOT, RUNTIME_PY, mlflow_rest, ti_states, xcom
 
 from tasks.contract import ERROR_XCOM_KEY
 
 MODEL = "llm-retrain"
 
 
-def ti_states(run: Any) -> dict[str, str]:
-    return {ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): ti.state for ti in run.get_task_instances()}
-
-
-def xcom(run: Any, task_id: str, key: str = "return_value") -> Any:
-    return next(ti for ti in run.get_task_instances() if ti.task_id == task_id).xcom_pull(task_ids=task_id, key=key)
 
 
 def versions() -> dict[str, dict[str, str]]:
