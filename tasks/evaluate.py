@@ -271,12 +271,17 @@ def judge_tasks(challenger: dict[str, TaskScore], champion: dict[str, TaskScore]
     return reasons, figures
 
 
-def evaluate_tasks(challenger: LoadedModel, champion: LoadedModel | None, suite: SuiteSettings,
+def checked_suite(suite: SuiteSettings, scratch: Path) -> Any:
+    """lm-eval's index of the suite's tasks, each checked to load (None: no suite configured):
+    before anything is measured, so a suite that cannot run fails at once."""
+    return None if suite.folder is None else task_manager(suite, scratch)
+
+
+def evaluate_tasks(challenger: LoadedModel, champion: LoadedModel | None, suite: SuiteSettings, manager: Any,
                    scratch: Path) -> tuple[list[str], dict[str, TaskFigures] | None]:
     """The task suite's reasons and figures (None: no suite configured)."""
-    if suite.folder is None:
+    if manager is None:
         return [], None
-    manager = task_manager(suite, scratch)
     mine = suite_scores(challenger, suite, manager, scratch / "suite-challenger")
     if mine is None:
         raise StepError(f"{challenger.description.get('dataset_uri', 'the challenger')}: a model without a Hugging "
@@ -315,6 +320,7 @@ def main(args: argparse.Namespace) -> EvaluateResult:
 
     trigger = started_by(args.trigger)  # before anything is measured: bad input fails at once
     with storage.staged_output(args.output) as out, storage.scratch() as scratch:
+        tasks_index = checked_suite(params.suite, scratch)
         eval_set = storage.download(eval_uri, scratch / "eval.jsonl")
         eval_sha = storage.sha256_file(Path(eval_set))
         challenger_model = load_model_dir(args.model, scratch / "challenger")
@@ -331,7 +337,7 @@ def main(args: argparse.Namespace) -> EvaluateResult:
             champion = measure(champion_model, val.tokens if same_vocab else None, Path(eval_set), params, scratch)
             champion["registry_version"] = champion_model.description["registry_version"]
         reasons = judge(challenger, champion, params)
-        task_reasons, task_figures = evaluate_tasks(challenger_model, champion_model, params.suite, scratch)
+        task_reasons, task_figures = evaluate_tasks(challenger_model, champion_model, params.suite, tasks_index, scratch)
         reasons += task_reasons
         drifted = None if not trigger else measure_drifted(str(trigger["drift_report"]), challenger_model,
                                                             champion_model, drift_slice(settings.drift, val), scratch)
