@@ -79,10 +79,41 @@ class AirflowApi:
             headers={"Content-Type": "application/json",
                      **({"Authorization": f"Bearer {self.token}"} if auth else {})},
         )
-        # longer than the api-server's own wait for SQLite's write lock (plugins/metadata_db.py):
-        # a trigger queued behind the scheduler's commits is answered, not cut off by the client
-        with urllib.request.urlopen(request, timeout=2 * LOCK_WAIT_S) as resp:
-            return json.loads(resp.read() or b"null")
+        for attempt in (1, 2, 3):
+            logged = api_server_log_size()
+            try:
+                # longer than the api-server's own wait for SQLite's write lock (plugins/metadata_db.py):
+                # a trigger queued behind the scheduler's commits is answered, not cut off by the client
+                with urllib.request.urlopen(request, timeout=2 * LOCK_WAIT_S) as resp:
+                    return json.loads(resp.read() or b"null")
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:
+                    raise
+                # a server error says why only in the api-server's log, which the session removes
+                why = api_server_log_since(logged)
+                # SQLite's stale-snapshot error is raised at once, whatever the lock wait, and rolls
+                # the request back (plugins/metadata_db.py): asked again, as for `backfill create`
+                if "database is locked" in why and attempt < 3:
+                    continue
+                raise AssertionError(f"{method} {path}: {exc.code} {exc.read()[:2000]!r}\n"
+                                     f"api-server log meanwhile:\n{why[-6000:]}") from exc
+        raise AssertionError("unreachable")
+
+
+def api_server_log_size() -> int:
+    from stack.airflow_servers import AIRFLOW_SERVERS
+
+    log = AIRFLOW_SERVERS[0].log_file
+    return log.stat().st_size if log.exists() else 0
+
+
+def api_server_log_since(offset: int) -> str:
+    """What the api-server logged after ``offset`` (its log's size before a request)."""
+    from stack.airflow_servers import AIRFLOW_SERVERS
+
+    with AIRFLOW_SERVERS[0].log_file.open("rb") as log:
+        log.seek(offset)
+        return log.read().decode(errors="replace")
 
 
 def wait_for(what: str, probe: Any, timeout_s: float, every_s: float = 2.0) -> Any:
