@@ -31,8 +31,9 @@ SETTING = $$($(ON_LINE) $(RT_PY) -m tasks.config --get $(1))
 # the targets that run the demo line only refuse a LINE
 DEMO_ONLY = @test -z "$(LINE)" || { echo "make $@ runs the demo line; LINE= is for retrain, import, replay, report and predict" >&2; exit 2; }
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
-# the stack's endpoints and generated keys, for the steps Airflow launches
-STACK_ENV = set -a && source .stack/stack.env && set +a
+# the stack's endpoints and generated keys, for the steps Airflow launches (the stack of
+# STACK_DIR, as `python -m stack` reads it: .stack/ by default)
+STACK_ENV = set -a && source $${STACK_DIR:-.stack}/stack.env && set +a
 
 .PHONY: help env test-env up down status pipeline retrain replay drift drift-loop report import predict repro test test-fast config-docs lint benchmark clean
 

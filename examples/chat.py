@@ -1,7 +1,7 @@
 """Chat with the served model through the router, as any OpenAI client does (the openai SDK):
 the model's own chat template renders the messages (docs/serving.md).
 
-    .venvs/runtime/bin/python -m examples.chat "What does this function return?" [--system "..."]
+    .venvs/runtime/bin/python -m examples.chat "What does this function return?" [--system "..."] [--model NAME]
 
 The router's address: OPENAI_BASE_URL, else the local stack's (``.stack/stack.env``, or
 ``$STACK_DIR/stack.env``).
@@ -29,9 +29,10 @@ def main() -> None:
     p.add_argument("message")
     p.add_argument("--system", default="You answer in one line.")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--model", help="the served model to ask (a line's registered name); default: the first listed")
     args = p.parse_args()
     client = openai.OpenAI(base_url=base_url(), api_key="unused", max_retries=0, timeout=60)
-    model = client.models.list().data[0].id
+    model = args.model or client.models.list().data[0].id
     answer = client.chat.completions.create(
         model=model, max_tokens=args.max_tokens, temperature=0,
         messages=[{"role": "system", "content": args.system}, {"role": "user", "content": args.message}])

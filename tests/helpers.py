@@ -343,6 +343,15 @@ def clone_export(source: Path, version: str, out: Path, new_version: str, engine
     return out
 
 
+def tutorial_commands() -> list[str]:
+    """docs/tutorial.md's commands in the page's order: the lines of its bash blocks."""
+    import re
+
+    page = (REPO_ROOT / "docs" / "tutorial.md").read_text()
+    blocks = re.findall(r"^```bash\n(.*?)^```", page, flags=re.M | re.S)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
 def ti_states(run: Any) -> dict[str, str]:
     """A DAG run's task states by task id (a mapped task's instances as ``task[i]``)."""
     return {ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""): ti.state for ti in run.get_task_instances()}

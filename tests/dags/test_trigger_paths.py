@@ -111,7 +111,10 @@ def api_server_log_since(offset: int) -> str:
     """What the api-server logged after ``offset`` (its log's size before a request)."""
     from stack.airflow_servers import AIRFLOW_SERVERS
 
-    with AIRFLOW_SERVERS[0].log_file.open("rb") as log:
+    path = AIRFLOW_SERVERS[0].log_file
+    if not path.exists():
+        return f"({path} missing)"
+    with path.open("rb") as log:
         log.seek(offset)
         return log.read().decode(errors="replace")
 
