@@ -31,9 +31,10 @@ SETTING = $$($(ON_LINE) $(RT_PY) -m tasks.config --get $(1))
 # the targets that run the demo line only refuse a LINE
 DEMO_ONLY = @test -z "$(LINE)" || { echo "make $@ runs the demo line; LINE= is for retrain, import, replay, report and predict" >&2; exit 2; }
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
-# the stack's endpoints and generated keys, for the steps Airflow launches (the stack of
-# STACK_DIR, as `python -m stack` reads it: .stack/ by default)
-STACK_ENV = set -a && source $${STACK_DIR:-.stack}/stack.env && set +a
+# the local stack's state (data, logs, stack.env): STACK_DIR, as `python -m stack` reads it
+STACK_DIR ?= .stack
+# the stack's endpoints and generated keys, for the steps Airflow launches
+STACK_ENV = set -a && source $(STACK_DIR)/stack.env && set +a
 
 .PHONY: help env test-env up down status pipeline retrain replay drift drift-loop report import predict repro test test-fast config-docs lint benchmark clean
 
@@ -55,7 +56,7 @@ help:
 	@echo "make status     health of each server"
 	@echo "make env        install both environments and the system packages the pipeline needs (apt-get where missing)"
 	@echo "make test-env   make env, plus the test and lint tools (locks of their own, chromium, Node.js and npm)"
-	@echo "make clean      make down, then delete the stack's state (.stack, .airflow: data, models, runs)"
+	@echo "make clean      make down, then delete the stack's state (STACK_DIR, .stack by default, and .airflow: data, models, runs)"
 	@echo "make repro      the data half as DVC stages (dvc repro), outside Airflow"
 	@echo "make config-docs   regenerate docs/configuration.md's reference from tasks/config/"
 	@echo "make lint       ruff + mypy"
@@ -196,9 +197,9 @@ pipeline: env .airflow/airflow.db
 	$(DEMO_ONLY)
 	$(RT_PY) -m stack up $(if $(filter-out false,$(APPROVAL)),--airflow)
 	$(STACK_ENV) && $(RT_PY) -m tasks.seed
-	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path(".stack/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=6 - min(n, 6)))') && \
+	date=$$($(RT_PY) -c 'import datetime as d, pathlib as p; f = p.Path("$(STACK_DIR)/pipeline-runs"); n = len(f.read_text().split()) if f.exists() else 0; print(d.date.fromisoformat("$(PIPELINE_DATE)") - d.timedelta(days=6 - min(n, 6)))') && \
 	  echo "pipeline run for $$date" && $(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_retrain -c "{\"end_date\": \"$$date\"$(if $(APPROVAL),$(comma) \"approval\": $(APPROVAL))}"; status=$$?; } && \
-	  echo $$date >> .stack/pipeline-runs && echo && $(MAKE) --no-print-directory report && exit $$status
+	  echo $$date >> $(STACK_DIR)/pipeline-runs && echo && $(MAKE) --no-print-directory report && exit $$status
 
 # A retrain on the raw data already imported (make import), without the demo's seeding: make retrain
 # [BASE=hf-checkpoint-folder] [EVAL_SET=held-out.jsonl] [END_DATE=YYYY-MM-DD] [LOOKBACK=days]
@@ -223,8 +224,8 @@ replay: env .airflow/airflow.db
 	@test -n "$(VERSION)" || { echo "usage: make replay VERSION=N (a registered version of $$(grep -m1 'model_name:' params.yaml | awk '{print $$2}'))" >&2; exit 2; }
 	$(RT_PY) -m stack up
 	@started=$$(date -u +%Y-%m-%dT%H:%M:%S) && $(STACK_ENV) && \
-	  { $(ON_LINE) $(ORCH)/bin/airflow dags test $(if $(LINE),llm_replay__$(LINE),llm_replay) -c '{"version": $(VERSION)}' 2>&1 | tee .stack/replay.log; } && echo && \
-	  $(ON_LINE) LOG_LEVEL=WARNING $(RT_PY) -m tasks.replay show --model-version $(VERSION) --since $$started --log .stack/replay.log
+	  { $(ON_LINE) $(ORCH)/bin/airflow dags test $(if $(LINE),llm_replay__$(LINE),llm_replay) -c '{"version": $(VERSION)}' 2>&1 | tee $(STACK_DIR)/replay.log; } && echo && \
+	  $(ON_LINE) LOG_LEVEL=WARNING $(RT_PY) -m tasks.replay show --model-version $(VERSION) --since $$started --log $(STACK_DIR)/replay.log
 
 # Served traffic -> the drift check: `make drift` sends 200 prompts in another vocabulary
 # through the router (TRAFFIC=normal: held-out text), then runs llm_drift on the last 24 hours of
@@ -235,7 +236,7 @@ drift: env .airflow/airflow.db
 	$(DEMO_ONLY)
 	$(RT_PY) -m stack up
 	$(STACK_ENV) && $(RT_PY) -m stack traffic $(TRAFFIC) --count 200
-	@$(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_drift > .stack/drift.log 2>&1 || { tail -20 .stack/drift.log; exit 1; }; } && \
+	@$(STACK_ENV) && { $(ORCH)/bin/airflow dags test llm_drift > $(STACK_DIR)/drift.log 2>&1 || { tail -20 $(STACK_DIR)/drift.log; exit 1; }; } && \
 	  echo && LOG_LEVEL=WARNING $(RT_PY) -m tasks.drift show
 
 # The drift loop, closed: `make drift` (drifted traffic -> the drift check), then new raw days
@@ -322,4 +323,4 @@ benchmark: env $(AIPERF)/.installed $(VLLM)/.installed
 	$(STACK_ENV) && $(RT_PY) benchmarks/capture.py   # the local stack's champion (skipped without one)
 
 clean: down
-	rm -rf .stack .airflow
+	rm -rf $(STACK_DIR) .airflow
