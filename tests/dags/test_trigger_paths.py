@@ -79,8 +79,9 @@ class AirflowApi:
             headers={"Content-Type": "application/json",
                      **({"Authorization": f"Bearer {self.token}"} if auth else {})},
         )
+        log = api_server_log()
         for attempt in (1, 2, 3):
-            logged = api_server_log_size()
+            logged = log.stat().st_size if log.exists() else 0
             try:
                 # longer than the api-server's own wait for SQLite's write lock (plugins/metadata_db.py):
                 # a trigger queued behind the scheduler's commits is answered, not cut off by the client
@@ -90,7 +91,7 @@ class AirflowApi:
                 if exc.code < 500:
                     raise
                 # a server error says why only in the api-server's log, which the session removes
-                why = api_server_log_since(logged)
+                why = read_from(log, logged)
                 # SQLite's stale-snapshot error is raised at once, whatever the lock wait, and rolls
                 # the request back (plugins/metadata_db.py): asked again, as for `backfill create`
                 if "database is locked" in why and attempt < 3:
@@ -100,18 +101,14 @@ class AirflowApi:
         raise AssertionError("unreachable")
 
 
-def api_server_log_size() -> int:
+def api_server_log() -> Path:
     from stack.airflow_servers import AIRFLOW_SERVERS
 
-    log = AIRFLOW_SERVERS[0].log_file
-    return log.stat().st_size if log.exists() else 0
+    return AIRFLOW_SERVERS[0].log_file
 
 
-def api_server_log_since(offset: int) -> str:
-    """What the api-server logged after ``offset`` (its log's size before a request)."""
-    from stack.airflow_servers import AIRFLOW_SERVERS
-
-    path = AIRFLOW_SERVERS[0].log_file
+def read_from(path: Path, offset: int) -> str:
+    """What ``path`` gained after ``offset`` (its size before a request)."""
     if not path.exists():
         return f"({path} missing)"
     with path.open("rb") as log:
