@@ -91,12 +91,15 @@ def test_the_tutorial_retrains_a_base_on_an_imported_corpus_and_chats_with_it(
     assert make_env == "make env"  # the session's environments
     for command in (corpus, checkpoint):
         run(as_run(command, tmp_path, family), timeout_s=600)
+    assert len((tmp_path / "heldout.jsonl").read_text().splitlines()) == 200  # the page's held-out documents
     imported = step_result(run(as_run(import_corpus, tmp_path, family), timeout_s=600))
-    assert imported["imported"] == 1500 and imported["bad"] == 0, imported
+    assert imported["source"] == str(tmp_path / "corpus") and imported["imported"] == 1500 and imported["bad"] == 0, \
+        imported
 
     output = run(as_run(retrain, tmp_path, family), timeout_s=1500).stdout
     dag_run = newest_run(f"llm_retrain__{line}")
     assert dag_run.state == "success", (ti_states(dag_run), output[-3000:])
+    assert dag_run.conf["lookback_days"] == 1  # LOOKBACK=1: the corpus is one day's
     # the checkpoint's tokenizer and weights, in its architecture
     tokenizer = xcom(dag_run, "tokenizer")
     assert tokenizer["tokenizer_source"] == "base" and tokenizer["base"]["uri"] == str(tmp_path / f"tiny-{family}")
