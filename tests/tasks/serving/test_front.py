@@ -196,6 +196,21 @@ def test_a_request_its_client_abandons_is_cancelled_streamed_or_not(served: dict
         assert completion_seconds(served, 4) < 2 * idle + 0.05, idle
 
 
+def test_each_answered_request_is_one_observation_of_the_engines_latency_histograms(served: dict[str, str]) -> None:
+    """Triton's ``llm_ttft_seconds`` and ``llm_request_itl_seconds`` count one observation per
+    answered request (a request's mean inter-token gap, not one per token: each observation is a
+    call into Triton's server); a one-token answer has no gap to count."""
+    names = ("llm_ttft_seconds_count", "llm_request_itl_seconds_count")
+    time.sleep(0.6)  # what ran before, published (every 0.5 s)
+    before = [engine_metric(served, name) for name in names]
+    for max_tokens in (4, 4, 4, 1):
+        status, _, _ = post(f"{served['ROUTER_URL']}/v1/completions",
+                            {"prompt": "Return the", "max_tokens": max_tokens, "ignore_eos": True})
+        assert status == 200
+    time.sleep(0.6)
+    assert [engine_metric(served, name) - seen for name, seen in zip(names, before, strict=True)] == [4, 3]
+
+
 def front_get(env: dict[str, str], path: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"{env['OPENAI_API_URL']}{path}", timeout=30) as resp:
         loaded: dict[str, Any] = json.loads(resp.read())

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,10 @@ CHAT_CONFIG = "tokenizer_config.json"  # a base's, exported beside the engine: i
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_PERIOD_S = 0.5  # how stale Triton's engine metrics may be
+# how often a running request asks Triton whether its client went away: each ask is a round trip
+# to the server process, and asked for every sequence at every engine step they took a fifth of
+# the engine thread's time at 8 streams (py-spy, docs/benchmarks.md)
+CANCEL_POLL_S = 0.05
 LATENCY_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 SCALARS = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
 
@@ -110,9 +115,9 @@ class Metrics:
         self.lock = threading.Lock()
         self.latency: dict[str, Any] = {}
         if histogram is not None:
-            for key, text in (("ttft", "time to first token (s)"), ("itl", "inter-token latency (s)")):
-                self.latency[key] = family(f"llm_{key}_seconds", text, histogram).Metric(
-                    labels=labels, buckets=LATENCY_BUCKETS)
+            for key, name, text in (("ttft", "llm_ttft_seconds", "time to first token (s)"),
+                                    ("itl", "llm_request_itl_seconds", "a request's mean inter-token latency (s)")):
+                self.latency[key] = family(name, text, histogram).Metric(labels=labels, buckets=LATENCY_BUCKETS)
         self.counters = {key: family(f"llm_{key}_total", text, counter).Metric(labels=labels) for key, text in (
             ("output_tokens", "tokens generated"), ("requests_rejected", "requests refused: queue full"),
             ("requests_cancelled", "requests whose client went away or timed out"),
@@ -245,12 +250,16 @@ class TritonPythonModel:
         sent: list[Sequence] = []
 
         def response(text: str, reason: str, sequence: Sequence) -> Any:
-            tensors = [
-                pb_utils.Tensor("text_output", np.asarray([text.encode()], dtype=object)),
+            # a delta carries its text alone: each tensor is a block of shared memory the stub
+            # fills and the server reads, per token (the counts and timings come with the end)
+            tensors = [pb_utils.Tensor("text_output", np.asarray([text.encode()], dtype=object))]
+            if not reason:
+                return pb_utils.InferenceResponse(output_tensors=tensors)
+            tensors += [
                 pb_utils.Tensor("finish_reason", np.asarray([reason.encode()], dtype=object)),
                 pb_utils.Tensor("prompt_tokens", np.asarray([prompt_tokens], dtype=np.int32)),
                 pb_utils.Tensor("completion_tokens", np.asarray([len(sequence.tokens)], dtype=np.int32))]
-            if reason and self.timed:  # the final response: the engine's own timings (NaN is not JSON: -1)
+            if self.timed:  # the final response: the engine's own timings (NaN is not JSON: -1)
                 tensors += [pb_utils.Tensor(name, np.asarray([value if math.isfinite(value) else -1.0], dtype=np.float32))
                             for name, value in zip(("engine_ttft_ms", "engine_itl_ms"), sequence.timings_ms(), strict=True)]
             return pb_utils.InferenceResponse(output_tensors=tensors)
@@ -275,8 +284,16 @@ class TritonPythonModel:
             text = delta if stream or reason in ("error", "timeout") else "".join(pieces) + delta
             self.outbox.put(sequence, text, reason, send)
 
+        asked_at = [-math.inf]
+
         def cancelled() -> bool:
-            return bool(sender.is_cancelled()) or (bool(sent) and self.outbox.gone(sent[0]))
+            if sent and self.outbox.gone(sent[0]):
+                return True
+            now = time.monotonic()
+            if now - asked_at[0] < CANCEL_POLL_S:
+                return False
+            asked_at[0] = now
+            return bool(sender.is_cancelled())
 
         return emit, cancelled
 
