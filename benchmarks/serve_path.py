@@ -21,6 +21,14 @@ as it arrives; its own parsing is part of each HTTP row alike. Figures: output t
 measurement, and microseconds per output token of the whole path at that concurrency (wall
 time x concurrency / tokens, i.e. how long one stream waits per token); the breakdown is the
 difference between consecutive hops. On 2 cores the client shares the CPU with the servers.
+
+Where the cores are shared the wall-time differences are noisy (another tenant's load moves
+them by tens of percent between runs), so each measurement also reads the CPU time each process
+of the path spent (Linux's accounting, through psutil) per output token: the engine's process
+(Triton's python backend stub: the engine's thread, the Outbox's, ONNX Runtime's), Triton's
+server, the OpenAI front, nginx's workers and this client. That table says what each hop costs
+whatever else ran on the machine; at concurrency 8 the path is CPU-bound, so its sum bounds the
+tokens per second.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 from serve import benchmark_stack, make_tokenizer_and_eval_text, register, run_step  # noqa: E402
 from serve_engine import run_all, sampling  # noqa: E402
 from serve_llm import load_models, served_name  # noqa: E402
@@ -50,6 +59,28 @@ from tasks.serving.router import NginxRouter  # noqa: E402
 from tasks.serving.triton_models.llm_generate.engine import Engine, EngineLimits  # noqa: E402
 
 HOPS = ("engine", "triton", "front", "router")
+PROCESSES = ("engine process", "triton server", "front", "router", "client")
+
+
+class PathProcesses:
+    """The processes a token crosses, by role, from the stack's pid files: Triton's server and
+    its python backend's stub (the engine's process) apart, the OpenAI front, nginx's master and
+    workers, and this process (the client; for the ``engine`` hop, the engine itself)."""
+
+    def __init__(self, stack_dir: Path) -> None:
+        def pid(server: str) -> psutil.Process:
+            return psutil.Process(int((stack_dir / f"{server}.pid").read_text()))
+
+        triton = pid("triton")
+        stubs = [p for p in triton.children(recursive=True) if "stub" in p.name()]
+        router = pid("router")
+        self.roles: dict[str, list[psutil.Process]] = {
+            "engine process": stubs, "triton server": [triton], "front": [pid("openai-api")],
+            "router": [router, *router.children(recursive=True)], "client": [psutil.Process()]}
+
+    def cpu_s(self) -> dict[str, float]:
+        """Each role's CPU seconds so far (user + system)."""
+        return {role: sum(sum(p.cpu_times()[:2]) for p in processes) for role, processes in self.roles.items()}
 
 
 def prompt_text(export: Path, tokens: int) -> tuple[str, list[int]]:
@@ -67,10 +98,15 @@ def prompt_text(export: Path, tokens: int) -> tuple[str, list[int]]:
     raise SystemExit(f"no prompt of exactly {tokens} tokens found")
 
 
-def measure_engine(engine: Engine, ids: list[int], new: int, concurrency: int, requests: int) -> tuple[float, int]:
-    started = time.perf_counter()
+Measurement = tuple[float, int, dict[str, float]]  # wall seconds, output tokens, CPU seconds by role
+
+
+def measure_engine(engine: Engine, ids: list[int], new: int, concurrency: int, requests: int,
+                   processes: PathProcesses) -> Measurement:
+    before, started = processes.cpu_s(), time.perf_counter()
     done = run_all(engine, [ids] * requests, sampling(engine, len(ids), new), concurrency)
-    return time.perf_counter() - started, sum(len(s.tokens) for s in done)
+    wall, after = time.perf_counter() - started, processes.cpu_s()
+    return wall, sum(len(s.tokens) for s in done), {"client": after["client"] - before["client"]}
 
 
 async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any], count: str) -> int:
@@ -91,7 +127,8 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
     return tokens
 
 
-async def measure_http(url: str, body: dict[str, Any], count: str, concurrency: int, requests: int) -> tuple[float, int]:
+async def measure_http(url: str, body: dict[str, Any], count: str, concurrency: int, requests: int,
+                       processes: PathProcesses) -> Measurement:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(session: aiohttp.ClientSession) -> int:
@@ -100,9 +137,10 @@ async def measure_http(url: str, body: dict[str, Any], count: str, concurrency: 
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(one(session) for _ in range(min(concurrency, 4))))  # warm connections
-        started = time.perf_counter()
+        before, started = processes.cpu_s(), time.perf_counter()
         produced = await asyncio.gather(*(one(session) for _ in range(requests)))
-    return time.perf_counter() - started, sum(produced)
+        wall, after = time.perf_counter() - started, processes.cpu_s()
+    return wall, sum(produced), {role: after[role] - before[role] for role in PROCESSES}
 
 
 def main() -> None:
@@ -140,20 +178,23 @@ def main() -> None:
             "front": (f"{env['OPENAI_API_URL']}/v1/completions", openai_body, "openai"),
             "router": (f"{env['ROUTER_URL']}/v1/completions", openai_body, "openai"),
         }
-        runs: dict[tuple[str, int], list[tuple[float, int]]] = {}
+        processes = PathProcesses(folder / "stack")
+        runs: dict[tuple[str, int], list[Measurement]] = {}
         for _ in range(args.rounds):
             for concurrency in args.concurrency:
                 requests = max(args.requests, concurrency)
                 runs.setdefault(("engine", concurrency), []).append(
-                    measure_engine(engine, ids, args.new, concurrency, requests))
+                    measure_engine(engine, ids, args.new, concurrency, requests, processes))
                 for hop, (url, body, count) in targets.items():
                     runs.setdefault((hop, concurrency), []).append(
-                        asyncio.run(measure_http(url, body, count, concurrency, requests)))
+                        asyncio.run(measure_http(url, body, count, concurrency, requests, processes)))
         engine.stop()
     rows: dict[str, dict[str, float]] = {}
     for (hop, concurrency), found in runs.items():
-        tok_s = statistics.median(tokens / wall for wall, tokens in found)
-        rows[f"{hop} c{concurrency}"] = {"output_tok_s": tok_s, "us_per_token": 1e6 * concurrency / tok_s}
+        tok_s = statistics.median(tokens / wall for wall, tokens, _ in found)
+        cpu_us = {f"cpu_us {role}": statistics.median(1e6 * cpu[role] / tokens for _, tokens, cpu in found)
+                  for role in PROCESSES if role in found[0][2]}
+        rows[f"{hop} c{concurrency}"] = {"output_tok_s": tok_s, "us_per_token": 1e6 * concurrency / tok_s, **cpu_us}
     print(f"{args.preset}: prompts of {args.prompt} tokens, {args.new} new, {serve.max_slots} slots, "
           f"{args.rounds} rounds (median)")
     print("| hop | concurrency | output tok/s | us per token (a stream's wait) | added by this hop |")
@@ -165,9 +206,23 @@ def main() -> None:
             added = "" if previous is None else f"{row['us_per_token'] - previous:+,.0f}"
             print(f"| {hop} | {concurrency} | {row['output_tok_s']:,.0f} | {row['us_per_token']:,.0f} | {added} |")
             previous = row["us_per_token"]
+    print_cpu_table(rows, args.concurrency)
     if args.output:
         args.output.write_text(json.dumps({"preset": args.preset, "prompt": args.prompt, "new": args.new,
                                            "slots": serve.max_slots, "rows": rows}, indent=1))
+
+
+def print_cpu_table(rows: dict[str, dict[str, float]], concurrencies: list[int]) -> None:
+    """CPU microseconds per output token, by process (medians; the in-process engine's is the client's)."""
+    print()
+    print(f"| hop | concurrency | {' | '.join(PROCESSES)} | sum |")
+    print("|---|---|" + "---|" * (len(PROCESSES) + 1))
+    for concurrency in concurrencies:
+        for hop in HOPS:
+            row = rows[f"{hop} c{concurrency}"]
+            cells = [row.get(f"cpu_us {role}") for role in PROCESSES]
+            shown = " | ".join("" if cell is None else f"{cell:,.0f}" for cell in cells)
+            print(f"| {hop} | {concurrency} | {shown} | {sum(c for c in cells if c is not None):,.0f} |")
 
 
 if __name__ == "__main__":
