@@ -889,8 +889,8 @@ class Stats:
     steps: int = 0
     ttft_s: list[float] = field(default_factory=list)  # drained by the metrics reader
     # each answered request's mean inter-token latency (TGI's mean time per token), not every
-    # gap: the reader's each observation is a call into Triton's server (a token's share of
-    # them held the model's process for 9% of its time at 8 streams)
+    # gap: in Triton each observation the reader makes is a call into the server, and one per
+    # token took 9% of the model's process at 8 streams
     itl_s: list[float] = field(default_factory=list)
 
 
