@@ -209,7 +209,7 @@ def group_logging(kind: type[FusedKVDecoder]) -> type[FusedKVDecoder]:
     """``kind``, recording the rows of each run of whole prompts (their lengths) in ``groups``."""
 
     def prefill_rows(self: Any, first: int, prompts: list[list[int]]) -> np.ndarray[Any, Any]:
-        self.groups.append([len(p) for p in prompts])
+        self.groups = [*getattr(self, "groups", []), [len(p) for p in prompts]]
         return kind.prefill_rows(self, first, prompts)
 
     return type(f"GroupLogging{kind.__name__}", (kind,), {"prefill_rows": prefill_rows})
@@ -227,8 +227,8 @@ def test_prompts_waiting_together_are_prefilled_in_one_run_within_the_budget(
     decoder: Any = group_logging(decoder_kind)(str(path.with_name(FusedKVDecoder.FILE)),
                                                CacheShape(c.n_layers, c.n_kv_heads, c.head_dim, c.seq_len), 4,
                                                threads=1)
-    decoder.groups = []
     engine = Engine(decoder, tokenizer, c.seq_len, EngineLimits(4, 8, 8, 30, prefill_tokens=24))
+    decoder.groups = []  # the requests' prefills (not the engine's warm-up run at load)
     prompts = [prompt_ids(tokenizer, t) for t in ("Return the", "raise ValueError", "café", "items in bucket 3",
                                                    "if it is")]
     done = threading.Semaphore(0)
