@@ -428,12 +428,15 @@ class KVDecoder:
         return np.stack([self.prefill(first + row, prompt) for row, prompt in enumerate(prompts)])
 
     def warm(self, prefill_tokens: int) -> None:
-        """The largest runs the engine will make, once, before any sequence takes a slot: a
-        prefill of a step's whole token budget, then a decode step of every slot at the whole
-        context. ONNX Runtime's arena and the host's buffers grow to their working size here, at
-        load, as TGI's warmup and vLLM's profile run size theirs: idle memory is the serving
-        memory, and a first burst of requests neither grows it (+12.6 MB of a 106 MB cpu-tiny
-        stub under its first 32 streams, before) nor waits on the allocations. What the runs
+        """The engine's large runs, once, before any sequence takes a slot: a prefill of a step's
+        whole token budget, then a decode step of every slot at the whole context. ONNX Runtime's
+        arena and the host's buffers grow to their working size here, at load, as TGI's warmup and
+        vLLM's profile run size theirs: idle memory is the serving memory, and a first burst of
+        requests neither grows it much (+12.6 MB of a 106 MB cpu-tiny stub under its first 32
+        streams before, +8 MB after) nor waits on the allocations. Not run: a later chunk of a
+        prompt longer than the budget, which attends over a long past (its budget times the
+        context, where the warm prefill's is the budget squared) and may still grow the arena
+        once when a budget larger than the slots meets such a prompt. What the runs
         leave in the cache lies past every row's length, which goes back to 0: a row's next
         tokens overwrite it before anything reads it. The host's cache only (a device's decoder
         warms its own shapes: :meth:`DeviceFusedKVDecoder.warm`)."""
