@@ -429,19 +429,12 @@ class KVDecoder:
 
     def warm(self, prefill_tokens: int) -> None:
         """The engine's large runs, once, before any sequence takes a slot: a prefill of a step's
-        whole token budget, then a decode step of every slot at the whole context. ONNX Runtime's
-        arena and the host's buffers grow to their working size here, at load, as TGI's warmup and
-        vLLM's profile run size theirs: idle memory is the serving memory, and a first burst of
-        requests neither grows it much (+12.6 MB of a 106 MB cpu-tiny stub under its first 32
-        streams before, +8 MB after) nor waits on the allocations. Not run: a later chunk of a
-        prompt longer than the budget, which attends over a long past (its budget times the
-        context, where the warm prefill's is the budget squared) and may still grow the arena
-        once when a budget larger than the slots meets such a prompt. What the runs
-        leave in the cache lies past every row's length, which goes back to 0: a row's next
-        tokens overwrite it before anything reads it. The host's cache only (a device's decoder
-        warms its own shapes: :meth:`DeviceFusedKVDecoder.warm`)."""
-        if not isinstance(self.keys, np.ndarray):
-            return
+        whole token budget, then a decode step of every slot at the whole context, so that ONNX
+        Runtime's arena and the host's buffers take their working size at load (as TGI's warmup
+        and vLLM's profile run do), not under a first burst (docs/benchmarks.md). Left out: a
+        later chunk of a prompt longer than the budget, over a long past, which may still grow
+        the arena once. What the runs leave in the cache lies past every row's length, which
+        goes back to 0: a row's next tokens overwrite it before anything reads it."""
         slots, context = self.shape[1], self.shape[3]
         self.prefill_rows(0, [[0] * max(1, min(prefill_tokens, context - 1))])
         self.lengths[:] = context - 1
@@ -589,6 +582,10 @@ class DeviceKVDecoder(KVDecoder):
     out, where the host cache would copy every active sequence's past keys and values to the GPU
     and the new ones back per token. torch does the cache's gather and scatter (the GPU serving
     image has it)."""
+
+    def warm(self, prefill_tokens: int) -> None:
+        """Not run: a cache in the device's memory (the fused decoder warms its GPU shapes:
+        :meth:`DeviceFusedKVDecoder.warm`)."""
 
     def allocate(self) -> None:
         import torch
