@@ -38,11 +38,13 @@ os.environ["AIRFLOW__LOGGING__BASE_LOG_FOLDER"] = str(SESSION_DIR / "airflow-log
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"] = str(SESSION_DIR / "airflow-passwords.json")
 os.environ.setdefault("PIPELINE_LAUNCHER_MODE", "local")
-# Two test processes share two cores with the stack's servers, so a torch process's OpenMP
-# threads are always contended: by default one spins at each barrier while the thread it waits
-# for is descheduled. Sleeping there instead halved the CPU of the evaluate and export steps
-# (docs/testing.md). Read when torch loads: set before any test imports it, inherited by the steps.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Where two test processes share two cores (xdist sets the count before this file loads), a torch
+# process's OpenMP threads are contended: by default one spins at each barrier while the thread
+# it waits for is descheduled. Sleeping there instead halved the evaluate and export steps' CPU
+# (docs/testing.md); alone, as the timed tests run, spinning is faster. Read when torch loads:
+# set before any test imports it, inherited by the steps and servers the tests start.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 for path in (REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "dags"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
