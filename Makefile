@@ -284,12 +284,15 @@ FAST := not integration and not torchrun
 
 # The slow tier: the runtime half's modules in two processes, each with a stack of its own (a
 # module's tests together: they wait on servers and subprocesses, so two keep both cores busy),
-# then the tests that judge latencies or wait on the clock (marked timed) alone, then the
-# orchestrator half
+# then the tests that judge latencies or wait on the clock (marked timed) with the orchestrator
+# half beside them at idle CPU priority (it takes only the CPU they leave; where the machine
+# cannot mark a CPU group idle it runs after them: tests/run_beside.py). The timed tests' stack
+# takes ports 100 further, apart from the orchestrator half's two.
 test: test-fast
 	$(RT_PY) -m pytest -n 2 --dist loadfile -m "not ($(FAST)) and not timed" $(RT_TESTS)
-	$(RT_PY) -m pytest -m "not ($(FAST)) and timed" $(RT_TESTS)
-	$(ORCH_PY) -m pytest -n 2 --dist loadfile -m "not ($(FAST))" $(ORCH_TESTS)
+	$(RT_PY) tests/run_beside.py \
+	  --foreground 'TEST_PORT_OFFSET=$$(( $${TEST_PORT_OFFSET:-0} + 100 )) $(RT_PY) -m pytest -m "not ($(FAST)) and timed" $(RT_TESTS)' \
+	  --idle '$(ORCH_PY) -m pytest -n 2 --dist loadfile -m "not ($(FAST))" $(ORCH_TESTS)'
 
 # the fast tier starts no server: its modules run in a process per core (a module's tests together,
 # its fixtures built once)

@@ -21,8 +21,9 @@ if not RUNTIME_PY.exists() and os.environ.get("TESTS_ON_THIS_PYTHON") == "1":
 SESSION_DIR = Path(tempfile.mkdtemp(prefix="llm-pipeline-tests-"))
 
 # Ports of the test stack: apart from the defaults (8333, 9333, 5000, ...) of a dev stack.
-# TEST_PORT_OFFSET shifts them all, for two checkouts testing at once on one machine (by 100 or
-# more); each pytest-xdist worker of make test's slow tier starts a stack of its own, 50 further
+# TEST_PORT_OFFSET shifts them all, for two checkouts testing at once on one machine (by 200 or
+# more); each pytest-xdist worker of make test's slow tier starts a stack of its own, 50 further,
+# and make test's timed tests one 100 further (beside the orchestrator half's two)
 _OFFSET = int(os.environ.get("TEST_PORT_OFFSET", "0")) + 50 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
 TEST_PORTS = {
     name: port + _OFFSET

@@ -238,6 +238,10 @@ def signed_in_browser(api: AirflowApi) -> Iterator[Any]:
         browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            # each wait up to 3 min, not playwright's 30 s: make test runs this half at idle CPU
+            # priority beside the timed tests (tests/run_beside.py), and the UI's server and the
+            # browser may wait that long for a core
+            page.set_default_timeout(180_000)
             page.goto(f"{api.base_url}/dags/{DAG_ID}")  # redirected to the login form
             page.fill("input[name=username]", api.user)
             page.fill("input[name=password]", api.password)
@@ -354,7 +358,7 @@ def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -
         return len(seen) == 5
 
     try:
-        wait_for("the backfill to create its runs", all_created, timeout_s=60)
+        wait_for("the backfill to create its runs", all_created, timeout_s=180)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; runs seen: {seen}") from None
 
@@ -471,7 +475,8 @@ def answer_in_the_ui(api: AirflowApi, run_id: str, option: str) -> None:
         page.get_by_text("holds at").first.wait_for()  # deploy's account of the rollout, in the body
         page.screenshot(path=SCREENSHOTS / "3-approval.png", full_page=True)
         button.click()
-        wait_for("the answer to be recorded", lambda: not waiting_for_a_person(api, run_id), timeout_s=60, every_s=1)
+        wait_for("the answer to be recorded", lambda: not waiting_for_a_person(api, run_id), timeout_s=180,
+                 every_s=1)
 
 
 def check_the_approval(api: AirflowApi, run_id: str) -> None:
