@@ -292,7 +292,7 @@ test: test-fast
 	$(RT_PY) -m pytest -n 2 --dist loadfile -m "not ($(FAST)) and not timed" $(RT_TESTS)
 	$(RT_PY) tests/run_beside.py \
 	  --foreground 'TEST_PORT_OFFSET=$$(( $${TEST_PORT_OFFSET:-0} + 100 )) $(RT_PY) -m pytest -m "not ($(FAST)) and timed" $(RT_TESTS)' \
-	  --idle '$(ORCH_PY) -m pytest -n 2 --dist loadfile -m "not ($(FAST))" $(ORCH_TESTS)'
+	  --idle '$(ORCH_PY) -m pytest -o cache_dir=.pytest_cache/orchestrator -n 2 --dist loadfile -m "not ($(FAST))" $(ORCH_TESTS)'
 
 # the fast tier starts no server: its modules run in a process per core (a module's tests together,
 # its fixtures built once)

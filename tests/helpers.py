@@ -91,7 +91,7 @@ def mlflow_rest(path: str) -> Any:
 
     request = urllib.request.Request(f"{os.environ['MLFLOW_TRACKING_URI']}{path}", headers=basic_auth(
         os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]))
-    with urllib.request.urlopen(request, timeout=10) as resp:
+    with urllib.request.urlopen(request, timeout=60) as resp:
         return json.loads(resp.read())
 
 
@@ -106,7 +106,7 @@ def prometheus_query(expr: str, env: dict[str, str] | None = None) -> dict[str, 
     env = env or dict(os.environ)
     request = urllib.request.Request(f"{env['PROMETHEUS_URL']}/api/v1/query?{urllib.parse.urlencode({'query': expr})}",
                                      headers=basic_auth(env["PROMETHEUS_USERNAME"], env["PROMETHEUS_PASSWORD"]))
-    with urllib.request.urlopen(request, timeout=10) as resp:
+    with urllib.request.urlopen(request, timeout=60) as resp:
         loaded: dict[str, Any] = json.loads(resp.read())
     return loaded
 

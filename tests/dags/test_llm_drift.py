@@ -199,9 +199,12 @@ from stack.servers import SERVERS
 from stack.traffic import post
 env = os.environ
 def timed(n):
-    started = time.perf_counter()
-    statuses = [post(env["ROUTER_URL"], "llm-retrain", f"Return the number of item {i}") for i in range(n)]
-    return statuses, (time.perf_counter() - started) / n
+    statuses, seconds = [], []
+    for i in range(n):
+        started = time.perf_counter()
+        statuses.append(post(env["ROUTER_URL"], "llm-retrain", f"Return the number of item {i}"))
+        seconds.append(time.perf_counter() - started)
+    return statuses, {"median": sorted(seconds)[n // 2], "slowest": max(seconds)}
 def flush():
     request = urllib.request.Request(env["OPENAI_API_URL"] + "/capture/flush", data=b"", method="POST")
     return json.loads(urllib.request.urlopen(request, timeout=120).read())
@@ -226,7 +229,9 @@ print(json.dumps({"statuses": sorted(set(before + frozen + during)), "per_reques
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = json.loads(proc.stdout.splitlines()[-1])
     assert found["statuses"] == [200], found
-    # not held: a request waiting on the frozen S3 would wait out boto3's 60 s read timeout
-    assert found["per_request_frozen"] < 2.0, found
+    # not held: a request waiting on the frozen S3 would wait out boto3's 60 s read timeout. Judged
+    # on the median and the slowest, not the mean: make test runs this half at idle CPU priority
+    # beside the timed tests (tests/run_beside.py), where one request may wait a while for a core
+    assert found["per_request_frozen"]["median"] < 2.0 and found["per_request_frozen"]["slowest"] < 50, found
     capture = found["capture"]
     assert capture["written"] + capture["dropped_write"] >= 60 and capture["dropped_full"] == 0, capture

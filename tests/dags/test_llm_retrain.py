@@ -426,7 +426,7 @@ def test_pipeline_runs_end_to_end(retrain_run: Any) -> None:
     assert exported["version"] == registered["version"] and exported["parity"]["max_abs_logit_diff"] < 1e-3
     deployed = xcom(run, "deploy")
     assert deployed["verdict"] == "promoted" and deployed["aliases"]["champion"] == registered["version"]
-    with urllib.request.urlopen(f"{os.environ['ROUTER_URL']}/router/state", timeout=5) as resp:
+    with urllib.request.urlopen(f"{os.environ['ROUTER_URL']}/router/state", timeout=60) as resp:
         assert json.loads(resp.read())["demo"]["stable"] == int(registered["version"])
     # the run report: the summary `make pipeline` ends with, a JSON report and an HTML page
     report = xcom(run, "report")

@@ -235,7 +235,7 @@ def signed_in_browser(api: AirflowApi) -> Iterator[Any]:
     assert chromium, "chromium: not installed (`make env` installs the Debian package on a fresh machine)"
     with sync_playwright() as playwright:
         # --no-sandbox: Chromium's sandbox refuses to start as root, which CI machines run as
-        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"], timeout=180_000)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             # each wait up to 3 min, not playwright's 30 s: make test runs this half at idle CPU
@@ -312,8 +312,8 @@ def check_a_run_cannot_weaken_the_approval_nor_the_gate(api: AirflowApi) -> None
 
 
 # two runs of the whole chain at once on two cores (three more fail at their first task), then the held rollout twice: its waits
-# below add up to 30 minutes, past the suite's default per-test limit
-@pytest.mark.timeout(1800)
+# below add up to 36 minutes, past the suite's default per-test limit
+@pytest.mark.timeout(2400)
 def test_ui_cli_rest_and_backfill_runs_reach_register(airflow_api: AirflowApi) -> None:
     check_a_run_cannot_weaken_the_approval_nor_the_gate(airflow_api)
     seed_two_weeks()
