@@ -25,9 +25,10 @@ def idle_group_here() -> bool:
     return False
 
 
-def groups_left() -> list[str]:
+def groups_left(run: subprocess.Popen[str]) -> list[str]:
+    """The idle groups ``run`` made that are still there (named by its pid)."""
     root = Path("/sys/fs/cgroup/cpu")
-    return sorted(p.name for p in root.glob("llm-pipeline-tests-idle-*")) if root.exists() else []
+    return sorted(p.name for p in root.glob(f"llm-pipeline-tests-idle-{run.pid}-*")) if root.exists() else []
 
 
 def run_beside(foreground: str, idle: str) -> subprocess.Popen[str]:
@@ -38,7 +39,6 @@ def run_beside(foreground: str, idle: str) -> subprocess.Popen[str]:
 def test_the_idle_command_runs_in_an_idle_group_and_its_output_follows() -> None:
     """Its output after the foreground's; the first non-zero status of the two; in the group where
     one can be made (cpu.idle set), after the foreground where not; no group left."""
-    before = groups_left()
     proc = run_beside("echo foreground; exit 3", "cat /proc/self/cgroup; cat /sys/fs/cgroup/cpu$(grep -o ':cpu:.*' "
                       "/proc/self/cgroup | cut -d: -f3)/cpu.idle 2>/dev/null; echo idle")
     out, _ = proc.communicate(timeout=60)
@@ -48,7 +48,7 @@ def test_the_idle_command_runs_in_an_idle_group_and_its_output_follows() -> None
         assert ":cpu:/llm-pipeline-tests-idle-" in out and "\n1\nidle\n" in out, out
     else:
         assert "no idle CPU group" in out, out
-    assert groups_left() == before
+    assert groups_left(proc) == []
 
 
 def test_a_terminated_run_stops_both_and_what_the_idle_command_left() -> None:
@@ -57,7 +57,6 @@ def test_a_terminated_run_stops_both_and_what_the_idle_command_left() -> None:
     as the stack's are) and the group removed; exit 128 + 15."""
     if not idle_group_here():
         pytest.skip("no cgroup v1 CPU controller with cpu.idle here (or not root): the two run one after the other")
-    before = groups_left()
     marker = f"{time.time_ns() % 10**6 + 1000}.5"  # a sleep no one else runs
     proc = run_beside(f"sleep {marker}1", f"setsid sleep {marker}2 & exec sleep {marker}3")
     time.sleep(2)
@@ -67,4 +66,4 @@ def test_a_terminated_run_stops_both_and_what_the_idle_command_left() -> None:
     assert "killed 1 processes the idle command left" in out, out
     running = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout
     assert running == "", running
-    assert groups_left() == before
+    assert groups_left(proc) == []
