@@ -42,8 +42,8 @@ os.environ.setdefault("PIPELINE_LAUNCHER_MODE", "local")
 # process's OpenMP threads are contended: by default one spins at each barrier while the thread
 # it waits for is descheduled. Sleeping there instead halved the evaluate and export steps' CPU
 # (docs/testing.md); in one process, as the timed tests run (the orchestrator half beside them
-# only at idle priority), spinning is faster. Read when torch loads:
-# set before any test imports it, inherited by the steps and servers the tests start.
+# only at idle priority), spinning is faster. Read when torch loads: set before any test imports
+# it, inherited by the steps and servers the tests start.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 for path in (REPO_ROOT, REPO_ROOT / "plugins", REPO_ROOT / "dags"):

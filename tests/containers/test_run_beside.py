@@ -14,7 +14,7 @@ from helpers import REPO_ROOT
 
 RUN_BESIDE = REPO_ROOT / "tests" / "run_beside.py"
 sys.path.insert(0, str(RUN_BESIDE.parent))
-from run_beside import idle_cgroup, remove_group  # noqa: E402
+from run_beside import CGROUP_V1_CPU, idle_cgroup, remove_group  # noqa: E402
 
 
 def idle_group_here() -> bool:
@@ -27,8 +27,8 @@ def idle_group_here() -> bool:
 
 def groups_left(run: subprocess.Popen[str]) -> list[str]:
     """The idle groups ``run`` made that are still there (named by its pid)."""
-    root = Path("/sys/fs/cgroup/cpu")
-    return sorted(p.name for p in root.glob(f"llm-pipeline-tests-idle-{run.pid}-*")) if root.exists() else []
+    made = CGROUP_V1_CPU.glob(f"llm-pipeline-tests-idle-{run.pid}-*")
+    return sorted(p.name for p in made) if CGROUP_V1_CPU.exists() else []
 
 
 def run_beside(foreground: str, idle: str) -> subprocess.Popen[str]:
